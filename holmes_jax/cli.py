@@ -1,0 +1,22 @@
+"""What every command-line entry point shares: bad input ends in one `error:` line and exit 2."""
+
+from __future__ import annotations
+
+import sys
+from typing import Callable, NoReturn
+
+from holmes_jax.config import ConfigError
+
+
+def fail(message: str) -> NoReturn:
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def run(main: Callable[[list[str]], int | None], argv: list[str] | None = None) -> NoReturn:
+    """Runs `main(argv)`, turning `ConfigError` into `error: ...` on stderr and exit status 2."""
+    try:
+        code = main(sys.argv[1:] if argv is None else argv)
+    except ConfigError as e:
+        fail(str(e))
+    raise SystemExit(code or 0)

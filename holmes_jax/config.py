@@ -1,0 +1,179 @@
+"""Typed run configuration, bindable from gin.
+
+Each dataclass is `@gin.configurable`, so `--gin.TrainConfig.steps=10` (or a line in a gin file)
+changes the default the class is built with. Fields a preset fills in are `None` here; see
+`holmes_jax.models.presets.resolve`. `validate()` on each class raises `ConfigError` naming the
+field and what is allowed; the command-line tools turn that into `error: ...` and exit status 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import gin
+
+
+class ConfigError(ValueError):
+    """Bad user input: a config field, a topology entry, a flag or an infeasible plan."""
+
+
+def _check_choice(name: str, value: Any, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{name} = {value!r} is not allowed; choose one of {', '.join(map(repr, allowed))}")
+
+
+def _check_positive(name: str, value: Any, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name} = {value!r} must be a positive integer")
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """A decoder-only transformer. `None` fields come from `preset`."""
+
+    preset: str = "tiny"
+    num_layers: int | None = None
+    hidden: int | None = None
+    num_heads: int | None = None
+    ffn_hidden: int | None = None
+    vocab_size: int | None = None
+    max_seq_len: int | None = None
+    positions: str | None = None  # learned | rotary
+    norm: str | None = None  # layernorm | rmsnorm
+    mlp: str | None = None  # gelu | swiglu
+    tie_embeddings: bool | None = None
+    compute_dtype: str = "float32"  # float32 | bfloat16; master weights stay float32
+    remat: bool = False  # recompute each block's activations in the backward pass
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.num_heads
+
+    def validate(self) -> None:
+        """Checks a resolved config (all fields set)."""
+        for name in ("num_layers", "hidden", "num_heads", "ffn_hidden", "vocab_size", "max_seq_len"):
+            _check_positive(f"ModelConfig.{name}", getattr(self, name))
+        if self.hidden % self.num_heads:
+            raise ConfigError(
+                f"ModelConfig.hidden = {self.hidden} must be divisible by ModelConfig.num_heads = {self.num_heads}"
+            )
+        if self.positions == "rotary" and self.head_dim % 2:
+            raise ConfigError(f"rotary positions need an even head size; hidden / num_heads = {self.head_dim}")
+        _check_choice("ModelConfig.positions", self.positions, ("learned", "rotary"))
+        _check_choice("ModelConfig.norm", self.norm, ("layernorm", "rmsnorm"))
+        _check_choice("ModelConfig.mlp", self.mlp, ("gelu", "swiglu"))
+        _check_choice("ModelConfig.tie_embeddings", self.tie_embeddings, (True, False))
+        _check_choice("ModelConfig.compute_dtype", self.compute_dtype, ("float32", "bfloat16"))
+        _check_choice("ModelConfig.remat", self.remat, (True, False))
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    """How the devices are laid out: mesh (stage, data, tensor) sizes and the pipeline."""
+
+    dp: int | None = None  # None: all devices left after pp * tp
+    tp: int = 1
+    pp: int = 1
+    stage_layers: tuple[int, ...] | None = None  # explicit layers per stage; wins over `partition`
+    partition: str = "auto"  # auto | uniform | params | holmes-ratio
+    microbatches: int = 1  # pipeline microbatches (gradient accumulation when pp = 1)
+    schedule: str = "gpipe"  # gpipe | 1f1b
+    zero1: bool = True  # shard optimizer state over `data`
+    placement: str = "holmes"  # holmes | naive
+    topology: str | None = None  # TOML file; None: an emulated topology of the local devices
+    cpu_devices: int = 8  # devices the CPU backend exposes in one process
+
+    def validate(self) -> None:
+        _check_positive("ParallelConfig.dp", self.dp, allow_none=True)
+        _check_positive("ParallelConfig.tp", self.tp)
+        _check_positive("ParallelConfig.pp", self.pp)
+        _check_positive("ParallelConfig.microbatches", self.microbatches)
+        _check_positive("ParallelConfig.cpu_devices", self.cpu_devices)
+        _check_choice("ParallelConfig.partition", self.partition, ("auto", "uniform", "params", "holmes-ratio"))
+        _check_choice("ParallelConfig.schedule", self.schedule, ("gpipe", "1f1b"))
+        _check_choice("ParallelConfig.placement", self.placement, ("holmes", "naive"))
+        _check_choice("ParallelConfig.zero1", self.zero1, (True, False))
+        if self.stage_layers is not None:
+            layers = tuple(self.stage_layers)
+            if len(layers) != self.pp or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in layers):
+                raise ConfigError(
+                    f"ParallelConfig.stage_layers = {self.stage_layers!r} must list {self.pp} positive layer "
+                    f"counts, one per pipeline stage (ParallelConfig.pp = {self.pp})"
+                )
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Where tokens come from. `source`: 'stdlib' (Python's own sources, bytes), a text file or
+    folder, or a flat token file (`*.bin`, `token_dtype` integers, see holmes_jax.data)."""
+
+    source: str = "stdlib"
+    token_dtype: str = "uint16"  # for token files: uint16 | uint32
+    vocab_size: int | None = None  # for token files; text is bytes (256)
+    seq_len: int = 128
+    global_batch: int = 16
+    val_fraction: float = 0.01
+    cache_dir: str | None = None  # None: ~/.cache/holmes_jax
+
+    def validate(self) -> None:
+        _check_positive("DataConfig.seq_len", self.seq_len)
+        _check_positive("DataConfig.global_batch", self.global_batch)
+        _check_positive("DataConfig.vocab_size", self.vocab_size, allow_none=True)
+        _check_choice("DataConfig.token_dtype", self.token_dtype, ("uint16", "uint32"))
+        if not isinstance(self.val_fraction, (int, float)) or not 0 < self.val_fraction < 0.5:
+            raise ConfigError(f"DataConfig.val_fraction = {self.val_fraction!r} must be a number in (0, 0.5)")
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 300
+    seed: int = 0
+    workdir: str = "runs/default"
+    learning_rate: float = 3e-3
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.1  # cosine decays to learning_rate * min_lr_ratio
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    log_every: int = 10
+    eval_every: int = 100
+    eval_batches: int = 4
+
+    def validate(self) -> None:
+        for name in ("steps", "log_every", "eval_every", "eval_batches"):
+            _check_positive(f"TrainConfig.{name}", getattr(self, name))
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ConfigError(f"TrainConfig.seed = {self.seed!r} must be a non-negative integer")
+        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise ConfigError(f"TrainConfig.warmup_steps = {self.warmup_steps!r} must be a non-negative integer")
+        if not isinstance(self.workdir, str) or not self.workdir:
+            raise ConfigError(f"TrainConfig.workdir = {self.workdir!r} must be a non-empty path")
+        for name in ("learning_rate", "grad_clip"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or value <= 0:
+                raise ConfigError(f"TrainConfig.{name} = {value!r} must be a positive number")
+        for name in ("min_lr_ratio", "weight_decay", "beta1", "beta2"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not 0 <= value <= 1:
+                raise ConfigError(f"TrainConfig.{name} = {value!r} must be a number in [0, 1]")
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    enabled: bool = True
+    every: int = 100  # steps between saves; the last step is always saved
+    keep: int = 3  # newest checkpoints kept
+
+    def validate(self) -> None:
+        _check_choice("CheckpointConfig.enabled", self.enabled, (True, False))
+        _check_positive("CheckpointConfig.every", self.every)
+        _check_positive("CheckpointConfig.keep", self.keep)
