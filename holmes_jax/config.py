@@ -133,7 +133,8 @@ class DataConfig:
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    steps: int = 300
+    steps: int = 300  # the length of the run; the learning-rate schedule spans it
+    stop_after: int | None = None  # end early after this step (a time-limited job); a rerun resumes
     seed: int = 0
     workdir: str = "runs/default"
     learning_rate: float = 3e-3
@@ -150,6 +151,7 @@ class TrainConfig:
     def validate(self) -> None:
         for name in ("steps", "log_every", "eval_every", "eval_batches"):
             _check_positive(f"TrainConfig.{name}", getattr(self, name))
+        _check_positive("TrainConfig.stop_after", self.stop_after, allow_none=True)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ConfigError(f"TrainConfig.seed = {self.seed!r} must be a non-negative integer")
         if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:

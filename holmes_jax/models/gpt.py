@@ -1,0 +1,189 @@
+"""A GPT / LLaMA-style decoder in Flax NNX, split into embed | blocks | head.
+
+The layer maths lives in NNX modules (`Embedding`, `Block`, `Head`); `GPT` turns them into pure
+functions over a params dict `{"embed", "blocks", "head"}` whose `blocks` leaves carry a leading
+layer axis. The pipeline cuts that axis into stages and calls `embed`, `blocks` and `head_loss`
+on the stages that own them; a one-stage run calls `loss`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from holmes_jax.config import ModelConfig
+
+_INIT = nnx.initializers.normal(0.02)
+
+
+def _norm(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
+    # Norms compute in float32 whatever the compute dtype: their reductions lose too much in bf16.
+    if cfg.norm == "rmsnorm":
+        return nnx.RMSNorm(cfg.hidden, dtype=jnp.float32, rngs=rngs)
+    return nnx.LayerNorm(cfg.hidden, dtype=jnp.float32, rngs=rngs)
+
+
+def _linear(cfg: ModelConfig, n_in: int, n_out: int, rngs: nnx.Rngs, init=_INIT) -> nnx.Linear:
+    return nnx.Linear(n_in, n_out, use_bias=False, dtype=jnp.dtype(cfg.compute_dtype), kernel_init=init, rngs=rngs)
+
+
+def _rotary(x: jax.Array) -> jax.Array:
+    """Rotary position embedding over (batch, seq, heads, head_dim), half-split convention."""
+    seq, dim = x.shape[1], x.shape[-1]
+    freqs = 1.0 / (10000.0 ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
+    angles = jnp.arange(seq, dtype=jnp.float32)[:, None] * freqs[None, :]
+    cos, sin = jnp.cos(angles)[None, :, None, :], jnp.sin(angles)[None, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1).astype(x.dtype)
+
+
+class Embedding(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        dtype = jnp.dtype(cfg.compute_dtype)
+        self.tokens = nnx.Embed(cfg.vocab_size, cfg.hidden, dtype=dtype, embedding_init=_INIT, rngs=rngs)
+        if cfg.positions == "learned":
+            self.positions = nnx.Param(_INIT(rngs.params(), (cfg.max_seq_len, cfg.hidden), jnp.float32))
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        x = self.tokens(tokens)
+        if self.cfg.positions == "learned":
+            x = x + self.positions[: tokens.shape[1]].astype(x.dtype)
+        return x
+
+
+class Block(nnx.Module):
+    """Pre-norm attention + MLP. q/k/v and the MLP's first matmul are column-parallel, the output
+    projections row-parallel (see `param_specs`), so each block needs one all-reduce per half."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        h, f = cfg.hidden, cfg.ffn_hidden
+        out_init = nnx.initializers.normal(0.02 / math.sqrt(2 * cfg.num_layers))  # GPT-2's residual scaling
+        self.attn_norm = _norm(cfg, rngs)
+        self.q, self.k, self.v = (_linear(cfg, h, h, rngs) for _ in range(3))
+        self.o = _linear(cfg, h, h, rngs, out_init)
+        self.mlp_norm = _norm(cfg, rngs)
+        self.up = _linear(cfg, h, f, rngs)
+        if cfg.mlp == "swiglu":
+            self.gate = _linear(cfg, h, f, rngs)
+        self.down = _linear(cfg, f, h, rngs, out_init)
+
+    def attention(self, x: jax.Array) -> jax.Array:
+        b, s, _ = x.shape
+        heads, hd = self.cfg.num_heads, self.cfg.head_dim
+        q, k, v = (proj(x).reshape(b, s, heads, hd) for proj in (self.q, self.k, self.v))
+        if self.cfg.positions == "rotary":
+            q, k = _rotary(q), _rotary(k)
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / math.sqrt(hd)
+        causal = jnp.tril(jnp.ones((s, s), dtype=bool))
+        weights = jax.nn.softmax(jnp.where(causal, scores, -1e30), axis=-1).astype(v.dtype)
+        return self.o(jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(b, s, heads * hd))
+
+    def mlp(self, x: jax.Array) -> jax.Array:
+        if self.cfg.mlp == "swiglu":
+            return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+        return self.down(jax.nn.gelu(self.up(x)))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        dtype = x.dtype
+        x = x + self.attention(self.attn_norm(x).astype(dtype))
+        return x + self.mlp(self.mlp_norm(x).astype(dtype))
+
+
+class Head(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.norm = _norm(cfg, rngs)
+        if not cfg.tie_embeddings:
+            self.out = _linear(cfg, cfg.hidden, cfg.vocab_size, rngs)
+
+    def __call__(self, x: jax.Array, embedding: Embedding) -> jax.Array:
+        x = self.norm(x).astype(x.dtype)
+        logits = embedding.tokens.attend(x) if self.cfg.tie_embeddings else self.out(x)
+        return logits.astype(jnp.float32)
+
+
+def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Mean next-token loss in float32."""
+    logz = jax.nn.logsumexp(logits, axis=-1)
+    picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    return jnp.mean(logz - picked)
+
+
+class GPT:
+    """Pure functions of a resolved `ModelConfig` over params `{"embed", "blocks", "head"}`."""
+
+    def __init__(self, cfg: ModelConfig):
+        self.cfg = cfg
+        parts = nnx.eval_shape(lambda: self._modules(nnx.Rngs(0)))
+        self._defs = {name: nnx.split(module)[0] for name, module in parts.items()}
+
+    def _modules(self, rngs: nnx.Rngs) -> dict[str, nnx.Module]:
+        cfg = self.cfg
+
+        @nnx.split_rngs(splits=cfg.num_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def stacked_blocks(rngs: nnx.Rngs) -> Block:
+            return Block(cfg, rngs)
+
+        return {"embed": Embedding(cfg, rngs), "blocks": stacked_blocks(rngs), "head": Head(cfg, rngs)}
+
+    def init(self, seed: int) -> dict:
+        """Float32 master parameters; the blocks stacked on a leading layer axis."""
+        return {name: nnx.split(m)[1].to_pure_dict() for name, m in self._modules(nnx.Rngs(seed)).items()}
+
+    def embed(self, params: dict, tokens: jax.Array) -> jax.Array:
+        return nnx.merge(self._defs["embed"], params["embed"])(tokens)
+
+    def blocks(self, block_params: dict, x: jax.Array) -> jax.Array:
+        """Runs every layer of `block_params` (leading layer axis) over `x` in order."""
+
+        def layer(h, layer_params):
+            return nnx.merge(self._defs["blocks"], layer_params)(h), None
+
+        if self.cfg.remat:
+            layer = jax.checkpoint(layer)
+        return jax.lax.scan(layer, x, block_params)[0]
+
+    def head_loss(self, params: dict, x: jax.Array, targets: jax.Array) -> jax.Array:
+        embedding = nnx.merge(self._defs["embed"], params["embed"])
+        logits = nnx.merge(self._defs["head"], params["head"])(x, embedding)
+        return cross_entropy(logits, targets)
+
+    def loss(self, params: dict, batch: jax.Array) -> jax.Array:
+        """Mean loss of `batch` (batch, seq + 1): inputs are all but the last token, targets shifted."""
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        return self.head_loss(params, self.blocks(params["blocks"], self.embed(params, inputs)), targets)
+
+
+# Megatron-style tensor parallelism: column-parallel kernels split their output axis over
+# `tensor`, row-parallel ones their input axis. Block kernels carry the leading layer axis.
+_COLUMN = {"q", "k", "v", "up", "gate"}
+_ROW = {"o", "down"}
+
+
+def param_specs(params: dict, layer_axis: str | None = None) -> dict:
+    """PartitionSpecs for `params`: tensor parallelism inside blocks, everything else replicated.
+    `layer_axis` names the mesh axis the stacked layer dimension is split over (the pipeline's)."""
+
+    def spec(path, leaf):
+        names = [getattr(k, "key", None) for k in path]
+        if names[0] != "blocks":
+            return P()
+        module = names[1]
+        if names[-1] == "kernel" and module in _COLUMN:
+            return P(layer_axis, None, "tensor")
+        if names[-1] == "kernel" and module in _ROW:
+            return P(layer_axis, "tensor", None)
+        return P(layer_axis, *([None] * (leaf.ndim - 1)))
+
+    return jax.tree_util.tree_map_with_path(spec, params)
+
+
+def count_params(params: dict) -> int:
+    return sum(int(x.size) for x in jax.tree_util.tree_leaves(params))

@@ -1,0 +1,374 @@
+"""`python -m holmes_jax.train [--gin_file F ...] [--gin.NAME=VALUE ...]`: the one path a run takes.
+
+configs -> devices and mesh -> model and optimizer state (restored when the workdir holds a
+checkpoint) -> jitted train step, compiled ahead of time -> loop: batch, step, metrics, periodic
+validation and checkpoints -> summary. See DESIGN.md section 3.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import time
+from pathlib import Path
+
+import gin
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from holmes_jax import cli, data, metrics
+from holmes_jax.checkpoint import Checkpointer
+from holmes_jax.config import CheckpointConfig, ConfigError, DataConfig, ModelConfig, ParallelConfig, TrainConfig
+from holmes_jax.models import gpt, presets
+
+DEFAULT_GIN = Path(__file__).resolve().parent.parent / "configs" / "default.gin"
+MESH_AXES = ("stage", "data", "tensor")
+USAGE = """usage: python -m holmes_jax.train [--gin_file FILE ...] [--gin.NAME=VALUE ...]
+
+Trains a GPT. Without --gin_file, configs/default.gin is used. NAME is a config field such as
+TrainConfig.steps, TrainConfig.workdir, ParallelConfig.dp, ParallelConfig.tp, ModelConfig.preset."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Configs:
+    model: ModelConfig
+    parallel: ParallelConfig
+    data: DataConfig
+    train: TrainConfig
+    checkpoint: CheckpointConfig
+
+
+# ----------------------------------------------------------------------------- configuration
+
+
+def _gin_value(text: str) -> str:
+    """A gin literal for `text`; bare words (paths, 'gpipe') become strings so users need no quotes."""
+    if text.startswith(("@", "%")):
+        return text
+    try:
+        return repr(ast.literal_eval(text))
+    except (ValueError, SyntaxError):
+        return repr(text)
+
+
+def parse_args(argv: list[str]) -> tuple[list[str], list[str]]:
+    """Splits argv into gin files and gin bindings ('Class.field = value')."""
+    files, bindings = [], []
+    args = list(argv)
+    while args:
+        arg = args.pop(0)
+        if arg in ("-h", "--help"):
+            print(USAGE)
+            raise SystemExit(0)
+        if arg == "--gin_file" or arg.startswith("--gin_file="):
+            value = arg.partition("=")[2] if "=" in arg else (args.pop(0) if args else None)
+            if not value:
+                raise ConfigError("--gin_file needs a file name")
+            files.append(value)
+        elif arg.startswith("--gin."):
+            name, eq, value = arg[len("--gin."):].partition("=")
+            if not eq:
+                if not args:
+                    raise ConfigError(f"--gin.{name} needs a value: --gin.{name}=VALUE")
+                value = args.pop(0)
+            bindings.append(f"{name} = {_gin_value(value)}")
+        else:
+            raise ConfigError(f"unknown argument {arg!r}; allowed: --gin_file FILE, --gin.NAME=VALUE, --help")
+    return files, bindings
+
+
+def load_configs(argv: list[str]) -> Configs:
+    """Parses gin files and bindings into validated configs (the model resolved from its preset)."""
+    files, bindings = parse_args(argv)
+    for f in files:
+        if not Path(f).is_file():
+            raise ConfigError(f"--gin_file {f!r}: no such file")
+    gin.clear_config()
+    try:
+        gin.parse_config_files_and_bindings(files or [str(DEFAULT_GIN)], bindings)
+        cfgs = Configs(ModelConfig(), ParallelConfig(), DataConfig(), TrainConfig(), CheckpointConfig())
+    except ConfigError:
+        raise
+    except Exception as e:  # gin reports unknown names and unparsable values with assorted types
+        raise ConfigError("gin: " + " ".join(str(e).split())) from None
+    for c in (cfgs.parallel, cfgs.data, cfgs.train, cfgs.checkpoint):
+        c.validate()
+    return dataclasses.replace(cfgs, model=presets.resolve(cfgs.model))
+
+
+# ----------------------------------------------------------------------------- mesh and state
+
+
+def ordered_devices(devices=None) -> list:
+    """Devices in (process_index, id) order: ids are not positions across processes."""
+    return sorted(devices or jax.devices(), key=lambda d: (d.process_index, d.id))
+
+
+def make_mesh(cfgs: Configs, devices) -> Mesh:
+    par, model = cfgs.parallel, cfgs.model
+    n = len(devices)
+    dp = par.dp or n // (par.pp * par.tp)
+    if par.pp * dp * par.tp != n:
+        raise ConfigError(
+            f"ParallelConfig: pp * dp * tp = {par.pp} * {dp} * {par.tp} must equal the {n} devices available"
+        )
+    for field, size in (("num_heads", model.num_heads), ("ffn_hidden", model.ffn_hidden)):
+        if size % par.tp:
+            raise ConfigError(f"ParallelConfig.tp = {par.tp} must divide ModelConfig.{field} = {size}")
+    if cfgs.data.global_batch % (dp * par.microbatches):
+        raise ConfigError(
+            f"DataConfig.global_batch = {cfgs.data.global_batch} must be divisible by data-parallel size {dp} "
+            f"* ParallelConfig.microbatches = {par.microbatches}"
+        )
+    if cfgs.data.seq_len > model.max_seq_len:
+        raise ConfigError(f"DataConfig.seq_len = {cfgs.data.seq_len} exceeds ModelConfig.max_seq_len = {model.max_seq_len}")
+    return Mesh(np.asarray(devices, dtype=object).reshape(par.pp, dp, par.tp), MESH_AXES)
+
+
+def _zero1_spec(spec: P, shape: tuple, dp: int) -> P:
+    """Adds `data` to the first unsplit axis of a leaf that `dp` divides (ZeRO stage 1)."""
+    dims = list(spec) + [None] * (len(shape) - len(spec))
+    for i, (name, size) in enumerate(zip(dims, shape)):
+        if name is None and size % dp == 0:
+            dims[i] = "data"
+            return P(*dims)
+    return spec
+
+
+def optimizer_specs(opt_shapes, params_specs: dict, params: dict, dp: int, zero1: bool):
+    """PartitionSpecs for optimizer state: a leaf under a parameter's path takes that parameter's
+    spec (split over `data` too with ZeRO-1); counters and scalars are replicated."""
+    by_path = {}
+    for (path, spec), leaf in zip(jax.tree_util.tree_leaves_with_path(params_specs, is_leaf=lambda x: isinstance(x, P)),
+                                  jax.tree_util.tree_leaves(params)):
+        by_path[tuple(path)] = _zero1_spec(spec, leaf.shape, dp) if zero1 else spec
+
+    def spec(path, leaf):
+        for start in range(len(path)):
+            match = by_path.get(tuple(path[start:]))
+            if match is not None and len(leaf.shape) > 0:
+                return match
+        return P()
+
+    return jax.tree_util.tree_map_with_path(spec, opt_shapes)
+
+
+def make_optimizer(tcfg: TrainConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=tcfg.learning_rate, warmup_steps=tcfg.warmup_steps,
+        decay_steps=max(tcfg.steps, tcfg.warmup_steps + 1), end_value=tcfg.learning_rate * tcfg.min_lr_ratio,
+    )
+
+    def decay_mask(params):  # weight decay on matmul kernels and embeddings only, not norms
+        return jax.tree_util.tree_map_with_path(lambda path, _: getattr(path[-1], "key", "") in ("kernel", "embedding"), params)
+
+    tx = optax.chain(
+        optax.clip_by_global_norm(tcfg.grad_clip),
+        optax.adamw(schedule, b1=tcfg.beta1, b2=tcfg.beta2, weight_decay=tcfg.weight_decay, mask=decay_mask),
+    )
+    return tx, schedule
+
+
+@dataclasses.dataclass
+class Setup:
+    """Everything a run builds before its first step."""
+
+    cfgs: Configs
+    mesh: Mesh
+    model: gpt.GPT
+    tx: optax.GradientTransformation
+    schedule: optax.Schedule
+    state_shardings: dict
+    batch_sharding: NamedSharding
+    eval_batch_sharding: NamedSharding
+
+    @property
+    def dp(self) -> int:
+        return self.mesh.shape["data"]
+
+    def init_state(self) -> dict:
+        init = jax.jit(self._fresh_state, out_shardings=self.state_shardings)
+        return init()
+
+    def _fresh_state(self) -> dict:
+        params = self.model.init(self.cfgs.train.seed)
+        return {"params": params, "opt_state": self.tx.init(params), "step": jnp.zeros((), jnp.int32)}
+
+    def abstract_state(self) -> dict:
+        shapes = jax.eval_shape(self._fresh_state)
+        return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, self.state_shardings)
+
+    def batch(self, split: str, step: int, token_data: data.TokenData) -> jax.Array:
+        """The global batch of `step`; on several processes each builds only its own shards."""
+        d = self.cfgs.data
+        tokens = token_data.batch(split, self.cfgs.train.seed, step, d.global_batch, d.seq_len)
+        sharding = self.batch_sharding if split == "train" else self.eval_batch_sharding
+        if split == "train":
+            m = self.cfgs.parallel.microbatches
+            tokens = tokens.reshape(m, d.global_batch // m, d.seq_len + 1)
+        return jax.make_array_from_callback(tokens.shape, sharding, lambda index: tokens[index])
+
+
+def build(cfgs: Configs, devices=None) -> Setup:
+    mesh = make_mesh(cfgs, ordered_devices(devices))
+    model = gpt.GPT(cfgs.model)
+    tx, schedule = make_optimizer(cfgs.train)
+    params_shapes = jax.eval_shape(lambda: model.init(0))
+    pspecs = gpt.param_specs(params_shapes)
+    opt_shapes = jax.eval_shape(tx.init, params_shapes)
+    ospecs = optimizer_specs(opt_shapes, pspecs, params_shapes, mesh.shape["data"], cfgs.parallel.zero1)
+    specs = {"params": pspecs, "opt_state": ospecs, "step": P()}
+    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
+    return Setup(cfgs, mesh, model, tx, schedule, shardings,
+                 NamedSharding(mesh, P(None, "data", None)), NamedSharding(mesh, P("data", None)))
+
+
+# ----------------------------------------------------------------------------- the step
+
+
+def make_train_step(setup: Setup):
+    """The jitted step: gradients accumulated over microbatches, then one AdamW update."""
+    model, tx = setup.model, setup.tx
+
+    def loss_and_grads(params, batch):
+        def micro(carry, mb):
+            loss, grads = jax.value_and_grad(model.loss)(params, mb)
+            return jax.tree.map(jnp.add, carry, (loss, grads)), None
+
+        zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+        total = jax.lax.scan(micro, zeros, batch)[0]
+        return jax.tree.map(lambda x: x / batch.shape[0], total)
+
+    def step(state, batch):
+        loss, grads = loss_and_grads(state["params"], batch)
+        updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+        new_state = {"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state,
+                     "step": state["step"] + 1}
+        return new_state, {"loss": loss, "grad_norm": optax.global_norm(grads)}
+
+    return jax.jit(step, in_shardings=(setup.state_shardings, setup.batch_sharding),
+                   out_shardings=(setup.state_shardings, None), donate_argnums=0)
+
+
+def make_eval_step(setup: Setup):
+    return jax.jit(setup.model.loss, in_shardings=(setup.state_shardings["params"], setup.eval_batch_sharding))
+
+
+# ----------------------------------------------------------------------------- the run
+
+
+def _peak_tflops(devices, quiet: bool) -> tuple[float, str]:
+    kind = devices[0].device_kind
+    peak = metrics.device_peak_tflops(kind)
+    if peak is not None:
+        return peak, f"{kind} dense bf16 peak"
+    peak = metrics.measure_matmul_peak_tflops(devices)
+    return peak, f"measured float32 matmul peak of {kind} ({peak:.3g} TFLOPS/device)"
+
+
+def run(cfgs: Configs, devices=None, quiet: bool = False) -> dict:
+    """Trains per `cfgs`; returns the summary. Everything is validated before the workdir is touched."""
+    say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
+    token_data = data.load(cfgs.data)
+    setup = build(cfgs, devices)
+    devices = list(setup.mesh.devices.flat)
+    tcfg, dcfg, mcfg = cfgs.train, cfgs.data, cfgs.model
+    say(f"holmes_jax: {mcfg.preset} model, {gpt.count_params(jax.eval_shape(lambda: setup.model.init(0))):,} parameters; "
+        f"mesh {dict(setup.mesh.shape)} on {len(devices)} {devices[0].platform} devices")
+    say(f"data: {token_data.description}")
+
+    workdir = Path(tcfg.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "config.gin").write_text(gin.operative_config_str())
+    ckpt = Checkpointer(workdir / "checkpoints", cfgs.checkpoint) if cfgs.checkpoint.enabled else None
+    start = ckpt.latest_step() if ckpt else None
+    if start is not None:
+        state = ckpt.restore(start, setup.abstract_state())
+        say(f"resumed from checkpoint at step {start}")
+    else:
+        state, start = setup.init_state(), 0
+    last_step = min(tcfg.steps, tcfg.stop_after or tcfg.steps)
+    if start >= last_step:
+        say(f"nothing to do: the checkpoint is at step {start}, the run ends at step {last_step}")
+        ckpt and ckpt.close()
+        return {"steps": start}
+
+    train_step, eval_step = make_train_step(setup), make_eval_step(setup)
+    t0 = time.perf_counter()
+    compiled = train_step.lower(state, setup.batch("train", start, token_data)).compile()
+    mem = compiled.memory_analysis()
+    say(f"compiled the train step in {time.perf_counter() - t0:.1f} s"
+        + (f"; temporary memory {mem.temp_size_in_bytes / 2**20:.1f} MiB per device" if mem else ""))
+    peak, peak_what = _peak_tflops(devices, quiet)
+    say(f"MFU is against the {peak_what}")
+
+    flops = metrics.megatron_flops(dcfg.global_batch, dcfg.seq_len, mcfg.num_layers, mcfg.hidden,
+                                   mcfg.vocab_size, recompute=mcfg.remat)
+    tokens_per_step = dcfg.global_batch * dcfg.seq_len
+    log = metrics.MetricsLog(workdir / "metrics.jsonl", tcfg.steps, quiet)
+    pending, t_last, step, rows = [], time.perf_counter(), start, []
+    try:
+        for step in range(start + 1, last_step + 1):
+            state, out = compiled(state, setup.batch("train", step - 1, token_data))
+            pending.append(out)
+            if step % tcfg.log_every == 0 or step == last_step or step == start + 1:
+                losses = jax.device_get(pending)
+                elapsed = (time.perf_counter() - t_last) / len(pending)
+                row = {"step": step, "loss": float(losses[-1]["loss"]), "grad_norm": float(losses[-1]["grad_norm"]),
+                       "lr": float(setup.schedule(step - 1)), "step_time_s": elapsed,
+                       "tokens_per_s": tokens_per_step / elapsed,
+                       "tflops_per_device": flops / elapsed / len(devices) / 1e12}
+                row["mfu"] = row["tflops_per_device"] / peak
+                if step % tcfg.eval_every == 0 or step == last_step:
+                    row["val_loss"] = evaluate(setup, eval_step, state["params"], token_data)
+                log.write(row)
+                rows.append(row)
+                pending, t_last = [], time.perf_counter()
+            if ckpt:
+                ckpt.save(step, state, force=step == last_step)
+    except KeyboardInterrupt:
+        if ckpt and step > start:
+            say(f"interrupted: saving a checkpoint at step {step}")
+            ckpt.save(step, state, force=True)
+        ckpt and ckpt.close()
+        raise
+    ckpt and ckpt.close()
+    return summarize(rows, start, say)
+
+
+def evaluate(setup: Setup, eval_step, params, token_data: data.TokenData) -> float:
+    losses = [eval_step(params, setup.batch("val", i, token_data)) for i in range(setup.cfgs.train.eval_batches)]
+    return float(np.mean(jax.device_get(losses)))
+
+
+def summarize(rows: list[dict], start: int, say) -> dict:
+    timed = [r for r in rows if r["step"] > start + 1] or rows  # the first step pays for warm-up
+    summary = {
+        "steps": rows[-1]["step"],
+        "first_loss": rows[0]["loss"],
+        "final_loss": rows[-1]["loss"],
+        "val_loss": rows[-1].get("val_loss"),
+        "step_time_s": float(np.median([r["step_time_s"] for r in timed])),
+    }
+    summary["tokens_per_s"] = float(np.median([r["tokens_per_s"] for r in timed]))
+    summary["tflops_per_device"] = float(np.median([r["tflops_per_device"] for r in timed]))
+    say(f"done: step {summary['steps']}, loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f}"
+        + (f", val {summary['val_loss']:.3f}" if summary["val_loss"] is not None else "")
+        + f"; {summary['step_time_s'] * 1e3:.0f} ms/step, {summary['tokens_per_s']:,.0f} tokens/s, "
+        f"{summary['tflops_per_device']:.3g} TFLOPS/device (Megatron formula)")
+    return summary
+
+
+def main(argv: list[str]) -> int:
+    cfgs = load_configs(argv)
+    # The CPU backend's device count must be set before any backend starts; GPUs ignore it.
+    jax.config.update("jax_num_cpu_devices", cfgs.parallel.cpu_devices)
+    run(cfgs)
+    return 0
+
+
+if __name__ == "__main__":
+    cli.run(main)
