@@ -247,7 +247,7 @@ def make_train_step(setup: Setup):
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         new_state = {"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state,
                      "step": state["step"] + 1}
-        return new_state, {"loss": loss, "grad_norm": optax.global_norm(grads)}
+        return new_state, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
 
     return jax.jit(step, in_shardings=(setup.state_shardings, setup.batch_sharding),
                    out_shardings=(setup.state_shardings, None), donate_argnums=0)

@@ -135,7 +135,7 @@ class GPT:
 
     def init(self, seed: int) -> dict:
         """Float32 master parameters; the blocks stacked on a leading layer axis."""
-        return {name: nnx.split(m)[1].to_pure_dict() for name, m in self._modules(nnx.Rngs(seed)).items()}
+        return {name: nnx.to_pure_dict(nnx.state(m)) for name, m in self._modules(nnx.Rngs(seed)).items()}
 
     def embed(self, params: dict, tokens: jax.Array) -> jax.Array:
         return nnx.merge(self._defs["embed"], params["embed"])(tokens)

@@ -1,0 +1,35 @@
+"""Small configs the tests share: a two-layer GPT that compiles in about a second."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from holmes_jax import train
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def small_configs(tmp_path, *bindings: str) -> train.Configs:
+    """Configs for a quick run in `tmp_path`, with gin `bindings` ('--gin.X=Y') on top."""
+    base = [
+        "--gin.ModelConfig.num_layers=2", "--gin.ModelConfig.hidden=64", "--gin.ModelConfig.num_heads=4",
+        "--gin.ModelConfig.ffn_hidden=128", "--gin.DataConfig.seq_len=32", "--gin.DataConfig.global_batch=16",
+        "--gin.TrainConfig.steps=6", "--gin.TrainConfig.log_every=1", "--gin.TrainConfig.eval_every=1000",
+        f"--gin.TrainConfig.workdir={tmp_path}", "--gin.TrainConfig.learning_rate=0.01",
+        "--gin.TrainConfig.warmup_steps=1",
+    ]
+    return train.load_configs(base + list(bindings))
+
+
+def read_metrics(workdir) -> list[dict]:
+    return [json.loads(line) for line in (Path(workdir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def run_module(module: str, *args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=REPO, env=env)

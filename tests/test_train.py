@@ -1,0 +1,117 @@
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from holmes_jax import train
+from helpers import read_metrics, run_module, small_configs
+
+
+def _step_losses(cfgs, devices):
+    """Losses of three steps on one fixed batch (the warm-up's first learning rate is 0)."""
+    setup = train.build(cfgs, devices)
+    step = train.make_train_step(setup)
+    from holmes_jax import data
+
+    tokens = data.load(cfgs.data)
+    state = setup.init_state()
+    batch = setup.batch("train", 0, tokens)
+    losses = []
+    for _ in range(3):
+        state, out = step(state, batch)
+        losses.append(float(out["loss"]))
+    return losses
+
+
+def test_same_batch_same_loss_on_every_mesh(tmp_path):
+    devices = jax.devices()
+    ref = _step_losses(small_configs(tmp_path, "--gin.ParallelConfig.dp=1"), devices[:1])
+    for bindings in (["--gin.ParallelConfig.dp=8"], ["--gin.ParallelConfig.dp=2", "--gin.ParallelConfig.tp=4"],
+                     ["--gin.ParallelConfig.dp=4", "--gin.ParallelConfig.tp=2", "--gin.ParallelConfig.microbatches=2"]):
+        got = _step_losses(small_configs(tmp_path, *bindings), devices)
+        np.testing.assert_allclose(got, ref, rtol=0, atol=1e-5, err_msg=str(bindings))
+    assert ref[2] < ref[0]
+
+
+@pytest.mark.parametrize("zero1", [True, False])
+def test_parameters_and_optimizer_state_carry_their_shardings(tmp_path, zero1):
+    cfgs = small_configs(tmp_path, "--gin.ParallelConfig.dp=2", "--gin.ParallelConfig.tp=4",
+                         f"--gin.ParallelConfig.zero1={zero1}")
+    state = train.build(cfgs).init_state()
+    params = state["params"]
+    assert params["blocks"]["q"]["kernel"].sharding.spec == P(None, None, "tensor")
+    assert params["blocks"]["down"]["kernel"].sharding.spec == P(None, "tensor", None)
+    assert params["embed"]["tokens"]["embedding"].sharding.spec == P()
+    adam = state["opt_state"][1][0]
+    mu_q, nu_down = adam.mu["blocks"]["q"]["kernel"], adam.nu["blocks"]["down"]["kernel"]
+    if zero1:  # moments split over `data` on top of the parameter's own `tensor` split
+        assert mu_q.sharding.spec == P("data", None, "tensor")
+        assert nu_down.sharding.spec == P("data", "tensor", None)
+        assert adam.mu["embed"]["tokens"]["embedding"].sharding.spec == P("data", None)
+        shard = mu_q.addressable_shards[0].data
+        assert shard.shape == (1, 64, 16)
+    else:
+        assert mu_q.sharding.spec == P(None, None, "tensor")
+    assert adam.count.sharding.spec == P()
+
+
+def test_stop_and_resume_gives_the_uninterrupted_losses(tmp_path):
+    full = tmp_path / "full"
+    train.run(small_configs(full), quiet=True)
+    split = tmp_path / "split"
+    train.run(small_configs(split, "--gin.TrainConfig.stop_after=3", "--gin.CheckpointConfig.every=3"), quiet=True)
+    assert [r["step"] for r in read_metrics(split)] == [1, 2, 3]
+    train.run(small_configs(split), quiet=True)
+    want = {r["step"]: r["loss"] for r in read_metrics(full)}
+    got = {r["step"]: r["loss"] for r in read_metrics(split)}
+    assert sorted(got) == [1, 2, 3, 4, 5, 6]
+    for step in range(1, 7):
+        assert got[step] == pytest.approx(want[step], abs=1e-6), step
+    assert (split / "config.gin").read_text().count("TrainConfig.steps = 6") == 1
+
+
+def test_checkpoint_restores_onto_a_different_mesh(tmp_path):
+    cfgs = small_configs(tmp_path, "--gin.ParallelConfig.dp=8", "--gin.TrainConfig.steps=2")
+    train.run(cfgs, quiet=True)
+    saved = train.build(cfgs)
+    from holmes_jax.checkpoint import Checkpointer
+
+    ckpt = Checkpointer(tmp_path / "checkpoints", cfgs.checkpoint)
+    on_data8 = ckpt.restore(2, saved.abstract_state())
+    other = train.build(small_configs(tmp_path, "--gin.ParallelConfig.dp=2", "--gin.ParallelConfig.tp=4"))
+    on_tp4 = ckpt.restore(2, other.abstract_state())
+    ckpt.close()
+    assert on_tp4["params"]["blocks"]["q"]["kernel"].sharding.spec == P(None, None, "tensor")
+    assert on_tp4["params"]["blocks"]["q"]["kernel"].sharding.mesh.shape["tensor"] == 4
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), on_data8, on_tp4)
+    assert int(on_tp4["step"]) == 2
+
+
+def test_metrics_rows_hold_the_contract_fields(tmp_path):
+    summary = train.run(small_configs(tmp_path, "--gin.TrainConfig.eval_every=3"), quiet=True)
+    rows = read_metrics(tmp_path)
+    for row in rows:
+        for key in ("step", "loss", "step_time_s", "tokens_per_s", "tflops_per_device", "mfu", "lr", "grad_norm"):
+            assert key in row and row[key] == row[key], key
+        assert row["tokens_per_s"] == pytest.approx(16 * 32 / row["step_time_s"])
+    assert [r["step"] for r in rows if "val_loss" in r] == [3, 6]
+    assert summary["final_loss"] == rows[-1]["loss"]
+
+
+@pytest.mark.parametrize("args, names", [
+    (["--gin.TrainConfig.stepz=3"], "stepz"),
+    (["--gin.NoSuchConfig.x=1"], "NoSuchConfig"),
+    (["--gin.ParallelConfig.schedule=zigzag"], "ParallelConfig.schedule"),
+    (["--gin.ParallelConfig.tp=3"], "ParallelConfig"),
+    (["--gin.DataConfig.source=/nonexistent/text"], "DataConfig.source"),
+    (["--gin_file", "/nonexistent.gin"], "nonexistent.gin"),
+    (["--bogus"], "--bogus"),
+])
+def test_bad_input_exits_2_with_one_error_line_and_writes_nothing(tmp_path, args, names):
+    workdir = tmp_path / "wd"
+    result = run_module("holmes_jax.train", f"--gin.TrainConfig.workdir={workdir}", *args)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and names in lines[0], result.stderr
+    assert "Traceback" not in result.stderr
+    assert not workdir.exists()
