@@ -1,0 +1,93 @@
+"""holmes_jax's train step against a minimal hand-written jitted step of the same model.
+
+Both run the same GPT, optimizer, batch size and data on the same 8 CPU devices (data parallel),
+alternating in rounds so machine noise hits both alike; each round times `--steps` steps including
+the host work of building each batch. Prints both throughputs and their ratio (target >= 0.95).
+
+    python bench/overhead.py [--steps 20] [--rounds 5] [--gin.NAME=VALUE ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+
+from holmes_jax import data, train  # noqa: E402
+
+
+def minimal_step(cfgs: train.Configs, devices):
+    """What a user writes by hand: replicated params, batch split over devices, one jit."""
+    model = train.gpt.GPT(cfgs.model)
+    tx, _ = train.make_optimizer(cfgs.train)
+    mesh = Mesh(np.asarray(devices), ("data",))
+    replicated, batch_sharding = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+
+    @jax.jit
+    def step(params, opt_state, batch):
+        loss, grads = jax.value_and_grad(model.loss)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    params = jax.device_put(model.init(cfgs.train.seed), replicated)
+    return step, params, tx.init(params), batch_sharding
+
+
+def main(argv):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=5)
+    args, gin_args = parser.parse_known_args(argv)
+    cfgs = train.load_configs(["--gin.ParallelConfig.dp=8", *gin_args])
+    tokens = data.load(cfgs.data)
+    devices = train.ordered_devices()
+    d, seed = cfgs.data, cfgs.train.seed
+
+    setup = train.build(cfgs, devices)
+    holmes = train.make_train_step(setup)
+    state = setup.init_state()
+    step, params, opt_state, batch_sharding = minimal_step(cfgs, devices)
+
+    def run_holmes(first):
+        nonlocal state
+        for k in range(first, first + args.steps):
+            state, out = holmes(state, setup.batch("train", k, tokens))
+        jax.block_until_ready(out)
+
+    def run_minimal(first):
+        nonlocal params, opt_state
+        for k in range(first, first + args.steps):
+            batch = jax.device_put(tokens.batch("train", seed, k, d.global_batch, d.seq_len), batch_sharding)
+            params, opt_state, loss = step(params, opt_state, batch)
+        jax.block_until_ready(loss)
+
+    run_holmes(0), run_minimal(0)  # compile and warm up both
+    times = {"holmes": [], "minimal": []}
+    for r in range(args.rounds):
+        for name, fn in (("minimal", run_minimal), ("holmes", run_holmes)):
+            t = time.perf_counter()
+            fn((r + 1) * args.steps)
+            times[name].append((time.perf_counter() - t) / args.steps)
+    tokens_per_step = d.global_batch * d.seq_len
+    result = {name: tokens_per_step / float(np.median(ts)) for name, ts in times.items()}
+    ratio = result["holmes"] / result["minimal"]
+    print(f"model {cfgs.model.preset}, batch {d.global_batch} x {d.seq_len}, {len(devices)} {devices[0].platform} devices, "
+          f"{args.rounds} rounds of {args.steps} steps (median)")
+    print(f"minimal jitted step : {result['minimal']:>10,.0f} tokens/s")
+    print(f"holmes_jax step     : {result['holmes']:>10,.0f} tokens/s")
+    print(f"ratio holmes/minimal: {ratio:.3f} (target >= 0.95)")
+    print(json.dumps({"minimal_tokens_per_s": result["minimal"], "holmes_tokens_per_s": result["holmes"],
+                      "ratio": ratio, "steps": args.steps, "rounds": args.rounds}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
