@@ -20,11 +20,11 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
 
-    def save(self, step: int, state, force: bool = False) -> None:
-        """Saves every `cfg.every` steps, or now when `force` (the last step, an interruption)."""
-        if force or step % self.cfg.every == 0:
-            if step != self._manager.latest_step():
-                self._manager.save(step, args=ocp.args.StandardSave(state), force=True)
+    def save(self, step: int, state_fn, force: bool = False) -> None:
+        """Saves `state_fn()` every `cfg.every` steps, or now when `force` (the last step, an
+        interruption). A function, so the checkpoint layout is only built on steps that save."""
+        if (force or step % self.cfg.every == 0) and step != self._manager.latest_step():
+            self._manager.save(step, args=ocp.args.StandardSave(state_fn()), force=True)
 
     def restore(self, step: int, target):
         """`target`: arrays or `jax.ShapeDtypeStruct`s carrying the shardings to restore onto."""

@@ -23,6 +23,7 @@ from holmes_jax import cli, data, metrics
 from holmes_jax.checkpoint import Checkpointer
 from holmes_jax.config import CheckpointConfig, ConfigError, DataConfig, ModelConfig, ParallelConfig, TrainConfig
 from holmes_jax.models import gpt, presets
+from holmes_jax.pipeline.runtime import Pipeline
 
 DEFAULT_GIN = Path(__file__).resolve().parent.parent / "configs" / "default.gin"
 MESH_AXES = ("stage", "data", "tensor")
@@ -174,79 +175,90 @@ def make_optimizer(tcfg: TrainConfig) -> tuple[optax.GradientTransformation, opt
 
 @dataclasses.dataclass
 class Setup:
-    """Everything a run builds before its first step."""
+    """Everything a run builds before its first step. The train state holds block parameters (and
+    their optimizer moments) in the pipeline's staged layout; checkpoints hold the canonical one."""
 
     cfgs: Configs
     mesh: Mesh
     model: gpt.GPT
+    pipeline: Pipeline
     tx: optax.GradientTransformation
     schedule: optax.Schedule
     state_shardings: dict
-    batch_sharding: NamedSharding
-    eval_batch_sharding: NamedSharding
+    canonical_shardings: dict
+    batch_sharding: NamedSharding  # (microbatches, micro_batch, seq + 1), split over `data`
 
-    @property
-    def dp(self) -> int:
-        return self.mesh.shape["data"]
-
-    def init_state(self) -> dict:
-        init = jax.jit(self._fresh_state, out_shardings=self.state_shardings)
-        return init()
-
-    def _fresh_state(self) -> dict:
+    def _canonical_state(self) -> dict:
         params = self.model.init(self.cfgs.train.seed)
         return {"params": params, "opt_state": self.tx.init(params), "step": jnp.zeros((), jnp.int32)}
 
-    def abstract_state(self) -> dict:
-        shapes = jax.eval_shape(self._fresh_state)
-        return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, self.state_shardings)
+    def init_state(self) -> dict:
+        return jax.jit(lambda: self.pipeline.to_staged(self._canonical_state()), out_shardings=self.state_shardings)()
+
+    def canonical(self, state: dict) -> dict:
+        """What a checkpoint stores: real layers only, in model order."""
+        return jax.jit(self.pipeline.to_canonical, out_shardings=self.canonical_shardings)(state)
+
+    def staged(self, canonical: dict) -> dict:
+        return jax.jit(self.pipeline.to_staged, out_shardings=self.state_shardings)(canonical)
+
+    def abstract_canonical(self) -> dict:
+        shapes = jax.eval_shape(self._canonical_state)
+        return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes,
+                            self.canonical_shardings)
 
     def batch(self, split: str, step: int, token_data: data.TokenData) -> jax.Array:
         """The global batch of `step`; on several processes each builds only its own shards."""
         d = self.cfgs.data
         tokens = token_data.batch(split, self.cfgs.train.seed, step, d.global_batch, d.seq_len)
-        sharding = self.batch_sharding if split == "train" else self.eval_batch_sharding
-        if split == "train":
-            m = self.cfgs.parallel.microbatches
-            tokens = tokens.reshape(m, d.global_batch // m, d.seq_len + 1)
-        return jax.make_array_from_callback(tokens.shape, sharding, lambda index: tokens[index])
+        m = self.cfgs.parallel.microbatches
+        tokens = tokens.reshape(m, d.global_batch // m, d.seq_len + 1)
+        return jax.make_array_from_callback(tokens.shape, self.batch_sharding, lambda index: tokens[index])
+
+
+def _state_shardings(mesh: Mesh, tx, params_shapes: dict, stage_axis: str | None, zero1: bool) -> dict:
+    pspecs = gpt.param_specs(params_shapes, stage_axis)
+    opt_shapes = jax.eval_shape(tx.init, params_shapes)
+    ospecs = optimizer_specs(opt_shapes, pspecs, params_shapes, mesh.shape["data"], zero1)
+    specs = {"params": pspecs, "opt_state": ospecs, "step": P()}
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
+
+
+def uniform_layers(num_layers: int, stages: int) -> tuple[int, ...]:
+    base, extra = divmod(num_layers, stages)
+    return tuple(base + (s < extra) for s in range(stages))
 
 
 def build(cfgs: Configs, devices=None) -> Setup:
     mesh = make_mesh(cfgs, ordered_devices(devices))
+    par = cfgs.parallel
+    stage_layers = par.stage_layers or uniform_layers(cfgs.model.num_layers, par.pp)
+    if sum(stage_layers) != cfgs.model.num_layers:
+        raise ConfigError(f"ParallelConfig.stage_layers = {tuple(stage_layers)} must add up to "
+                          f"ModelConfig.num_layers = {cfgs.model.num_layers}")
     model = gpt.GPT(cfgs.model)
+    pipeline = Pipeline(model, mesh, stage_layers, par.microbatches, par.schedule)
     tx, schedule = make_optimizer(cfgs.train)
-    params_shapes = jax.eval_shape(lambda: model.init(0))
-    pspecs = gpt.param_specs(params_shapes)
-    opt_shapes = jax.eval_shape(tx.init, params_shapes)
-    ospecs = optimizer_specs(opt_shapes, pspecs, params_shapes, mesh.shape["data"], cfgs.parallel.zero1)
-    specs = {"params": pspecs, "opt_state": ospecs, "step": P()}
-    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
-    return Setup(cfgs, mesh, model, tx, schedule, shardings,
-                 NamedSharding(mesh, P(None, "data", None)), NamedSharding(mesh, P("data", None)))
+    canonical = jax.eval_shape(lambda: model.init(0))
+    staged = jax.eval_shape(pipeline.to_staged, canonical)
+    return Setup(cfgs, mesh, model, pipeline, tx, schedule,
+                 _state_shardings(mesh, tx, staged, "stage", par.zero1),
+                 _state_shardings(mesh, tx, canonical, None, par.zero1),
+                 NamedSharding(mesh, P(None, "data", None)))
 
 
 # ----------------------------------------------------------------------------- the step
 
 
 def make_train_step(setup: Setup):
-    """The jitted step: gradients accumulated over microbatches, then one AdamW update."""
-    model, tx = setup.model, setup.tx
-
-    def loss_and_grads(params, batch):
-        def micro(carry, mb):
-            loss, grads = jax.value_and_grad(model.loss)(params, mb)
-            return jax.tree.map(jnp.add, carry, (loss, grads)), None
-
-        zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
-        total = jax.lax.scan(micro, zeros, batch)[0]
-        return jax.tree.map(lambda x: x / batch.shape[0], total)
+    """The jitted step: the pipeline's loss and gradients over all microbatches, one AdamW update."""
+    tx, pipeline = setup.tx, setup.pipeline
 
     def step(state, batch):
-        loss, grads = loss_and_grads(state["params"], batch)
+        loss, grads = pipeline.loss_and_grads(state["params"], batch)
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
-        new_state = {"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state,
-                     "step": state["step"] + 1}
+        params = optax.apply_updates(state["params"], pipeline.mask_updates(updates))
+        new_state = {"params": params, "opt_state": opt_state, "step": state["step"] + 1}
         return new_state, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
 
     return jax.jit(step, in_shardings=(setup.state_shardings, setup.batch_sharding),
@@ -254,7 +266,10 @@ def make_train_step(setup: Setup):
 
 
 def make_eval_step(setup: Setup):
-    return jax.jit(setup.model.loss, in_shardings=(setup.state_shardings["params"], setup.eval_batch_sharding))
+    """Validation loss of a batch through the same pipeline program. It also runs the backward
+    (its gradients are dropped): simpler than a second forward-only schedule, and evaluation is rare."""
+    return jax.jit(lambda params, batch: setup.pipeline.loss_and_grads(params, batch)[0],
+                   in_shardings=(setup.state_shardings["params"], setup.batch_sharding))
 
 
 # ----------------------------------------------------------------------------- the run
@@ -277,7 +292,8 @@ def run(cfgs: Configs, devices=None, quiet: bool = False) -> dict:
     devices = list(setup.mesh.devices.flat)
     tcfg, dcfg, mcfg = cfgs.train, cfgs.data, cfgs.model
     say(f"holmes_jax: {mcfg.preset} model, {gpt.count_params(jax.eval_shape(lambda: setup.model.init(0))):,} parameters; "
-        f"mesh {dict(setup.mesh.shape)} on {len(devices)} {devices[0].platform} devices")
+        f"mesh {dict(setup.mesh.shape)}, stage layers {list(setup.pipeline.stage_layers)}, "
+        f"{cfgs.parallel.schedule} over {cfgs.parallel.microbatches} microbatches on {len(devices)} {devices[0].platform} devices")
     say(f"data: {token_data.description}")
 
     workdir = Path(tcfg.workdir)
@@ -286,7 +302,7 @@ def run(cfgs: Configs, devices=None, quiet: bool = False) -> dict:
     ckpt = Checkpointer(workdir / "checkpoints", cfgs.checkpoint) if cfgs.checkpoint.enabled else None
     start = ckpt.latest_step() if ckpt else None
     if start is not None:
-        state = ckpt.restore(start, setup.abstract_state())
+        state = setup.staged(ckpt.restore(start, setup.abstract_canonical()))
         say(f"resumed from checkpoint at step {start}")
     else:
         state, start = setup.init_state(), 0
@@ -328,11 +344,11 @@ def run(cfgs: Configs, devices=None, quiet: bool = False) -> dict:
                 rows.append(row)
                 pending, t_last = [], time.perf_counter()
             if ckpt:
-                ckpt.save(step, state, force=step == last_step)
+                ckpt.save(step, lambda: setup.canonical(state), force=step == last_step)
     except KeyboardInterrupt:
         if ckpt and step > start:
             say(f"interrupted: saving a checkpoint at step {step}")
-            ckpt.save(step, state, force=True)
+            ckpt.save(step, lambda: setup.canonical(state), force=True)
         ckpt and ckpt.close()
         raise
     ckpt and ckpt.close()

@@ -71,10 +71,15 @@ def test_bf16_compute_and_remat_stay_close_to_fp32():
 
 def test_tensor_parallel_specs():
     params = _abstract_params(presets.resolve(ModelConfig(preset="tiny")))
-    specs = gpt.param_specs(params, layer_axis="stage")
-    assert specs["blocks"]["q"]["kernel"] == jax.sharding.PartitionSpec("stage", None, "tensor")
-    assert specs["blocks"]["o"]["kernel"] == jax.sharding.PartitionSpec("stage", "tensor", None)
-    assert specs["blocks"]["down"]["kernel"] == jax.sharding.PartitionSpec("stage", "tensor", None)
+    specs = gpt.param_specs(params)
+    assert specs["blocks"]["q"]["kernel"] == jax.sharding.PartitionSpec(None, None, "tensor")
+    assert specs["blocks"]["o"]["kernel"] == jax.sharding.PartitionSpec(None, "tensor", None)
+    assert specs["blocks"]["down"]["kernel"] == jax.sharding.PartitionSpec(None, "tensor", None)
+    assert specs["blocks"]["attn_norm"]["scale"] == jax.sharding.PartitionSpec(None, None)
+    staged = jax.tree.map(lambda x: jax.ShapeDtypeStruct((2,) + x.shape, x.dtype), params)  # (stage, layer, ...)
+    staged_specs = gpt.param_specs(staged, stage_axis="stage")
+    assert staged_specs["blocks"]["q"]["kernel"] == jax.sharding.PartitionSpec("stage", None, None, "tensor")
+    assert staged_specs["blocks"]["down"]["kernel"] == jax.sharding.PartitionSpec("stage", None, "tensor", None)
     assert specs["embed"]["tokens"]["embedding"] == jax.sharding.PartitionSpec()
 
 

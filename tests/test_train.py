@@ -39,19 +39,20 @@ def test_parameters_and_optimizer_state_carry_their_shardings(tmp_path, zero1):
                          f"--gin.ParallelConfig.zero1={zero1}")
     state = train.build(cfgs).init_state()
     params = state["params"]
-    assert params["blocks"]["q"]["kernel"].sharding.spec == P(None, None, "tensor")
-    assert params["blocks"]["down"]["kernel"].sharding.spec == P(None, "tensor", None)
+    # Block leaves are staged: (stage, layer, ...).
+    assert params["blocks"]["q"]["kernel"].sharding.spec == P("stage", None, None, "tensor")
+    assert params["blocks"]["down"]["kernel"].sharding.spec == P("stage", None, "tensor", None)
     assert params["embed"]["tokens"]["embedding"].sharding.spec == P()
     adam = state["opt_state"][1][0]
     mu_q, nu_down = adam.mu["blocks"]["q"]["kernel"], adam.nu["blocks"]["down"]["kernel"]
     if zero1:  # moments split over `data` on top of the parameter's own `tensor` split
-        assert mu_q.sharding.spec == P("data", None, "tensor")
-        assert nu_down.sharding.spec == P("data", "tensor", None)
+        assert mu_q.sharding.spec == P("stage", "data", None, "tensor")
+        assert nu_down.sharding.spec == P("stage", "data", "tensor", None)
         assert adam.mu["embed"]["tokens"]["embedding"].sharding.spec == P("data", None)
         shard = mu_q.addressable_shards[0].data
-        assert shard.shape == (1, 64, 16)
+        assert shard.shape == (1, 1, 64, 16)
     else:
-        assert mu_q.sharding.spec == P(None, None, "tensor")
+        assert mu_q.sharding.spec == P("stage", None, None, "tensor")
     assert adam.count.sharding.spec == P()
 
 
@@ -77,11 +78,11 @@ def test_checkpoint_restores_onto_a_different_mesh(tmp_path):
     from holmes_jax.checkpoint import Checkpointer
 
     ckpt = Checkpointer(tmp_path / "checkpoints", cfgs.checkpoint)
-    on_data8 = ckpt.restore(2, saved.abstract_state())
+    on_data8 = ckpt.restore(2, saved.abstract_canonical())
     other = train.build(small_configs(tmp_path, "--gin.ParallelConfig.dp=2", "--gin.ParallelConfig.tp=4"))
-    on_tp4 = ckpt.restore(2, other.abstract_state())
+    on_tp4 = ckpt.restore(2, other.abstract_canonical())
     ckpt.close()
-    assert on_tp4["params"]["blocks"]["q"]["kernel"].sharding.spec == P(None, None, "tensor")
+    assert on_tp4["params"]["blocks"]["q"]["kernel"].sharding.spec == P(None, None, "tensor")  # canonical layout
     assert on_tp4["params"]["blocks"]["q"]["kernel"].sharding.mesh.shape["tensor"] == 4
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), on_data8, on_tp4)
     assert int(on_tp4["step"]) == 2

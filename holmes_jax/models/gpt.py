@@ -140,15 +140,24 @@ class GPT:
     def embed(self, params: dict, tokens: jax.Array) -> jax.Array:
         return nnx.merge(self._defs["embed"], params["embed"])(tokens)
 
-    def blocks(self, block_params: dict, x: jax.Array) -> jax.Array:
-        """Runs every layer of `block_params` (leading layer axis) over `x` in order."""
+    def blocks(self, block_params: dict, x: jax.Array, n_layers: jax.Array | None = None) -> jax.Array:
+        """Runs the layers of `block_params` (leading layer axis) over `x` in order. With `n_layers`,
+        only the first `n_layers` run: later ones are padding, skipped (and so get zero gradient)."""
 
         def layer(h, layer_params):
-            return nnx.merge(self._defs["blocks"], layer_params)(h), None
+            return nnx.merge(self._defs["blocks"], layer_params)(h)
 
         if self.cfg.remat:
             layer = jax.checkpoint(layer)
-        return jax.lax.scan(layer, x, block_params)[0]
+        if n_layers is None:
+            return jax.lax.scan(lambda h, lp: (layer(h, lp), None), x, block_params)[0]
+
+        def maybe_layer(h, xs):
+            layer_params, i = xs
+            return jax.lax.cond(i < n_layers, layer, lambda h, _: h, h, layer_params), None
+
+        depth = jax.tree.leaves(block_params)[0].shape[0]
+        return jax.lax.scan(maybe_layer, x, (block_params, jnp.arange(depth)))[0]
 
     def head_loss(self, params: dict, x: jax.Array, targets: jax.Array) -> jax.Array:
         embedding = nnx.merge(self._defs["embed"], params["embed"])
@@ -167,20 +176,22 @@ _COLUMN = {"q", "k", "v", "up", "gate"}
 _ROW = {"o", "down"}
 
 
-def param_specs(params: dict, layer_axis: str | None = None) -> dict:
+def param_specs(params: dict, stage_axis: str | None = None) -> dict:
     """PartitionSpecs for `params`: tensor parallelism inside blocks, everything else replicated.
-    `layer_axis` names the mesh axis the stacked layer dimension is split over (the pipeline's)."""
+    Block leaves lead with the layer axis, or with (stage, layer) when `stage_axis` names the mesh
+    axis the pipeline splits stages over."""
 
     def spec(path, leaf):
         names = [getattr(k, "key", None) for k in path]
         if names[0] != "blocks":
             return P()
-        module = names[1]
-        if names[-1] == "kernel" and module in _COLUMN:
-            return P(layer_axis, None, "tensor")
-        if names[-1] == "kernel" and module in _ROW:
-            return P(layer_axis, "tensor", None)
-        return P(layer_axis, *([None] * (leaf.ndim - 1)))
+        dims = [None] * leaf.ndim
+        dims[0] = stage_axis
+        if names[-1] == "kernel" and names[1] in _COLUMN:
+            dims[-1] = "tensor"
+        if names[-1] == "kernel" and names[1] in _ROW:
+            dims[-2] = "tensor"
+        return P(*dims)
 
     return jax.tree_util.tree_map_with_path(spec, params)
 

@@ -1,0 +1,153 @@
+"""Runs a pipeline schedule over the mesh's `stage` axis.
+
+Block parameters live in a staged layout: every block leaf is (stages, max_layers, ...) split over
+`stage`, stage s holding its `stage_layers[s]` layers first and zero padding after. Padding is
+skipped by `GPT.blocks`, so it gets zero gradient; `mask_updates` keeps the optimizer (weight decay
+included) from ever moving it. Checkpoints hold the canonical layout, (layers, ...) in model order,
+so they move between partitions and pp values (`to_canonical` / `to_staged`).
+
+The step is one `jax.shard_map` region manual over `stage` and `data` (`tensor` stays automatic,
+so tensor-parallel shardings keep working inside). A scan walks the schedule's ticks; each tick a
+stage stores what arrived, runs its forward (if the table says so), then its backward: the stage's
+forward recomputed from its stashed input under `jax.vjp`, so only stage inputs are kept alive
+(GPipe: m of them, 1F1B: at most p). Activations then move one stage down and gradients one stage
+up with `lax.ppermute`. Gradients accumulate locally and are summed over `data` once, after the
+scan: one reduction per step, not per microbatch.
+
+The embedding runs on the first stage and the head and loss on the last, each under `lax.cond`:
+other stages skip that work (and bubble ticks skip theirs), so they idle rather than compute
+garbage. What it costs: embedding and head parameters are replicated on every stage (memory), the
+tied embedding's gradient is summed over `stage` once per step, and every tick moves one
+activation buffer each way whether or not it carries a microbatch. The last stage's forward is
+folded into its backward, which recomputes it anyway.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh, PartitionSpec as P
+
+from holmes_jax.models.gpt import GPT
+from holmes_jax.pipeline import schedule as schedules
+
+
+def _is_block_leaf(path) -> bool:
+    return any(getattr(k, "key", None) == "blocks" for k in path)
+
+
+def map_blocks(fn, tree):
+    """Applies `fn` to the leaves under a `blocks` key (parameters and their optimizer moments)."""
+    return jax.tree_util.tree_map_with_path(lambda path, x: fn(x) if _is_block_leaf(path) else x, tree)
+
+
+class Pipeline:
+    def __init__(self, model: GPT, mesh: Mesh, stage_layers: tuple[int, ...], microbatches: int, schedule: str):
+        self.model, self.mesh = model, mesh
+        self.stage_layers = tuple(int(n) for n in stage_layers)
+        self.stages = len(self.stage_layers)
+        if mesh.shape["stage"] != self.stages or sum(self.stage_layers) != model.cfg.num_layers:
+            raise ValueError(f"stage_layers {self.stage_layers} do not fit mesh {dict(mesh.shape)} and "
+                             f"{model.cfg.num_layers} layers")
+        self.max_layers = max(self.stage_layers)
+        self.table = schedules.build(schedule, self.stages, microbatches)
+        index = np.full((self.stages, self.max_layers), -1)
+        offsets = np.cumsum((0,) + self.stage_layers)
+        for s, n in enumerate(self.stage_layers):
+            index[s, :n] = np.arange(offsets[s], offsets[s] + n)
+        self.layer_index = index  # model layer at (stage, slot), -1 for padding
+
+    @property
+    def real_layers(self) -> np.ndarray:
+        return self.layer_index >= 0
+
+    # ------------------------------------------------------------------ layouts
+
+    def to_staged(self, tree):
+        """(layers, ...) block leaves -> (stages, max_layers, ...), zero padded."""
+        take, real = np.maximum(self.layer_index, 0), self.real_layers
+
+        def stage(x):
+            mask = jnp.asarray(real).reshape(real.shape + (1,) * (x.ndim - 1))
+            return jnp.where(mask, x[take], 0).astype(x.dtype)
+
+        return map_blocks(stage, tree)
+
+    def to_canonical(self, tree):
+        """(stages, max_layers, ...) block leaves -> (layers, ...) in model order."""
+        order = np.argsort(self.layer_index.ravel())[-self.model.cfg.num_layers:]  # real slots, by layer
+        return map_blocks(lambda x: x.reshape((-1,) + x.shape[2:])[order], tree)
+
+    def mask_updates(self, updates):
+        real = jnp.asarray(self.real_layers)
+        return map_blocks(lambda u: u * real.reshape(real.shape + (1,) * (u.ndim - 2)).astype(u.dtype), updates)
+
+    # ------------------------------------------------------------------ the step
+
+    def loss_and_grads(self, params: dict, batch: jax.Array):
+        """Mean loss over `batch` (microbatches, micro_batch, seq + 1) and the gradients of `params`
+        (staged layout). Call inside `jit`."""
+        shared = {"embed": params["embed"], "head": params["head"]}
+        block_specs = jax.tree.map(lambda _: P("stage"), params["blocks"])
+        fn = jax.shard_map(
+            self._stage_program, mesh=self.mesh, axis_names={"stage", "data"},
+            in_specs=(block_specs, P(), P(None, "data")),
+            out_specs=(P(), block_specs, P()), check_vma=False,
+        )
+        loss, block_grads, shared_grads = fn(params["blocks"], shared, batch)
+        return loss, {"embed": shared_grads["embed"], "blocks": block_grads, "head": shared_grads["head"]}
+
+    def _stage_program(self, blocks, shared, batch):
+        model, table, p = self.model, self.table, self.stages
+        s = lax.axis_index("stage")
+        blocks = jax.tree.map(lambda x: x[0], blocks)
+        n_layers = jnp.asarray(self.stage_layers)[s]
+        is_first, is_last = s == 0, s == p - 1
+        m, micro_batch, seq = batch.shape[0], batch.shape[1], batch.shape[2] - 1
+        scale = 1.0 / (m * lax.axis_size("data"))  # each microbatch's share of the global mean
+        act = jnp.zeros((micro_batch, seq, model.cfg.hidden), jnp.dtype(model.cfg.compute_dtype))
+
+        def stage_fn(blocks, shared, x, tokens):
+            x = lax.cond(is_first, lambda: model.embed(shared, tokens[:, :-1]).astype(act.dtype), lambda: x)
+            x = model.blocks(blocks, x, n_layers)
+            loss = lax.cond(is_last, lambda: model.head_loss(shared, x, tokens[:, 1:]), lambda: jnp.zeros((), jnp.float32))
+            return x, loss
+
+        def tick(carry, row):
+            stash, gstash, x_in, g_in, grads, loss_sum = carry
+            fwd, bwd, x_arrival, g_arrival = (r[s] for r in row)
+            stash = lax.cond(x_arrival >= 0, lambda: stash.at[x_arrival % table.x_slots].set(x_in), lambda: stash)
+            gstash = lax.cond(g_arrival >= 0, lambda: gstash.at[g_arrival % table.g_slots].set(g_in), lambda: gstash)
+
+            def forward():
+                return stage_fn(blocks, shared, stash[fwd % table.x_slots], batch[fwd])[0]
+
+            x_out = lax.cond((fwd >= 0) & ~is_last, forward, lambda: act)
+
+            def backward(grads, loss_sum):
+                tokens = batch[bwd]
+                (_, loss), vjp = jax.vjp(lambda b, sh, x: stage_fn(b, sh, x, tokens), blocks, shared,
+                                         stash[bwd % table.x_slots])
+                g_blocks, g_shared, g_x = vjp((gstash[bwd % table.g_slots], jnp.asarray(scale, jnp.float32)))
+                grads = jax.tree.map(jnp.add, grads, (g_blocks, g_shared))
+                return grads, loss_sum + loss * scale, g_x
+
+            grads, loss_sum, g_out = lax.cond(bwd >= 0, backward, lambda g, l: (g, l, act), grads, loss_sum)
+            if p > 1:
+                x_in = lax.ppermute(x_out, "stage", [(i, i + 1) for i in range(p - 1)])
+                g_in = lax.ppermute(g_out, "stage", [(i + 1, i) for i in range(p - 1)])
+            return (stash, gstash, x_in, g_in, grads, loss_sum), None
+
+        zeros = jax.tree.map(jnp.zeros_like, (blocks, shared))
+        carry = (jnp.zeros((table.x_slots,) + act.shape, act.dtype), jnp.zeros((table.g_slots,) + act.shape, act.dtype),
+                 act, act, zeros, jnp.zeros((), jnp.float32))
+        rows = tuple(jnp.asarray(r) for r in (table.fwd, table.bwd, table.x_arrivals(), table.g_arrivals()))
+        (_, _, _, _, (g_blocks, g_shared), loss_sum), _ = lax.scan(tick, carry, rows)
+        # The one gradient reduction of the step: blocks over `data`; the shared embedding and
+        # head (used on the first and last stage) over `stage` too.
+        g_blocks = lax.psum(g_blocks, "data")
+        g_shared = lax.psum(g_shared, ("stage", "data"))
+        loss = lax.psum(loss_sum, ("stage", "data"))
+        return loss, jax.tree.map(lambda x: x[None], g_blocks), g_shared

@@ -1,0 +1,135 @@
+"""Pipeline schedules as tick tables.
+
+A table says, for every tick and stage, which microbatch the stage runs forward and which
+backward (-1: none). Within a tick a stage runs its forward first, then its backward; activations
+move one stage down and gradients one stage up between ticks. Tables come from a greedy
+simulation of each stage's op order:
+
+- `gpipe`: every forward, then every backward (in microbatch order);
+- `1f1b`: stage s runs min(p - 1 - s, m) warm-up forwards, then alternates one forward and one
+  backward, then drains its backwards; so at most p microbatches are in flight on a stage.
+
+Inputs a stage receives are kept in slot `microbatch % slots` until its backward has used them; the
+table's `x_slots` / `g_slots` are the fewest slots for which that never overwrites a live input.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+SCHEDULES = ("gpipe", "1f1b")
+
+
+@dataclasses.dataclass(frozen=True)
+class Table:
+    schedule: str
+    stages: int
+    microbatches: int
+    fwd: np.ndarray  # (ticks, stages) microbatch index or -1
+    bwd: np.ndarray  # (ticks, stages)
+    x_slots: int  # activations a stage holds at once (its stash)
+    g_slots: int  # gradients received and not yet used
+
+    @property
+    def ticks(self) -> int:
+        return self.fwd.shape[0]
+
+    def x_arrivals(self) -> np.ndarray:
+        """(ticks, stages): the microbatch whose activation reaches each stage at the tick's start."""
+        arrive = np.full_like(self.fwd, -1)
+        arrive[1:, 1:] = self.fwd[:-1, :-1]
+        return arrive
+
+    def g_arrivals(self) -> np.ndarray:
+        """(ticks, stages): the microbatch whose output gradient reaches each stage at the tick's start."""
+        arrive = np.full_like(self.bwd, -1)
+        arrive[1:, :-1] = self.bwd[:-1, 1:]
+        return arrive
+
+
+def _op_order(schedule: str, stage: int, stages: int, m: int) -> list[tuple[str, int]]:
+    if schedule == "gpipe":
+        return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
+    warmup = min(stages - 1 - stage, m)
+    ops = [("F", i) for i in range(warmup)]
+    for i in range(m):
+        if i + warmup < m:
+            ops.append(("F", i + warmup))
+        ops.append(("B", i))
+    return ops
+
+
+def build(schedule: str, stages: int, microbatches: int) -> Table:
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule {schedule!r}; choose one of {SCHEDULES}")
+    p, m = stages, microbatches
+    orders = [_op_order(schedule, s, p, m) for s in range(p)]
+    done = {"F": np.full((p, m), -1), "B": np.full((p, m), -1)}
+    fwd_rows, bwd_rows, t = [], [], 0
+    while any(orders):
+        fwd_row, bwd_row = [-1] * p, [-1] * p
+        for s in range(p):
+            kinds_done = set()
+            while orders[s] and len(kinds_done) < 2:
+                kind, i = orders[s][0]
+                # A tick runs its forward before its backward, so an F may not follow a B in it.
+                # A tick runs its forward before its backward, so an F may not follow a B in it
+                # (that F's input would be stashed while the B's is still held: p + 1 alive).
+                if kind in kinds_done or "B" in kinds_done or not _ready(kind, i, s, p, t, done):
+                    break
+                orders[s].pop(0)
+                kinds_done.add(kind)
+                done[kind][s, i] = t
+                (fwd_row if kind == "F" else bwd_row)[s] = i
+        fwd_rows.append(fwd_row)
+        bwd_rows.append(bwd_row)
+        t += 1
+        if t > 4 * (m + p) + 4:
+            raise AssertionError(f"{schedule} schedule for p={p}, m={m} does not terminate")
+    fwd, bwd = np.asarray(fwd_rows), np.asarray(bwd_rows)
+    x_slots, g_slots = _slots(fwd, bwd, p, m)
+    return Table(schedule, p, m, fwd, bwd, x_slots, g_slots)
+
+
+def _ready(kind: str, i: int, s: int, p: int, t: int, done: dict) -> bool:
+    if kind == "F":  # the previous stage's forward ended in an earlier tick
+        return s == 0 or 0 <= done["F"][s - 1, i] < t
+    own_forward = 0 <= done["F"][s, i] <= t  # earlier in this tick counts: forward runs first
+    upstream = s == p - 1 or 0 <= done["B"][s + 1, i] < t
+    return own_forward and upstream
+
+
+def _slots(fwd: np.ndarray, bwd: np.ndarray, p: int, m: int) -> tuple[int, int]:
+    """Fewest ring slots so that no live input is overwritten, checked by replaying the table."""
+    ticks = fwd.shape[0]
+    when = lambda table, s, i: int(np.argwhere(table[:, s] == i)[0, 0])  # noqa: E731
+    x_live, g_live = [], []
+    for s in range(p):
+        for i in range(m):
+            x_from = when(fwd, s, i) if s == 0 else when(fwd, s - 1, i) + 1  # arrival (stage 0: embedding)
+            g_from = when(bwd, s, i) if s == p - 1 else when(bwd, s + 1, i) + 1
+            x_live.append((s, i, x_from, when(bwd, s, i)))
+            g_live.append((s, i, g_from, when(bwd, s, i)))
+
+    def fewest(live):
+        for k in range(1, m + 1):
+            if all(_no_clash(live, s, k, ticks) for s in range(p)):
+                return k
+        return m
+
+    return fewest(x_live), fewest(g_live)
+
+
+def _no_clash(live, stage: int, k: int, ticks: int) -> bool:
+    for t in range(ticks):
+        slots = [i % k for s, i, start, end in live if s == stage and start <= t <= end]
+        if len(slots) != len(set(slots)):
+            return False
+    return True
+
+
+def theory_ratio(stages: int, microbatches: int) -> float:
+    """Step time with the bubble over step time without: (m + p - 1) / m."""
+    return (microbatches + stages - 1) / microbatches
