@@ -1,0 +1,128 @@
+import re
+
+import jax
+import numpy as np
+import pytest
+
+from holmes_jax import data, train
+from helpers import read_metrics, small_configs
+
+SIX_LAYERS = ["--gin.ModelConfig.num_layers=6", "--gin.ParallelConfig.microbatches=4", "--gin.DataConfig.global_batch=32"]
+
+
+def _loss_and_canonical_grads(tmp_path, *bindings):
+    cfgs = small_configs(tmp_path, *SIX_LAYERS, *bindings)
+    setup = train.build(cfgs)
+    state = setup.init_state()
+    batch = setup.batch("train", 0, data.load(cfgs.data))
+    loss, grads = jax.jit(setup.pipeline.loss_and_grads)(state["params"], batch)
+    return float(loss), jax.device_get(setup.pipeline.to_canonical(grads))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return _loss_and_canonical_grads(tmp_path_factory.mktemp("ref"), "--gin.ParallelConfig.pp=1")
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("pp, layers", [(2, None), (2, "(5,1)"), (4, None), (4, "(1,2,2,1)")])
+def test_loss_and_every_gradient_match_one_stage(tmp_path, reference, schedule, pp, layers):
+    bindings = [f"--gin.ParallelConfig.pp={pp}", f"--gin.ParallelConfig.schedule={schedule}"]
+    if layers:
+        bindings.append(f"--gin.ParallelConfig.stage_layers={layers}")
+    loss, grads = _loss_and_canonical_grads(tmp_path, *bindings)
+    ref_loss, ref_grads = reference
+    assert loss == pytest.approx(ref_loss, abs=1e-5)
+    flat, ref_flat = jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(ref_grads)
+    assert len(flat) == len(ref_flat)
+    for (path, g), r in zip(flat, ref_flat):
+        np.testing.assert_allclose(g, r, atol=1e-5, rtol=0, err_msg=jax.tree_util.keystr(path))
+    assert max(float(np.abs(r).max()) for r in ref_flat) > 1e-3  # the comparison is not of zeros
+
+
+@pytest.mark.slow
+def test_twenty_steps_match_one_stage_and_padding_never_moves(tmp_path):
+    common = ["--gin.ModelConfig.num_layers=4", "--gin.ParallelConfig.microbatches=4", "--gin.TrainConfig.steps=20", "--gin.DataConfig.global_batch=32",
+              "--gin.CheckpointConfig.enabled=False"]
+    train.run(small_configs(tmp_path / "pp1", *common), quiet=True)
+    cfgs = small_configs(tmp_path / "pp2", *common, "--gin.ParallelConfig.pp=2", "--gin.ParallelConfig.schedule=1f1b",
+                         "--gin.ParallelConfig.stage_layers=(3,1)")
+    train.run(cfgs, quiet=True)
+    ref, got = read_metrics(tmp_path / "pp1"), read_metrics(tmp_path / "pp2")
+    np.testing.assert_allclose([r["loss"] for r in got], [r["loss"] for r in ref], atol=1e-4, rtol=0)
+    assert ref[-1]["loss"] < ref[0]["loss"] - 0.5
+
+    # Padding: stage 1 holds one real layer and two padded slots, which stay exactly zero.
+    setup = train.build(cfgs)
+    state = setup.init_state()
+    step = train.make_train_step(setup)
+    tokens = data.load(cfgs.data)
+    for k in range(3):
+        state, _ = step(state, setup.batch("train", k, tokens))
+    for path, leaf in jax.tree_util.tree_leaves_with_path(state):
+        if "blocks" in jax.tree_util.keystr(path):
+            padded = np.asarray(leaf)[1, 1:]
+            assert padded.shape[0] == 2 and not padded.any(), jax.tree_util.keystr(path)
+    real = np.asarray(state["params"]["blocks"]["q"]["kernel"])[1, 0]
+    assert real.any()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("resume", [["--gin.ParallelConfig.pp=1"],
+                                    ["--gin.ParallelConfig.pp=2", "--gin.ParallelConfig.stage_layers=(2,2)"]])
+def test_checkpoint_from_uneven_stages_resumes_on_other_partitions(tmp_path, resume):
+    common = ["--gin.ModelConfig.num_layers=4", "--gin.ParallelConfig.microbatches=2", "--gin.CheckpointConfig.every=3"]
+    train.run(small_configs(tmp_path / "full", *common), quiet=True)
+    split = tmp_path / "split"
+    train.run(small_configs(split, *common, "--gin.ParallelConfig.pp=2", "--gin.ParallelConfig.stage_layers=(3,1)",
+                            "--gin.TrainConfig.stop_after=3"), quiet=True)
+    train.run(small_configs(split, *common, *resume), quiet=True)
+    want, got = read_metrics(tmp_path / "full"), read_metrics(split)
+    assert [r["step"] for r in got] == [1, 2, 3, 4, 5, 6]
+    np.testing.assert_allclose([r["loss"] for r in got], [r["loss"] for r in want], atol=1e-4, rtol=0)
+
+
+def _called_computations(hlo: str) -> dict[str, set[str]]:
+    """Computation name -> the computations its instructions call (bodies, branches, ...)."""
+    calls, current = {}, None
+    for line in hlo.splitlines():
+        header = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line.strip()) if not line.startswith(" ") else None
+        if header:
+            current = header.group(1)
+            calls[current] = set()
+        elif current:
+            for group in re.findall(r"(?:body|condition|to_apply|calls|branch_computations|true_computation|"
+                                    r"false_computation)=\{?([%\w.\-, ]+)\}?", line):
+                calls[current].update(name.strip().lstrip("%") for name in group.split(","))
+    return calls
+
+
+def test_gradients_are_reduced_over_data_once_per_step_not_per_microbatch(tmp_path):
+    cfgs = small_configs(tmp_path, "--gin.ModelConfig.num_layers=4", "--gin.ParallelConfig.pp=2",
+                         "--gin.ParallelConfig.microbatches=4")
+    setup = train.build(cfgs)
+    state = setup.init_state()
+    batch = setup.batch("train", 0, data.load(cfgs.data))
+    hlo = train.make_train_step(setup).lower(state, batch).compile().as_text()
+    calls = _called_computations(hlo)
+    loop_bodies = set(re.findall(r"body=%?([\w.\-]+)", hlo))
+    inside, todo = set(), list(loop_bodies)
+    while todo:  # everything a loop body reaches runs once per tick
+        c = todo.pop()
+        if c not in inside:
+            inside.add(c)
+            todo.extend(calls.get(c, ()))
+    where = {}
+    current = None
+    for line in hlo.splitlines():
+        if not line.startswith(" ") and line.strip().endswith("{"):
+            current = re.match(r"^(?:ENTRY )?%?([\w.\-]+)", line.strip()).group(1)
+        elif re.search(r"\b(all-reduce|collective-permute)(-start)?\(", line):
+            where.setdefault(current, []).append(line)
+    in_loop = [l for c, lines in where.items() if c in inside for l in lines]
+    outside = [l for c, lines in where.items() if c not in inside for l in lines if "all-reduce" in l]
+    assert loop_bodies, "expected the schedule's scan to compile to a loop"
+    assert any("collective-permute" in l for l in in_loop)  # the per-tick ppermutes: the loop is found
+    assert not [l for l in in_loop if "all-reduce" in l], in_loop[:2]
+    # Data groups of the mesh (stage, data, tensor) = (2, 4, 1): devices {0,1,2,3} and {4,5,6,7}.
+    assert any("{0,1,2,3},{4,5,6,7}" in l.replace(" ", "") for l in outside), outside[:3]

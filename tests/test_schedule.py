@@ -1,0 +1,41 @@
+import numpy as np
+import pytest
+
+from holmes_jax.pipeline import schedule
+
+
+def _check_dependencies(t: schedule.Table):
+    p, m = t.stages, t.microbatches
+    when = lambda table, s, i: int(np.argwhere(table[:, s] == i)[0, 0])  # noqa: E731
+    for s in range(p):
+        assert sorted(t.fwd[:, s][t.fwd[:, s] >= 0]) == list(range(m))  # every microbatch once
+        assert sorted(t.bwd[:, s][t.bwd[:, s] >= 0]) == list(range(m))
+        for i in range(m):
+            assert when(t.fwd, s, i) <= when(t.bwd, s, i)
+            if s > 0:
+                assert when(t.fwd, s - 1, i) < when(t.fwd, s, i)
+            if s < p - 1:
+                assert when(t.bwd, s + 1, i) < when(t.bwd, s, i)
+
+
+@pytest.mark.parametrize("name", schedule.SCHEDULES)
+@pytest.mark.parametrize("p, m", [(1, 1), (1, 4), (2, 1), (2, 4), (3, 5), (4, 8), (4, 16)])
+def test_tables_respect_dependencies(name, p, m):
+    _check_dependencies(schedule.build(name, p, m))
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_1f1b_holds_at_most_p_activations_and_gpipe_holds_m(p):
+    for m in (4, 8, 16, 32):
+        assert schedule.build("1f1b", p, m).x_slots <= p
+        assert schedule.build("gpipe", p, m).x_slots == m
+
+
+def test_gpipe_takes_the_ideal_number_of_ticks():
+    # m + p - 1 forward ticks and as many backward ones, the last stage's first backward sharing a tick.
+    for p, m in [(2, 4), (4, 8)]:
+        assert schedule.build("gpipe", p, m).ticks == 2 * (m + p - 1) - 1
+
+
+def test_theory_ratio():
+    assert schedule.theory_ratio(4, 8) == pytest.approx(11 / 8)
