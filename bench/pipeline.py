@@ -1,0 +1,104 @@
+"""Pipeline cost on one process with 8 CPU devices: pp = 2 and 4 against pp = 1.
+
+Every configuration trains the same model on the same global batch (data parallel over the
+devices left after pp), and their steps are timed in alternating rounds. CPU devices share the
+host's cores, so an idle stage frees its core for the others: the measured ratio shows the work a
+pipeline adds (bubble work it fails to skip, p2p, bookkeeping), while the theoretical
+(m + p - 1) / m is what the bubble costs on devices that cannot lend each other their time.
+Then the compiled step's temporary memory per device (`memory_analysis`) as m grows with the
+microbatch size held fixed: GPipe keeps every microbatch's stage input alive, 1F1B at most p.
+
+    python bench/pipeline.py [--rounds 3] [--steps 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+import numpy as np  # noqa: E402
+
+from holmes_jax import data, train  # noqa: E402
+
+MODEL = ["--gin.ModelConfig.num_layers=4", "--gin.ModelConfig.hidden=128", "--gin.ModelConfig.num_heads=4",
+         "--gin.DataConfig.seq_len=64", "--gin.DataConfig.global_batch=128", "--gin.CheckpointConfig.enabled=False"]
+
+
+def _setup(pp: int, m: int, schedule: str, *extra: str) -> train.Setup:
+    return train.build(train.load_configs(MODEL + [f"--gin.ParallelConfig.pp={pp}", f"--gin.ParallelConfig.microbatches={m}",
+                                                   f"--gin.ParallelConfig.schedule={schedule}", *extra]))
+
+
+def temp_bytes_fixed_microbatch(pp: int, m: int, schedule: str) -> int:
+    """Compiled temporary memory with 8 sequences of 256 tokens per microbatch per data shard."""
+    dp = 8 // pp
+    setup = _setup(pp, m, schedule, "--gin.DataConfig.seq_len=256", f"--gin.DataConfig.global_batch={8 * dp * m}")
+    state = jax.eval_shape(setup.init_state)
+    batch = jax.ShapeDtypeStruct((m, 8 * dp, 257), np.int32, sharding=setup.batch_sharding)
+    return int(train.make_train_step(setup).lower(state, batch).compile().memory_analysis().temp_size_in_bytes)
+
+
+def prepare(pp: int, m: int, schedule: str, tokens):
+    setup = _setup(pp, m, schedule)
+    state = setup.init_state()
+    batches = [setup.batch("train", k, tokens) for k in range(2)]
+    compiled = train.make_train_step(setup).lower(state, batches[0]).compile()
+    state, out = compiled(state, batches[0])  # warm up
+    jax.block_until_ready(out)
+    return {"compiled": compiled, "state": state, "batches": batches}
+
+
+def time_steps(run: dict, steps: int) -> float:
+    t = time.perf_counter()
+    for k in range(steps):
+        run["state"], out = run["compiled"](run["state"], run["batches"][k % 2])
+    jax.block_until_ready(out)
+    return (time.perf_counter() - t) / steps
+
+
+def main(argv):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--microbatches", default="4,8,16")
+    args = parser.parse_args(argv)
+    tokens = data.load(train.load_configs(MODEL).data)
+    rows = []
+    for m in (int(x) for x in args.microbatches.split(",")):
+        configs = [(1, "gpipe")] + [(pp, s) for pp in (2, 4) for s in ("gpipe", "1f1b")]
+        runs = {c: prepare(c[0], m, c[1], tokens) for c in configs}
+        times = {c: [] for c in configs}
+        for _ in range(args.rounds):
+            for c in configs:
+                times[c].append(time_steps(runs[c], args.steps))
+        base = float(np.median(times[(1, "gpipe")]))
+        for (pp, sched) in configs:
+            t = float(np.median(times[(pp, sched)]))
+            row = {"pp": pp, "m": m, "schedule": sched, "step_s": t, "measured_ratio": t / base,
+                   "theory_ratio": (m + pp - 1) / m}
+            rows.append(row)
+        del runs
+    print("temp MiB: compiled temporary memory per device with 8 x 256 tokens per microbatch and data shard")
+    print(f"{'pp':>3} {'m':>3} {'schedule':>8} {'step ms':>9} {'measured':>9} {'theory':>7} {'temp MiB':>9}")
+    for row in rows:
+        row["temp_bytes"] = temp_bytes_fixed_microbatch(row["pp"], row["m"], row["schedule"])
+        print(f"{row['pp']:>3} {row['m']:>3} {row['schedule']:>8} {row['step_s'] * 1e3:>9.1f} {row['measured_ratio']:>9.3f} "
+              f"{row['theory_ratio']:>7.3f} {row['temp_bytes'] / 2**20:>9.2f}")
+    piped = [r for r in rows if r["pp"] > 1]
+    worst = max(r["measured_ratio"] / r["theory_ratio"] for r in piped)
+    print(f"worst measured / theory: {worst:.3f} (target <= 1.15)")
+    for pp in (2, 4):
+        for sched in ("gpipe", "1f1b"):
+            mem = [r["temp_bytes"] for r in rows if r["pp"] == pp and r["schedule"] == sched]
+            print(f"pp={pp} {sched:>5} temp MiB over m: " + ", ".join(f"{b / 2**20:.2f}" for b in mem))
+    print(json.dumps({"rows": rows, "worst_measured_over_theory": worst}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

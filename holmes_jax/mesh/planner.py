@@ -1,0 +1,227 @@
+"""The device grid of a mesh (stage, data, tensor) over a topology, and that mesh on real devices.
+
+`place` returns a (pp, dp, tp) array of topology device numbers. Two placements:
+
+- `holmes`: topology order (cluster by cluster, node by node) cut into pp consecutive stages, each
+  cut into dp replicas of tp consecutive devices. So tensor groups sit inside one node; every
+  stage sits inside one cluster when each cluster holds whole stages, which gives each data group
+  (the replicas of one stage) one NIC class, Holmes' automatic NIC selection; clusters get stages
+  in proportion to their devices (3 IB + 5 RoCE nodes, pp 8 -> 3 IB stages, 5 RoCE); and the
+  stages of a cluster are consecutive, so only the clusters - 1 boundaries between clusters, the
+  fewest possible, cross the inter-cluster link. A stage that would span clusters is refused
+  unless `allow_mixed`, and then reported.
+- `naive`: what a NIC-blind framework does. Megatron numbers ranks tensor fastest, then data, then
+  stage, over hosts in the order the job scheduler lists them; here that order interleaves the
+  clusters (node 0 of each cluster, then node 1, ...), as sorting host names does when IB and
+  RoCE hosts are numbered alternately. Data groups then mix NIC classes and cross the slow link.
+
+`Route`s say what the concurrent transfers of a collective go over: a ring's hops leaving one node
+on one fabric share that node's NIC.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import numpy as np
+
+from holmes_jax.config import ConfigError
+from holmes_jax.mesh import nic
+from holmes_jax.mesh.topology import CLUSTER, INTRA_NODE, Cluster, Topology
+
+AXES = ("stage", "data", "tensor")
+PLACEMENTS = ("holmes", "naive")
+
+
+@dataclasses.dataclass(frozen=True)
+class Route:
+    """The slowest of a set of concurrent transfers."""
+
+    via: str  # "intra-node", a NIC class, or "inter-cluster <class>"
+    bytes_per_s: float  # what that transfer gets once its NIC is shared
+    latency_s: float  # the largest latency among the transfers
+    shared_by: int  # transfers sharing that transfer's NIC
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    method: str
+    grid: np.ndarray  # (pp, dp, tp) topology device numbers
+    stage_clusters: tuple[str, ...]  # "ib", or "ib+roce" for a stage spanning clusters
+    stage_nic: tuple[str, ...]  # likewise
+    data_groups_nic: tuple[tuple[str, ...], ...]  # per stage: NIC classes inside its data groups, sorted
+    mixed_stages: tuple[int, ...]  # stages spanning more than one cluster
+    device_flops: tuple[float, ...]  # per stage: achievable FLOP/s of its slowest device
+    tensor_routes: tuple[Route, ...]  # per stage: its tensor groups' all-reduce ring
+    data_routes: tuple[Route, ...]  # per stage: its data groups' gradient ring
+    boundary_routes: tuple[Route, ...]  # stage s -> s + 1: activations (gradients come back the same way)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _fitting_pp(topology: Topology, tp: int) -> list[int]:
+    """pp values for which every cluster holds whole stages of tp-wide tensor groups."""
+    n = topology.num_devices
+    return [pp for pp in _divisors(n // tp) if all(c.num_devices % (n // pp) == 0 for c in topology.clusters)]
+
+
+def scheduler_order(topology: Topology) -> np.ndarray:
+    """Device numbers in the rank order of a NIC-blind launch (see the module doc)."""
+    first = np.cumsum([0] + [c.nodes for c in topology.clusters])
+    nodes = [first[c] + i for i in range(max(c.nodes for c in topology.clusters))
+             for c in range(len(topology.clusters)) if i < topology.clusters[c].nodes]
+    return np.concatenate([topology.node_devices[n] for n in nodes])
+
+
+def route(topology: Topology, src, dst) -> Route:
+    """The bottleneck of transfers src[i] -> dst[i] all running at once."""
+    src, dst = np.ravel(src), np.ravel(dst)
+    kind, sender = topology.link_kind(src, dst), topology.device_cluster[src]
+    table = topology.link_table
+    rate = np.array([[link.bytes_per_s for link in row] for row in table])[kind, sender]
+    latency = np.array([[link.latency_s for link in row] for row in table])[kind, sender]
+    share = np.ones(len(src), dtype=int)
+    net = kind != INTRA_NODE
+    for end in (src[net], dst[net]):  # a node's NIC is shared by what leaves it and what enters it
+        _, inverse, counts = np.unique(topology.device_node[end] * 3 + kind[net], return_inverse=True, return_counts=True)
+        share[net] = np.maximum(share[net], counts[inverse])
+    worst = int(np.argmin(rate / share))
+    k, link = int(kind[worst]), table[kind[worst]][sender[worst]]
+    via = "intra-node" if k == INTRA_NODE else link.name if k == CLUSTER else f"inter-cluster {link.name}"
+    return Route(via, float(rate[worst] / share[worst]), float(latency.max()), int(share[worst]))
+
+
+def place(topology: Topology, tp: int, pp: int, dp: int | None = None, method: str = "holmes",
+          allow_mixed: bool = False) -> Placement:
+    """The (pp, dp, tp) device grid; ConfigError when the sizes do not fit the topology."""
+    if method not in PLACEMENTS:
+        raise ConfigError(f"placement = {method!r} is not allowed; choose one of {', '.join(map(repr, PLACEMENTS))}")
+    for name, value in (("tp", tp), ("pp", pp), ("dp", dp)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ConfigError(f"{name} = {value!r} is not allowed; allowed: a positive integer")
+    for c in topology.clusters:
+        if c.devices_per_node % tp:
+            raise ConfigError(
+                f"tp = {tp} is not allowed: tensor groups stay inside one node and cluster {c.name!r} has "
+                f"{c.devices_per_node} devices per node; allowed: tp dividing {c.devices_per_node}")
+    n = topology.num_devices
+    if n % (pp * tp):
+        raise ConfigError(f"pp = {pp} is not allowed with tp = {tp}: pp * tp must divide the {n} devices; "
+                          f"allowed pp: {', '.join(map(str, _divisors(n // tp)))}")
+    if dp is not None and pp * dp * tp != n:
+        raise ConfigError(f"dp = {dp} is not allowed: pp * dp * tp = {pp} * {dp} * {tp} must equal the {n} devices; "
+                          f"allowed with pp = {pp}, tp = {tp}: dp = {n // (pp * tp)}")
+    order = np.arange(n) if method == "holmes" else scheduler_order(topology)
+    grid = order.reshape(pp, n // (pp * tp), tp)
+
+    clusters = [[topology.clusters[c] for c in np.unique(topology.device_cluster[grid[s]])] for s in range(pp)]
+    mixed = tuple(s for s in range(pp) if len(clusters[s]) > 1)
+    if method == "holmes" and mixed and not allow_mixed:
+        s = mixed[0]
+        raise ConfigError(
+            f"pp = {pp} is not allowed with tp = {tp}: stage {s} would span clusters "
+            f"{', '.join(repr(c.name) for c in clusters[s])}, so its data groups would not stay in one NIC class; "
+            f"allowed pp (every cluster holding whole stages): {', '.join(map(str, _fitting_pp(topology, tp))) or 'none'}; "
+            f"or allow mixed stages (allow_mixed=True, --allow-mixed)")
+
+    def joined(values) -> str:
+        return "+".join(dict.fromkeys(values))  # file order, no repeats
+
+    return Placement(
+        method=method, grid=grid,
+        stage_clusters=tuple(joined(c.name for c in cs) for cs in clusters),
+        stage_nic=tuple(joined(c.nic for c in cs) for cs in clusters),
+        data_groups_nic=tuple(tuple(sorted({c.nic for c in cs})) for cs in clusters),
+        mixed_stages=mixed,
+        device_flops=tuple(min(c.device_flops for c in cs) for cs in clusters),
+        tensor_routes=tuple(route(topology, grid[s], np.roll(grid[s], -1, axis=1)) for s in range(pp)),
+        data_routes=tuple(route(topology, grid[s], np.roll(grid[s], -1, axis=0)) for s in range(pp)),
+        boundary_routes=tuple(route(topology, grid[s], grid[s + 1]) for s in range(pp - 1)),
+    )
+
+
+# ----------------------------------------------------------------------------- real devices
+
+
+def _by_process(devices) -> dict[int, list]:
+    if devices is None:
+        import jax
+
+        devices = jax.devices()
+    groups = collections.defaultdict(list)
+    for d in sorted(devices, key=lambda d: (d.process_index, d.id)):  # ids are not positions across processes
+        groups[d.process_index].append(d)
+    return dict(sorted(groups.items()))
+
+
+def device_array(grid, topology: Topology, devices=None, process_nics=None) -> np.ndarray:
+    """The real devices at the grid's places.
+
+    One process: its devices, in (process_index, id) order, are the topology's devices in order.
+    Several: each process is one node; the i-th process (by index) reporting NIC class X runs the
+    i-th node of class X in topology order. `process_nics`: each process's NIC class (or `Nic`), in
+    process order; None: exchanged between processes (only when the topology has several classes).
+    """
+    by_process = _by_process(devices)
+    if len(by_process) == 1:
+        placed = next(iter(by_process.values()))
+        if len(placed) != topology.num_devices:
+            raise ConfigError(f"topology {topology.name!r} has {topology.num_devices} devices but this process has "
+                              f"{len(placed)}; allowed: a topology of exactly the devices present")
+    else:
+        placed = _match_processes(topology, by_process, process_nics)
+    return np.array(placed, dtype=object)[np.asarray(grid)]
+
+
+def _match_processes(topology: Topology, by_process: dict, process_nics) -> list:
+    classes = sorted({c.nic for c in topology.clusters})
+    if process_nics is None:  # with one class there is nothing to match on, so no collective
+        process_nics = classes * len(by_process) if len(classes) == 1 else nic.exchange(nic.detect())
+    process_nics = [getattr(x, "nic_class", x) for x in process_nics]
+    if len(process_nics) != len(by_process):
+        raise ConfigError(f"{len(process_nics)} NIC classes given for {len(by_process)} processes")
+    placed = [None] * topology.num_devices
+    for nic_class in sorted(set(process_nics) | set(classes)):
+        nodes = [n for n in range(topology.num_nodes) if topology.clusters[topology.node_cluster[n]].nic == nic_class]
+        procs = [p for p, c in zip(by_process, process_nics) if c == nic_class]
+        if len(procs) != len(nodes):
+            raise ConfigError(
+                f"{len(procs)} processes report NIC class {nic_class!r} but topology {topology.name!r} has "
+                f"{len(nodes)} {nic_class} nodes; allowed: one process per node, on a host of that node's NIC class")
+        for node, proc in zip(nodes, procs):
+            want = topology.node_devices[node]
+            if len(by_process[proc]) != len(want):
+                raise ConfigError(f"process {proc} has {len(by_process[proc])} devices but node {node} of topology "
+                                  f"{topology.name!r} has {len(want)}; allowed: {len(want)} devices per process")
+            for index, device in zip(want, by_process[proc]):
+                placed[index] = device
+    return placed
+
+
+def build_mesh(plan_or_grid, topology: Topology | None = None, devices=None, process_nics=None):
+    """A jax Mesh over axes (stage, data, tensor) from a Plan (or a grid and its topology)."""
+    from jax.sharding import Mesh
+
+    grid = getattr(plan_or_grid, "grid", plan_or_grid)
+    topology = topology or plan_or_grid.topology
+    return Mesh(device_array(grid, topology, devices, process_nics), AXES)
+
+
+def local_topology(devices=None, nic_class: str | None = None, device_tflops: float | None = None) -> Topology:
+    """An emulated topology of the devices present: one cluster "local", one node per process.
+
+    NIC class: `nic_class`, else what process 0 detects (so every process builds the same
+    topology), which is "ethernet" on hosts without RDMA ports.
+    """
+    by_process = _by_process(devices)
+    sizes = {len(d) for d in by_process.values()}
+    if len(sizes) != 1:
+        raise ConfigError(f"processes have {sorted(sizes)} devices each; allowed: the same count on every process")
+    found = nic.Nic(nic_class, None) if nic_class else nic.exchange(nic.detect())[0]
+    extra = {} if device_tflops is None else {"device_tflops": device_tflops}
+    cluster = Cluster("local", found.nic_class, nodes=len(by_process), devices_per_node=sizes.pop(),
+                      nic_gbps=found.gbps, **extra)
+    return Topology((cluster,), name="local")
