@@ -48,7 +48,7 @@ def measure_matmul_peak_tflops(devices, size: int = 512, repeats: int = 5) -> fl
 
 
 class MetricsLog:
-    """Appends one JSON object per logged step to `path` and prints a progress line."""
+    """Appends one JSON object per logged step to `path` and, unless quiet, prints a progress line."""
 
     def __init__(self, path, total_steps: int, quiet: bool = False):
         self.path, self.total_steps, self.quiet = path, total_steps, quiet

@@ -285,7 +285,9 @@ def _peak_tflops(devices, quiet: bool) -> tuple[float, str]:
 
 
 def run(cfgs: Configs, devices=None, quiet: bool = False) -> dict:
-    """Trains per `cfgs`; returns the summary. Everything is validated before the workdir is touched."""
+    """Trains per `cfgs`; returns the summary. Everything is validated before the workdir is touched.
+    With several processes, all of them step and checkpoint; process 0 alone prints and writes."""
+    quiet = quiet or jax.process_index() != 0
     say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
     token_data = data.load(cfgs.data)
     setup = build(cfgs, devices)
@@ -297,8 +299,9 @@ def run(cfgs: Configs, devices=None, quiet: bool = False) -> dict:
     say(f"data: {token_data.description}")
 
     workdir = Path(tcfg.workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
-    (workdir / "config.gin").write_text(gin.operative_config_str())
+    if jax.process_index() == 0:
+        workdir.mkdir(parents=True, exist_ok=True)
+        (workdir / "config.gin").write_text(gin.operative_config_str())
     ckpt = Checkpointer(workdir / "checkpoints", cfgs.checkpoint) if cfgs.checkpoint.enabled else None
     start = ckpt.latest_step() if ckpt else None
     if start is not None:
@@ -324,7 +327,7 @@ def run(cfgs: Configs, devices=None, quiet: bool = False) -> dict:
     flops = metrics.megatron_flops(dcfg.global_batch, dcfg.seq_len, mcfg.num_layers, mcfg.hidden,
                                    mcfg.vocab_size, recompute=mcfg.remat)
     tokens_per_step = dcfg.global_batch * dcfg.seq_len
-    log = metrics.MetricsLog(workdir / "metrics.jsonl", tcfg.steps, quiet)
+    log = metrics.MetricsLog(workdir / "metrics.jsonl", tcfg.steps, quiet) if jax.process_index() == 0 else None
     pending, t_last, step, rows = [], time.perf_counter(), start, []
     try:
         for step in range(start + 1, last_step + 1):
@@ -340,7 +343,7 @@ def run(cfgs: Configs, devices=None, quiet: bool = False) -> dict:
                 row["mfu"] = row["tflops_per_device"] / peak
                 if step % tcfg.eval_every == 0 or step == last_step:
                     row["val_loss"] = evaluate(setup, eval_step, state["params"], token_data)
-                log.write(row)
+                log and log.write(row)
                 rows.append(row)
                 pending, t_last = [], time.perf_counter()
             if ckpt:

@@ -28,7 +28,7 @@ EXHAUSTIVE_LIMIT = 3000  # contiguous splits auto tries one by one
 ALL_PAIRS_LIMIT = 12  # up to this many stages, hill-climbing tries moving a layer between any two
 
 
-def _check(num_layers: int, stages: int) -> None:
+def check_stages(num_layers: int, stages: int) -> None:
     if stages > num_layers:
         raise ConfigError(f"pp = {stages} is not allowed: every pipeline stage needs a layer and the model has "
                           f"{num_layers}; allowed: pp <= {num_layers}")
@@ -37,7 +37,7 @@ def _check(num_layers: int, stages: int) -> None:
 def ratio_split(num_layers: int, ratios: Sequence[float]) -> tuple[int, ...]:
     """Layers in proportion to `ratios`, largest remainders rounding up (earlier stages win ties),
     at least one layer per stage."""
-    _check(num_layers, len(ratios))
+    check_stages(num_layers, len(ratios))
     r = np.asarray(ratios, dtype=float)
     if not np.all(r > 0):
         raise ConfigError(f"partition ratios {list(ratios)} are not allowed; allowed: positive numbers")
@@ -57,10 +57,15 @@ def uniform(num_layers: int, stages: int) -> tuple[int, ...]:
 def balanced(costs, extra=None) -> tuple[int, ...]:
     """A contiguous split minimising the largest stage cost, where stage s holding layers [a, b)
     costs extra[s] + sum(costs[s, a:b]), evened out towards equal layer counts where that keeps
-    the largest cost. costs: (stages, layers), non-negative."""
+    the largest cost. costs: (stages, layers), non-negative.
+
+    A greedy feasibility test and bisection on the limit: exact when every stage prices a layer
+    the same and only the first and last stages carry extra (params), or when every layer costs a
+    stage the same (identical layers, any stage speeds); otherwise a good split, never worse than
+    uniform."""
     costs = np.asarray(costs, dtype=float)
     p, layers = costs.shape
-    _check(layers, p)
+    check_stages(layers, p)
     extra = np.zeros(p) if extra is None else np.asarray(extra, dtype=float)
     prefix = np.concatenate([np.zeros((p, 1)), np.cumsum(costs, axis=1)], axis=1)
 
@@ -81,6 +86,8 @@ def balanced(costs, extra=None) -> tuple[int, ...]:
 
     even = np.cumsum(uniform(layers, p))
     hi = max(cost(s, a, b) for s, (a, b) in enumerate(zip(np.r_[0, even[:-1]], even))) * (1 + 1e-9) + 1e-300
+    if not greedy(np.array([hi]))[0][0]:  # greedy is not exact for these costs
+        return uniform(layers, p)
     lo = 0.0
     for _ in range(5):  # each round narrows [lo, hi] 128-fold; hi stays feasible
         limits = np.linspace(lo, hi, 129)
@@ -132,7 +139,7 @@ def _moves(stages: int) -> np.ndarray:
 def auto(step_time: Callable[[np.ndarray], np.ndarray], num_layers: int, stages: int,
          starts: Sequence[Sequence[int]] = (), exhaustive_limit: int = EXHAUSTIVE_LIMIT) -> tuple[int, ...]:
     """The split with the least `step_time` (which maps splits (count, stages) to seconds (count,))."""
-    _check(num_layers, stages)
+    check_stages(num_layers, stages)
     if math.comb(num_layers - 1, stages - 1) <= exhaustive_limit:
         splits = compositions(num_layers, stages)
         return tuple(int(x) for x in splits[int(np.argmin(step_time(splits)))])
@@ -158,7 +165,7 @@ def split(method: str, model: CostModel, ratios: Sequence[float] | None = None,
     """Layers per stage by `method` on `model`'s layout; `stage_layers`, when given, wins.
     `ratios`: holmes-ratio's weight per stage (default equal)."""
     layers, p = model.num_layers, model.num_stages
-    _check(layers, p)
+    check_stages(layers, p)
     if stage_layers is not None:
         given = tuple(stage_layers)
         if len(given) != p or sum(given) != layers or min(given) < 1:

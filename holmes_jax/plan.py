@@ -1,0 +1,376 @@
+"""`holmes_jax.plan(topology, model, parallel)` and `python -m holmes_jax.plan`: topology + model -> Plan.
+
+The Plan is all train needs from planning: the (pp, dp, tp) device grid and mesh sizes, layers
+per stage, schedule and microbatches, and the predicted step. Sizes left to the planner (tp, pp,
+dp, microbatches) are searched: every layout that fits the topology, the model and the batch is
+screened with a cheap split (the time-balanced one for `auto`), and the best few get the full
+partition search. Predictions come from holmes_jax.pipeline.cost; TFLOPS use Megatron's formula
+(holmes_jax.metrics.megatron_flops), the recompute variant when the model recomputes activations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+import types
+from typing import Iterable, Mapping
+
+import numpy as np
+
+from holmes_jax import cli
+from holmes_jax.config import ConfigError, ModelConfig, ParallelConfig
+from holmes_jax.mesh import planner
+from holmes_jax.mesh.planner import PLACEMENTS, Placement, Route
+from holmes_jax.mesh.topology import Topology, load
+from holmes_jax.metrics import megatron_flops
+from holmes_jax.models import presets
+from holmes_jax.pipeline import cost, partition
+from holmes_jax.pipeline.cost import SCHEDULES, CostModel, Prediction
+
+SEARCHABLE = ("tp", "pp", "dp", "microbatches")
+DEFAULT_GLOBAL_BATCH = 512  # sequences: with seq 2048, 1M tokens a step, GPT-3-sized batches
+FULL_SEARCH = 3  # screened layouts that get the full partition search
+FLOPS_FORMULA = {
+    True: "Megatron with recompute: 96*B*s*l*h^2*(1 + s/(6h) + V/(16*l*h))",
+    False: "Megatron without recompute: 72*B*s*l*h^2*(1 + s/(6h) + V/(12*l*h))",
+}
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Plan:
+    topology: Topology
+    model: ModelConfig  # resolved
+    placement: Placement  # the device grid, its clusters and NIC classes, the links it uses
+    stage_layers: tuple[int, ...]
+    partition: str  # the method behind stage_layers; "explicit" when they were given
+    schedule: str
+    microbatches: int
+    global_batch: int
+    seq_len: int
+    zero1: bool
+    prediction: Prediction
+    partitions: Mapping[str, Prediction]  # every partition method's split on this layout
+
+    @property
+    def grid(self) -> np.ndarray:
+        """(pp, dp, tp) topology device numbers."""
+        return self.placement.grid
+
+    @property
+    def mesh(self) -> dict[str, int]:
+        return dict(zip(planner.AXES, self.grid.shape))
+
+    @property
+    def pp(self) -> int:
+        return self.grid.shape[0]
+
+    @property
+    def dp(self) -> int:
+        return self.grid.shape[1]
+
+    @property
+    def tp(self) -> int:
+        return self.grid.shape[2]
+
+    @property
+    def micro_batch(self) -> int:
+        return self.global_batch // (self.dp * self.microbatches)
+
+    @property
+    def flops_formula(self) -> str:
+        return FLOPS_FORMULA[self.model.remat]
+
+    def build_mesh(self, devices=None, process_nics=None):
+        """The jax Mesh (stage, data, tensor) of this plan on real devices (see mesh.planner.build_mesh)."""
+        return planner.build_mesh(self.grid, self.topology, devices, process_nics)
+
+    def to_dict(self) -> dict:
+        pl = self.placement
+        return {
+            "model": self.model.preset, "model_config": dataclasses.asdict(self.model),
+            "topology": self.topology.to_dict(), "devices": int(self.grid.size),
+            "mesh": self.mesh, "placement": pl.method, "schedule": self.schedule,
+            "microbatches": self.microbatches, "micro_batch": self.micro_batch,
+            "global_batch": self.global_batch, "seq_len": self.seq_len, "zero1": self.zero1,
+            "partition": self.partition, "stage_layers": list(self.stage_layers),
+            "stage_clusters": list(pl.stage_clusters), "stage_nic": list(pl.stage_nic),
+            "data_groups_nic": [list(g) for g in pl.data_groups_nic], "mixed_stages": list(pl.mixed_stages),
+            "links": {"tensor": [_route_dict(r) for r in pl.tensor_routes],
+                      "data": [_route_dict(r) for r in pl.data_routes],
+                      "boundaries": [_route_dict(r) for r in pl.boundary_routes]},
+            "predicted": dict(self.prediction.to_dict(), flops_formula=self.flops_formula),
+            "partitions": {m: {"stage_layers": list(p.stage_layers), "step_time_s": p.step_time_s}
+                           for m, p in self.partitions.items()},
+            "device_grid": self.grid.tolist(),
+        }
+
+    def to_json(self, indent: int | None = None) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def explain(self) -> str:
+        """A readable table: stages, their cluster and NIC, layers, times, links, the predicted step."""
+        pl, pr, m = self.placement, self.prediction, self.model
+        lines = [
+            f"plan: {m.preset} ({m.num_layers} layers, hidden {m.hidden}, {m.compute_dtype}"
+            f"{', recompute' if m.remat else ''}) on topology {self.topology.name!r}: {self.grid.size} devices, "
+            f"{len(self.topology.clusters)} cluster(s)",
+            f"mesh stage={self.pp} data={self.dp} tensor={self.tp} | placement {pl.method} | schedule {self.schedule}, "
+            f"{self.microbatches} microbatches of {self.micro_batch} (global batch {self.global_batch}, seq {self.seq_len})"
+            f" | partition {self.partition}",
+            "",
+            _table(["stage", "cluster", "nic", "layers", "fwd+bwd/mb", "compute", "sync", "finish", "gradient ring"],
+                   [[s, pl.stage_clusters[s], pl.stage_nic[s], self.stage_layers[s],
+                     _seconds(pr.stage_fwd_s[s] + pr.stage_bwd_s[s]), _seconds(pr.stage_compute_s[s]),
+                     _seconds(pr.stage_sync_s[s]), _seconds(pr.stage_finish_s[s]),
+                     _route_text(pl.data_routes[s]) if self.dp > 1 else "-"] for s in range(self.pp)]),
+        ]
+        if self.pp > 1:
+            lines += ["", _table(["boundary", "activations cross", "per microbatch, each way"],
+                                 [[f"{s} -> {s + 1}", _route_text(r), _seconds(pr.p2p_s[s])]
+                                  for s, r in enumerate(pl.boundary_routes)])]
+        if pl.mixed_stages:
+            lines += ["", "mixed stages (allowed by --allow-mixed): " + ", ".join(
+                f"{s} spans {pl.stage_clusters[s]}, data groups {'+'.join(pl.data_groups_nic[s])}" for s in pl.mixed_stages)]
+        lines += [
+            "",
+            f"predicted step {_seconds(pr.step_time_s)} | {pr.samples_per_s:.4g} samples/s | "
+            f"{pr.tflops_per_device:.4g} TFLOPS/device ({self.flops_formula})",
+            "partitions on this layout: " + " | ".join(
+                f"{name} {','.join(map(str, p.stage_layers))} {_seconds(p.step_time_s)}" for name, p in self.partitions.items()),
+        ]
+        return "\n".join(lines)
+
+
+def _route_dict(r: Route) -> dict:
+    return {"via": r.via, "gbps": r.bytes_per_s * 8 / 1e9, "latency_us": r.latency_s * 1e6, "shared_by": r.shared_by}
+
+
+def _route_text(r: Route) -> str:
+    shared = f", {r.shared_by} share a NIC" if r.shared_by > 1 else ""
+    return f"{r.via}: {r.bytes_per_s * 8 / 1e9:.3g} Gb/s each{shared}"
+
+
+def _seconds(s: float) -> str:
+    return f"{s:.3g} s" if s >= 1 else f"{s * 1e3:.3g} ms" if s >= 1e-3 else f"{s * 1e6:.3g} us"
+
+
+def _table(header: list, rows: list[list]) -> str:
+    cells = [[str(c) for c in row] for row in [header] + rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells)
+
+
+# ----------------------------------------------------------------------------- planning
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _cost_model(cfg: ModelConfig, pl: Placement, global_batch: int, seq_len: int, microbatches: int,
+                schedule: str, zero1: bool) -> CostModel:
+    pp, dp, tp = pl.grid.shape
+    costs = presets.model_costs(cfg, global_batch // (dp * microbatches), seq_len)
+    work = cost.Work(costs.embed, costs.layers, costs.head, costs.activation_bytes,
+                     tp_allreduces_bwd=4 if cfg.remat else 2)
+
+    def link(r: Route) -> cost.Link:
+        return cost.Link(r.bytes_per_s, r.latency_s)
+
+    stages = [cost.Stage(pl.device_flops[s], tp, link(pl.tensor_routes[s]), dp, link(pl.data_routes[s]))
+              for s in range(pp)]
+    flops = megatron_flops(global_batch, seq_len, cfg.num_layers, cfg.hidden, cfg.vocab_size, cfg.remat)
+    return CostModel(work, stages, [link(r) for r in pl.boundary_routes], microbatches, schedule, zero1,
+                     step_flops=flops, samples=global_batch)
+
+
+def _stage_ratios(topology: Topology, pl: Placement, ratios: Mapping[str, float] | None) -> list[float]:
+    """holmes-ratio's weight per stage: `ratios[cluster name]`, by default the cluster's NIC Gb/s;
+    a stage spanning clusters takes the smallest."""
+    weights = []
+    for s in range(pl.grid.shape[0]):
+        clusters = [topology.clusters[c] for c in np.unique(topology.device_cluster[pl.grid[s]])]
+        if ratios is not None:
+            missing = [c.name for c in clusters if c.name not in ratios]
+            if missing:
+                raise ConfigError(f"ratios = {dict(ratios)} is not allowed; allowed: a weight for every cluster "
+                                  f"({', '.join(c.name for c in topology.clusters)}); missing {', '.join(missing)}")
+        weights.append(min(ratios[c.name] if ratios is not None else c.nic_link.gbps for c in clusters))
+    return weights
+
+
+def _layouts(topology: Topology, cfg: ModelConfig, par: ParallelConfig, free: set) -> Iterable[tuple]:
+    """(tp, pp, dp) candidates: the fixed values, and for free ones every divisor that could fit."""
+    n = topology.num_devices
+    node = math.gcd(*(c.devices_per_node for c in topology.clusters))
+    tps = [t for t in _divisors(node) if cfg.num_heads % t == 0 and cfg.ffn_hidden % t == 0] if "tp" in free else [par.tp]
+    dp = None if "dp" in free else par.dp
+    for tp in tps:
+        if "pp" not in free:
+            yield tp, par.pp, dp
+        elif dp is not None:
+            yield tp, max(n // (tp * dp), 1), dp
+        else:
+            yield from ((tp, pp, None) for pp in _divisors(n // tp) if pp <= cfg.num_layers)
+
+
+def _check_layout(cfg: ModelConfig, pl: Placement, global_batch: int) -> None:
+    pp, dp, tp = pl.grid.shape
+    if cfg.num_heads % tp or cfg.ffn_hidden % tp:
+        raise ConfigError(f"tp = {tp} is not allowed: it must divide ModelConfig.num_heads = {cfg.num_heads} and "
+                          f"ModelConfig.ffn_hidden = {cfg.ffn_hidden}")
+    partition.check_stages(cfg.num_layers, pp)
+    if global_batch % dp:
+        raise ConfigError(f"global_batch = {global_batch} is not allowed with dp = {dp}: every data replica needs "
+                          f"the same samples; allowed: a multiple of {dp}")
+
+
+def _microbatch_options(par: ParallelConfig, free: set, per_replica: int) -> list[int]:
+    if "microbatches" in free:
+        return _divisors(per_replica)
+    if per_replica % par.microbatches:
+        raise ConfigError(f"microbatches = {par.microbatches} is not allowed: each data replica's {per_replica} "
+                          f"samples must split evenly; allowed: a divisor of {per_replica}")
+    return [par.microbatches]
+
+
+def _topology(topology) -> Topology:
+    if isinstance(topology, Topology):
+        return topology
+    if isinstance(topology, (str, os.PathLike)):
+        return load(topology)
+    raise ConfigError(f"topology = {topology!r} is not allowed; allowed: a TOML file path or a Topology")
+
+
+def plan(topology, model, parallel: ParallelConfig | None = None, *, global_batch: int = DEFAULT_GLOBAL_BATCH,
+         seq_len: int | None = None, auto: Iterable[str] | None = None, allow_mixed: bool = False,
+         ratios: Mapping[str, float] | None = None) -> Plan:
+    """Plans `model` (a preset name or ModelConfig) on `topology` (a TOML path or Topology).
+
+    `parallel` fixes tp, pp, dp (None: what is left), microbatches, the partition method or
+    stage_layers, the schedule, placement and zero1. `auto` names the sizes of SEARCHABLE that the
+    cost model chooses instead; default: all of them without `parallel`, none with it.
+    `allow_mixed`: let a holmes stage span clusters (reported) instead of refusing.
+    `ratios`: holmes-ratio's weight per cluster name (default: cluster NIC Gb/s).
+    """
+    topo = _topology(topology)
+    cfg = presets.resolve(model if isinstance(model, ModelConfig) else ModelConfig(preset=model))
+    par = ParallelConfig() if parallel is None else parallel
+    par.validate()
+    free = set(SEARCHABLE if parallel is None else ()) if auto is None else set(auto)
+    if free - set(SEARCHABLE):
+        raise ConfigError(f"auto = {sorted(free)} is not allowed; allowed: any of {', '.join(SEARCHABLE)}")
+    if par.stage_layers is not None:
+        free.discard("pp")
+    seq_len = cfg.max_seq_len if seq_len is None else seq_len
+    for name, value in (("global_batch", global_batch), ("seq_len", seq_len)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{name} = {value!r} is not allowed; allowed: a positive integer")
+    if seq_len > cfg.max_seq_len:
+        raise ConfigError(f"seq_len = {seq_len} is not allowed; allowed: up to ModelConfig.max_seq_len = {cfg.max_seq_len}")
+
+    screened, errors = [], []
+    for tp, pp, dp in _layouts(topo, cfg, par, free):
+        try:
+            pl = planner.place(topo, tp, pp, dp, par.placement, allow_mixed)
+            _check_layout(cfg, pl, global_batch)
+            options = _microbatch_options(par, free, global_batch // pl.grid.shape[1])
+        except ConfigError as e:
+            errors.append(str(e))
+            continue
+        weights = _stage_ratios(topo, pl, ratios)
+        for m in options:
+            model_ = _cost_model(cfg, pl, global_batch, seq_len, m, par.schedule, par.zero1)
+            if par.stage_layers is not None or par.partition != "auto":
+                quick = partition.split(par.partition, model_, weights, par.stage_layers)
+            else:
+                quick = partition.time_balanced(model_)
+            screened.append((float(model_.step_times([quick])[0]), len(screened), pl, model_, weights))
+    if not screened:
+        raise ConfigError(errors[0] if len(errors) == 1 else f"no layout fits ({len(errors)} tried); first: {errors[0]}")
+
+    best = None
+    for _, _, pl, model_, weights in sorted(screened, key=lambda c: c[:2])[:FULL_SEARCH]:
+        layers = partition.split(par.partition, model_, weights, par.stage_layers)
+        prediction = model_.predict(layers)
+        if best is None or prediction.step_time_s < best[0].step_time_s:
+            best = prediction, pl, model_, weights
+    prediction, pl, model_, weights = best
+    partitions = {m: model_.predict(partition.split(m, model_, weights)) for m in partition.METHODS}
+    return Plan(topo, cfg, pl, prediction.stage_layers, "explicit" if par.stage_layers is not None else par.partition,
+                par.schedule, model_.microbatches, global_batch, seq_len, par.zero1, prediction, partitions)
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one "error:" line and exit 2 via cli.run, not argparse's usage dump
+        raise ConfigError(message)
+
+
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not allowed; allowed: a positive integer")
+    return int(text)
+
+
+def _layer_list(text: str) -> tuple[int, ...]:
+    parts = text.split(",")
+    if not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"{text!r} is not allowed; allowed: positive layer counts like 26,22")
+    return tuple(int(p) for p in parts)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m holmes_jax.plan",
+                description="Plan a mesh (stage, data, tensor), layers per stage and a schedule for a model on a "
+                            "topology; print the plan and its predicted step time. Sizes left out are chosen by "
+                            "the cost model.")
+    p.add_argument("--topology", required=True, help="topology TOML file (see configs/topologies)")
+    p.add_argument("--model", required=True, help=f"preset: {', '.join(presets.PRESETS)}")
+    for name in ("tp", "pp", "dp", "microbatches"):
+        p.add_argument(f"--{name}", type=_positive, help="default: chosen by the cost model")
+    p.add_argument("--global-batch", type=_positive, default=DEFAULT_GLOBAL_BATCH, help="sequences per step")
+    p.add_argument("--seq-len", type=_positive, help="default: the model's max_seq_len")
+    p.add_argument("--partition", choices=partition.METHODS, default="auto")
+    p.add_argument("--stage-layers", type=_layer_list, help="layers per stage, e.g. 26,22 (wins over --partition)")
+    p.add_argument("--placement", choices=PLACEMENTS, default="holmes")
+    p.add_argument("--schedule", choices=SCHEDULES, default="gpipe")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="activation dtype")
+    p.add_argument("--remat", action="store_true", help="the model recomputes activations in the backward pass")
+    p.add_argument("--allow-mixed", action="store_true", help="let a stage span clusters instead of refusing")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    given = {name: getattr(args, name) for name in SEARCHABLE}
+    pp = given["pp"] or (len(args.stage_layers) if args.stage_layers else 1)
+    parallel = ParallelConfig(tp=given["tp"] or 1, pp=pp, dp=given["dp"], microbatches=given["microbatches"] or 1,
+                              stage_layers=args.stage_layers, partition=args.partition, schedule=args.schedule,
+                              placement=args.placement)
+    model = ModelConfig(preset=args.model, compute_dtype=args.dtype, remat=args.remat)
+    result = plan(args.topology, model, parallel, global_batch=args.global_batch, seq_len=args.seq_len,
+                  auto=[name for name, value in given.items() if value is None], allow_mixed=args.allow_mixed)
+    print(result.to_json() if args.json else result.explain())
+    return 0
+
+
+class _CallableModule(types.ModuleType):
+    """`holmes_jax.plan` is both this module and the function users call; holmes_jax/__init__.py
+    returns the module, so the module forwards calls to `plan`."""
+
+    def __call__(self, *args, **kwargs) -> Plan:
+        return plan(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
+
+if __name__ == "__main__":
+    cli.run(main)
