@@ -1,0 +1,36 @@
+import jax
+import numpy as np
+import pytest
+
+from holmes_jax import train
+from holmes_jax.config import ConfigError
+from holmes_jax.models import gpt, presets
+from holmes_jax.pipeline import profile
+from helpers import small_configs
+
+
+def test_profile_measures_layers_and_links_and_round_trips(tmp_path):
+    cfgs = small_configs(tmp_path, "--gin.ParallelConfig.pp=2")
+    mesh = train.make_mesh(cfgs, train.ordered_devices())
+    result = profile.profile(gpt.GPT(cfgs.model), mesh, micro_batch=4, seq_len=32, repeats=2)
+    analytic = presets.model_costs(cfgs.model, 4, 32).layers[0].fwd_flops
+    assert result.layer_fwd_flops == pytest.approx(analytic, rel=0.15)  # XLA also counts softmax and norms
+    assert result.layer_fwd_s > 0 and result.layer_bwd_s > 0 and result.achieved_tflops > 0
+    assert len(result.data_links) == 2 and all(l.gbps > 0 for l in result.data_links)
+    assert len(result.stage_links) == 1 and result.stage_links[0].gbps > 0
+    path = tmp_path / "profile.json"
+    path.write_text(result.to_json())
+    assert profile.Profile.load(path) == result
+
+
+def test_link_fit_separates_latency_and_bandwidth():
+    # 1 ms latency, 8 Gb/s = 1e9 bytes/s: 1 MB takes 2 ms, 3 MB 4 ms.
+    link = profile._fit([1_000_000, 3_000_000], [0.002, 0.004], 1.0)
+    assert link.gbps == pytest.approx(8.0)
+    assert link.latency_s == pytest.approx(0.001)
+
+
+def test_a_bad_profile_file_is_a_config_error(tmp_path):
+    (tmp_path / "p.json").write_text("{}")
+    with pytest.raises(ConfigError, match="profile"):
+        profile.Profile.load(tmp_path / "p.json")
