@@ -2,8 +2,9 @@
 
 The Plan is all train needs from planning: the (pp, dp, tp) device grid and mesh sizes, layers
 per stage, schedule and microbatches, and the predicted step. Sizes left to the planner (tp, pp,
-dp, microbatches) are searched: every layout that fits the topology, the model and the batch is
-screened with a cheap split (the time-balanced one for `auto`), and the best few get the full
+dp, microbatches, schedule) are searched: every layout that fits the topology, the model, the
+batch and device memory is screened with a cheap split (the time-balanced one for `auto`),
+simulated in the order of its lower bound until no bound can win, and the best few get the full
 partition search. Predictions come from holmes_jax.pipeline.cost; TFLOPS use Megatron's formula
 (holmes_jax.metrics.megatron_flops), the recompute variant when the model recomputes activations.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -31,9 +33,13 @@ from holmes_jax.models import presets
 from holmes_jax.pipeline import cost, partition
 from holmes_jax.pipeline.cost import SCHEDULES, CostModel, Prediction
 
-SEARCHABLE = ("tp", "pp", "dp", "microbatches")
+SEARCHABLE = ("tp", "pp", "dp", "microbatches", "schedule")
 DEFAULT_GLOBAL_BATCH = 512  # sequences: with seq 2048, 1M tokens a step, GPT-3-sized batches
 FULL_SEARCH = 3  # screened layouts that get the full partition search
+# Microbatch counts the search tries: from pp (fewer leave most of the pipeline idle and save no
+# memory) to 32 per stage (past that the bubble is under 3% while each microbatch adds fixed
+# latencies), at most 512 (keeps the schedule simulation quick).
+MAX_MICROBATCHES_PER_STAGE, MAX_MICROBATCHES = 32, 512
 FLOPS_FORMULA = {
     True: "Megatron with recompute: 96*B*s*l*h^2*(1 + s/(6h) + V/(16*l*h))",
     False: "Megatron without recompute: 72*B*s*l*h^2*(1 + s/(6h) + V/(12*l*h))",
@@ -103,7 +109,7 @@ class Plan:
                       "data": [_route_dict(r) for r in pl.data_routes],
                       "boundaries": [_route_dict(r) for r in pl.boundary_routes]},
             "predicted": dict(self.prediction.to_dict(), flops_formula=self.flops_formula),
-            "partitions": {m: {"stage_layers": list(p.stage_layers), "step_time_s": p.step_time_s}
+            "partitions": {m: {"stage_layers": list(p.stage_layers), "step_time_s": p.step_time_s, "fits": p.fits}
                            for m, p in self.partitions.items()},
             "device_grid": self.grid.tolist(),
         }
@@ -119,13 +125,16 @@ class Plan:
             f"{', recompute' if m.remat else ''}) on topology {self.topology.name!r}: {self.grid.size} devices, "
             f"{len(self.topology.clusters)} cluster(s)",
             f"mesh stage={self.pp} data={self.dp} tensor={self.tp} | placement {pl.method} | schedule {self.schedule}, "
-            f"{self.microbatches} microbatches of {self.micro_batch} (global batch {self.global_batch}, seq {self.seq_len})"
+            f"{self.microbatches} microbatches of {self.micro_batch} "
+            f"(global batch {self.global_batch}, seq {self.seq_len})"
             f" | partition {self.partition}",
             "",
-            _table(["stage", "cluster", "nic", "layers", "fwd+bwd/mb", "compute", "sync", "finish", "gradient ring"],
+            _table(["stage", "cluster", "nic", "layers", "fwd+bwd/mb", "compute", "sync", "finish", "memory",
+                    "gradient ring"],
                    [[s, pl.stage_clusters[s], pl.stage_nic[s], self.stage_layers[s],
                      _seconds(pr.stage_fwd_s[s] + pr.stage_bwd_s[s]), _seconds(pr.stage_compute_s[s]),
                      _seconds(pr.stage_sync_s[s]), _seconds(pr.stage_finish_s[s]),
+                     f"{_bytes(pr.stage_memory_bytes[s])} of {_bytes(pl.device_memory[s])}",
                      _route_text(pl.data_routes[s]) if self.dp > 1 else "-"] for s in range(self.pp)]),
         ]
         if self.pp > 1:
@@ -133,20 +142,24 @@ class Plan:
                                  [[f"{s} -> {s + 1}", _route_text(r), _seconds(pr.p2p_s[s])]
                                   for s, r in enumerate(pl.boundary_routes)])]
         if pl.mixed_stages:
-            lines += ["", "mixed stages (allowed by --allow-mixed): " + ", ".join(
-                f"{s} spans {pl.stage_clusters[s]}, data groups {'+'.join(pl.data_groups_nic[s])}" for s in pl.mixed_stages)]
+            lines += ["", "stages spanning clusters: " + "; ".join(
+                f"{s} ({pl.stage_clusters[s]}, data groups {'+'.join(pl.data_groups_nic[s])})"
+                for s in pl.mixed_stages)]
         lines += [
             "",
             f"predicted step {_seconds(pr.step_time_s)} | {pr.samples_per_s:.4g} samples/s | "
             f"{pr.tflops_per_device:.4g} TFLOPS/device ({self.flops_formula})",
             "partitions on this layout: " + " | ".join(
-                f"{name} {','.join(map(str, p.stage_layers))} {_seconds(p.step_time_s)}" for name, p in self.partitions.items()),
+                f"{name} {','.join(map(str, p.stage_layers))} {_seconds(p.step_time_s)}"
+                f"{'' if p.fits else ' (over memory)'}"
+                for name, p in self.partitions.items()),
         ]
         return "\n".join(lines)
 
 
 def _route_dict(r: Route) -> dict:
-    return {"via": r.via, "gbps": r.bytes_per_s * 8 / 1e9, "latency_us": r.latency_s * 1e6, "shared_by": r.shared_by}
+    return {"via": r.via, "gbps_per_transfer": r.bytes_per_s * 8 / 1e9, "latency_us": round(r.latency_s * 1e6, 6),
+            "shared_by": r.shared_by}
 
 
 def _route_text(r: Route) -> str:
@@ -155,7 +168,11 @@ def _route_text(r: Route) -> str:
 
 
 def _seconds(s: float) -> str:
-    return f"{s:.3g} s" if s >= 1 else f"{s * 1e3:.3g} ms" if s >= 1e-3 else f"{s * 1e6:.3g} us"
+    return f"{s:.3g} s" if s >= 1 or s == 0 else f"{s * 1e3:.3g} ms" if s >= 1e-3 else f"{s * 1e6:.3g} us"
+
+
+def _bytes(n: float) -> str:
+    return f"{n / 1e9:.3g} GB" if n >= 1e9 else f"{n / 1e6:.3g} MB"
 
 
 def _table(header: list, rows: list[list]) -> str:
@@ -167,25 +184,31 @@ def _table(header: list, rows: list[list]) -> str:
 # ----------------------------------------------------------------------------- planning
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def _cost_model(cfg: ModelConfig, pl: Placement, global_batch: int, seq_len: int, microbatches: int,
                 schedule: str, zero1: bool) -> CostModel:
     pp, dp, tp = pl.grid.shape
     costs = presets.model_costs(cfg, global_batch // (dp * microbatches), seq_len)
     work = cost.Work(costs.embed, costs.layers, costs.head, costs.activation_bytes,
-                     tp_allreduces_bwd=4 if cfg.remat else 2)
+                     tp_allreduces_bwd=4 if cfg.remat else 2, layer_stash_bytes=_stash_bytes(cfg, costs, tp, seq_len))
 
     def link(r: Route) -> cost.Link:
         return cost.Link(r.bytes_per_s, r.latency_s)
 
-    stages = [cost.Stage(pl.device_flops[s], tp, link(pl.tensor_routes[s]), dp, link(pl.data_routes[s]))
-              for s in range(pp)]
+    stages = [cost.Stage(pl.device_flops[s], tp, link(pl.tensor_routes[s]), dp, link(pl.data_routes[s]),
+                         pl.device_memory[s]) for s in range(pp)]
     flops = megatron_flops(global_batch, seq_len, cfg.num_layers, cfg.hidden, cfg.vocab_size, cfg.remat)
     return CostModel(work, stages, [link(r) for r in pl.boundary_routes], microbatches, schedule, zero1,
                      step_flops=flops, samples=global_batch)
+
+
+def _stash_bytes(cfg: ModelConfig, costs: presets.ModelCosts, tp: int, seq_len: int) -> float:
+    """Activations one layer keeps per in-flight microbatch on one device: its input with
+    recompute, else Korthikanti et al.'s s*b*h*(10 + 24/t + 5*a*s/(h*t)) bytes (16-bit
+    activations, tensor parallel without sequence parallelism), scaled to the compute dtype."""
+    if cfg.remat:
+        return costs.activation_bytes
+    a, h = cfg.num_heads, cfg.hidden
+    return costs.activation_bytes / 2 * (10 + 24 / tp + 5 * a * seq_len / (h * tp))
 
 
 def _stage_ratios(topology: Topology, pl: Placement, ratios: Mapping[str, float] | None) -> list[float]:
@@ -207,7 +230,8 @@ def _layouts(topology: Topology, cfg: ModelConfig, par: ParallelConfig, free: se
     """(tp, pp, dp) candidates: the fixed values, and for free ones every divisor that could fit."""
     n = topology.num_devices
     node = math.gcd(*(c.devices_per_node for c in topology.clusters))
-    tps = [t for t in _divisors(node) if cfg.num_heads % t == 0 and cfg.ffn_hidden % t == 0] if "tp" in free else [par.tp]
+    tps = ([t for t in planner.divisors(node) if cfg.num_heads % t == 0 and cfg.ffn_hidden % t == 0]
+           if "tp" in free else [par.tp])
     dp = None if "dp" in free else par.dp
     for tp in tps:
         if "pp" not in free:
@@ -215,23 +239,25 @@ def _layouts(topology: Topology, cfg: ModelConfig, par: ParallelConfig, free: se
         elif dp is not None:
             yield tp, max(n // (tp * dp), 1), dp
         else:
-            yield from ((tp, pp, None) for pp in _divisors(n // tp) if pp <= cfg.num_layers)
+            yield from ((tp, pp, None) for pp in planner.divisors(n // tp) if pp <= cfg.num_layers)
 
 
-def _check_layout(cfg: ModelConfig, pl: Placement, global_batch: int) -> None:
-    pp, dp, tp = pl.grid.shape
+def _check_model(cfg: ModelConfig, tp: int, pp: int) -> None:
     if cfg.num_heads % tp or cfg.ffn_hidden % tp:
         raise ConfigError(f"tp = {tp} is not allowed: it must divide ModelConfig.num_heads = {cfg.num_heads} and "
                           f"ModelConfig.ffn_hidden = {cfg.ffn_hidden}")
     partition.check_stages(cfg.num_layers, pp)
+
+
+def _microbatch_options(par: ParallelConfig, free: set, global_batch: int, dp: int, pp: int) -> list[int]:
     if global_batch % dp:
         raise ConfigError(f"global_batch = {global_batch} is not allowed with dp = {dp}: every data replica needs "
                           f"the same samples; allowed: a multiple of {dp}")
-
-
-def _microbatch_options(par: ParallelConfig, free: set, per_replica: int) -> list[int]:
+    per_replica = global_batch // dp
     if "microbatches" in free:
-        return _divisors(per_replica)
+        cap = min(MAX_MICROBATCHES_PER_STAGE * pp, MAX_MICROBATCHES)
+        allowed = [m for m in planner.divisors(per_replica) if m <= cap]
+        return [m for m in allowed if m >= pp] or allowed[-1:]
     if per_replica % par.microbatches:
         raise ConfigError(f"microbatches = {par.microbatches} is not allowed: each data replica's {per_replica} "
                           f"samples must split evenly; allowed: a divisor of {per_replica}")
@@ -271,38 +297,72 @@ def plan(topology, model, parallel: ParallelConfig | None = None, *, global_batc
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"{name} = {value!r} is not allowed; allowed: a positive integer")
     if seq_len > cfg.max_seq_len:
-        raise ConfigError(f"seq_len = {seq_len} is not allowed; allowed: up to ModelConfig.max_seq_len = {cfg.max_seq_len}")
+        raise ConfigError(f"seq_len = {seq_len} is not allowed; "
+                          f"allowed: up to ModelConfig.max_seq_len = {cfg.max_seq_len}")
 
-    screened, errors = [], []
+    candidates, errors = _candidates(topo, cfg, par, free, global_batch, seq_len, allow_mixed, ratios)
+    if not candidates:
+        errors = list(dict.fromkeys(errors))
+        raise ConfigError(errors[0] if len(errors) == 1 else
+                          f"no layout fits ({len(errors)} kinds of misfit); first: {errors[0]}")
+    # Simulate in lower-bound order, stopping once no bound can beat the FULL_SEARCH-th best time.
+    timed = []
+    for c in sorted(candidates, key=lambda c: c.bound):
+        if len(timed) >= FULL_SEARCH and c.bound >= timed[FULL_SEARCH - 1][0]:
+            break
+        timed = sorted(timed + [(float(c.model.step_times([c.split])[0]), len(timed), c)], key=lambda t: t[:2])
+    best = None
+    for _, _, c in timed[:FULL_SEARCH]:
+        prediction = c.model.predict(partition.split(par.partition, c.model, c.weights, par.stage_layers))
+        if best is None or prediction.step_time_s < best[0].step_time_s:
+            best = prediction, c
+    prediction, c = best
+    partitions = {m: c.model.predict(partition.split(m, c.model, c.weights)) for m in partition.METHODS}
+    return Plan(topo, cfg, c.placement, prediction.stage_layers,
+                "explicit" if par.stage_layers is not None else par.partition, c.model.schedule, c.model.microbatches,
+                global_batch, seq_len, par.zero1, prediction, partitions)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Candidate:
+    bound: float  # no schedule of this candidate beats it (CostModel.lower_bounds)
+    placement: Placement
+    model: CostModel
+    weights: list[float]  # holmes-ratio's per stage
+    split: tuple[int, ...]  # the screening split: time-balanced for auto, else the method's own
+
+
+def _candidates(topo: Topology, cfg: ModelConfig, par: ParallelConfig, free: set, global_batch: int, seq_len: int,
+                allow_mixed: bool, ratios) -> tuple[list[_Candidate], list[str]]:
+    """Every (layout, microbatches, schedule) that fits the topology, the model, the batch and
+    device memory; and why the others do not."""
+    found, errors = [], []
     for tp, pp, dp in _layouts(topo, cfg, par, free):
         try:
+            _check_model(cfg, tp, pp)
             pl = planner.place(topo, tp, pp, dp, par.placement, allow_mixed)
-            _check_layout(cfg, pl, global_batch)
-            options = _microbatch_options(par, free, global_batch // pl.grid.shape[1])
+            options = _microbatch_options(par, free, global_batch, pl.grid.shape[1], pp)
         except ConfigError as e:
             errors.append(str(e))
             continue
         weights = _stage_ratios(topo, pl, ratios)
-        for m in options:
-            model_ = _cost_model(cfg, pl, global_batch, seq_len, m, par.schedule, par.zero1)
+        for m, schedule in itertools.product(options, SCHEDULES if "schedule" in free else [par.schedule]):
+            model = _cost_model(cfg, pl, global_batch, seq_len, m, schedule, par.zero1)
             if par.stage_layers is not None or par.partition != "auto":
-                quick = partition.split(par.partition, model_, weights, par.stage_layers)
+                split = partition.split(par.partition, model, weights, par.stage_layers)
             else:
-                quick = partition.time_balanced(model_)
-            screened.append((float(model_.step_times([quick])[0]), len(screened), pl, model_, weights))
-    if not screened:
-        raise ConfigError(errors[0] if len(errors) == 1 else f"no layout fits ({len(errors)} tried); first: {errors[0]}")
-
-    best = None
-    for _, _, pl, model_, weights in sorted(screened, key=lambda c: c[:2])[:FULL_SEARCH]:
-        layers = partition.split(par.partition, model_, weights, par.stage_layers)
-        prediction = model_.predict(layers)
-        if best is None or prediction.step_time_s < best[0].step_time_s:
-            best = prediction, pl, model_, weights
-    prediction, pl, model_, weights = best
-    partitions = {m: model_.predict(partition.split(m, model_, weights)) for m in partition.METHODS}
-    return Plan(topo, cfg, pl, prediction.stage_layers, "explicit" if par.stage_layers is not None else par.partition,
-                par.schedule, model_.microbatches, global_batch, seq_len, par.zero1, prediction, partitions)
+                split = partition.time_balanced(model)
+            bound = float(model.lower_bounds([split])[0])
+            if bound == np.inf:
+                memory = model.stage_terms([split])["memory"][0]
+                s = int(np.argmax(memory - np.array(pl.device_memory)))
+                errors.append(f"tp = {tp}, pp = {pp}, microbatches = {m}, schedule {schedule} do not fit in device "
+                              f"memory: stage {s} needs {memory[s] / 1e9:.3g} GB, its devices have "
+                              f"{pl.device_memory[s] / 1e9:.3g} GB; allowed: layouts that fit (or a larger "
+                              f"device_memory_gb in the topology)")
+                continue
+            found.append(_Candidate(bound, pl, model, weights, split))
+    return found, errors
 
 
 # ----------------------------------------------------------------------------- command line
@@ -340,7 +400,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--partition", choices=partition.METHODS, default="auto")
     p.add_argument("--stage-layers", type=_layer_list, help="layers per stage, e.g. 26,22 (wins over --partition)")
     p.add_argument("--placement", choices=PLACEMENTS, default="holmes")
-    p.add_argument("--schedule", choices=SCHEDULES, default="gpipe")
+    p.add_argument("--schedule", choices=SCHEDULES, help="default: chosen by the cost model")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="activation dtype")
     p.add_argument("--remat", action="store_true", help="the model recomputes activations in the backward pass")
     p.add_argument("--allow-mixed", action="store_true", help="let a stage span clusters instead of refusing")
@@ -353,8 +413,8 @@ def main(argv: list[str]) -> int:
     given = {name: getattr(args, name) for name in SEARCHABLE}
     pp = given["pp"] or (len(args.stage_layers) if args.stage_layers else 1)
     parallel = ParallelConfig(tp=given["tp"] or 1, pp=pp, dp=given["dp"], microbatches=given["microbatches"] or 1,
-                              stage_layers=args.stage_layers, partition=args.partition, schedule=args.schedule,
-                              placement=args.placement)
+                              stage_layers=args.stage_layers, partition=args.partition,
+                              schedule=given["schedule"] or "gpipe", placement=args.placement)
     model = ModelConfig(preset=args.model, compute_dtype=args.dtype, remat=args.remat)
     result = plan(args.topology, model, parallel, global_batch=args.global_batch, seq_len=args.seq_len,
                   auto=[name for name, value in given.items() if value is None], allow_mixed=args.allow_mixed)

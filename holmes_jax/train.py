@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import time
 from pathlib import Path
 
@@ -19,11 +20,14 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from holmes_jax import cli, data, metrics
+from holmes_jax import cli, data, distributed, metrics
+from holmes_jax import plan as plan_api
 from holmes_jax.checkpoint import Checkpointer
 from holmes_jax.config import CheckpointConfig, ConfigError, DataConfig, ModelConfig, ParallelConfig, TrainConfig
+from holmes_jax.mesh import planner, topology
 from holmes_jax.models import gpt, presets
 from holmes_jax.pipeline.runtime import Pipeline
+from holmes_jax.plan import Plan
 
 DEFAULT_GIN = Path(__file__).resolve().parent.parent / "configs" / "default.gin"
 MESH_AXES = ("stage", "data", "tensor")
@@ -108,25 +112,29 @@ def ordered_devices(devices=None) -> list:
     return sorted(devices or jax.devices(), key=lambda d: (d.process_index, d.id))
 
 
-def make_mesh(cfgs: Configs, devices) -> Mesh:
-    par, model = cfgs.parallel, cfgs.model
-    n = len(devices)
-    dp = par.dp or n // (par.pp * par.tp)
-    if par.pp * dp * par.tp != n:
-        raise ConfigError(
-            f"ParallelConfig: pp * dp * tp = {par.pp} * {dp} * {par.tp} must equal the {n} devices available"
-        )
-    for field, size in (("num_heads", model.num_heads), ("ffn_hidden", model.ffn_hidden)):
-        if size % par.tp:
-            raise ConfigError(f"ParallelConfig.tp = {par.tp} must divide ModelConfig.{field} = {size}")
-    if cfgs.data.global_batch % (dp * par.microbatches):
-        raise ConfigError(
-            f"DataConfig.global_batch = {cfgs.data.global_batch} must be divisible by data-parallel size {dp} "
-            f"* ParallelConfig.microbatches = {par.microbatches}"
-        )
-    if cfgs.data.seq_len > model.max_seq_len:
-        raise ConfigError(f"DataConfig.seq_len = {cfgs.data.seq_len} exceeds ModelConfig.max_seq_len = {model.max_seq_len}")
-    return Mesh(np.asarray(devices, dtype=object).reshape(par.pp, dp, par.tp), MESH_AXES)
+def peak_tflops(devices) -> tuple[float, str]:
+    """Dense peak TFLOP/s of one device and where the figure comes from (measured once on CPU)."""
+    kind = devices[0].device_kind
+    peak = metrics.device_peak_tflops(kind)
+    if peak is not None:
+        return peak, f"{kind} dense bf16 peak"
+    peak = _measured_peak(tuple(devices))
+    return peak, f"measured float32 matmul peak of {kind} ({peak:.3g} TFLOPS/device)"
+
+
+@functools.lru_cache(maxsize=None)
+def _measured_peak(devices: tuple) -> float:
+    return metrics.measure_matmul_peak_tflops(list(devices))
+
+
+def make_plan(cfgs: Configs, devices, process_nics=None) -> Plan:
+    """The Plan for this run: the topology file's, or one emulated from the devices present."""
+    par = cfgs.parallel
+    if par.topology:
+        topo = topology.load(par.topology)
+    else:
+        topo = planner.local_topology(devices, device_tflops=peak_tflops(devices)[0])
+    return plan_api.plan(topo, cfgs.model, par, global_batch=cfgs.data.global_batch, seq_len=cfgs.data.seq_len)
 
 
 def _zero1_spec(spec: P, shape: tuple, dp: int) -> P:
@@ -179,6 +187,7 @@ class Setup:
     their optimizer moments) in the pipeline's staged layout; checkpoints hold the canonical one."""
 
     cfgs: Configs
+    plan: Plan
     mesh: Mesh
     model: gpt.GPT
     pipeline: Pipeline
@@ -211,7 +220,7 @@ class Setup:
         """The global batch of `step`; on several processes each builds only its own shards."""
         d = self.cfgs.data
         tokens = token_data.batch(split, self.cfgs.train.seed, step, d.global_batch, d.seq_len)
-        m = self.cfgs.parallel.microbatches
+        m = self.plan.microbatches
         tokens = tokens.reshape(m, d.global_batch // m, d.seq_len + 1)
         return jax.make_array_from_callback(tokens.shape, self.batch_sharding, lambda index: tokens[index])
 
@@ -224,24 +233,17 @@ def _state_shardings(mesh: Mesh, tx, params_shapes: dict, stage_axis: str | None
     return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
 
 
-def uniform_layers(num_layers: int, stages: int) -> tuple[int, ...]:
-    base, extra = divmod(num_layers, stages)
-    return tuple(base + (s < extra) for s in range(stages))
-
-
-def build(cfgs: Configs, devices=None) -> Setup:
-    mesh = make_mesh(cfgs, ordered_devices(devices))
+def build(cfgs: Configs, devices=None, process_nics=None) -> Setup:
+    devices = ordered_devices(devices)
+    the_plan = make_plan(cfgs, devices, process_nics)
+    mesh = the_plan.build_mesh(devices, process_nics)
     par = cfgs.parallel
-    stage_layers = par.stage_layers or uniform_layers(cfgs.model.num_layers, par.pp)
-    if sum(stage_layers) != cfgs.model.num_layers:
-        raise ConfigError(f"ParallelConfig.stage_layers = {tuple(stage_layers)} must add up to "
-                          f"ModelConfig.num_layers = {cfgs.model.num_layers}")
     model = gpt.GPT(cfgs.model)
-    pipeline = Pipeline(model, mesh, stage_layers, par.microbatches, par.schedule)
+    pipeline = Pipeline(model, mesh, the_plan.stage_layers, the_plan.microbatches, the_plan.schedule)
     tx, schedule = make_optimizer(cfgs.train)
     canonical = jax.eval_shape(lambda: model.init(0))
     staged = jax.eval_shape(pipeline.to_staged, canonical)
-    return Setup(cfgs, mesh, model, pipeline, tx, schedule,
+    return Setup(cfgs, the_plan, mesh, model, pipeline, tx, schedule,
                  _state_shardings(mesh, tx, staged, "stage", par.zero1),
                  _state_shardings(mesh, tx, canonical, None, par.zero1),
                  NamedSharding(mesh, P(None, "data", None)))
@@ -275,15 +277,6 @@ def make_eval_step(setup: Setup):
 # ----------------------------------------------------------------------------- the run
 
 
-def _peak_tflops(devices, quiet: bool) -> tuple[float, str]:
-    kind = devices[0].device_kind
-    peak = metrics.device_peak_tflops(kind)
-    if peak is not None:
-        return peak, f"{kind} dense bf16 peak"
-    peak = metrics.measure_matmul_peak_tflops(devices)
-    return peak, f"measured float32 matmul peak of {kind} ({peak:.3g} TFLOPS/device)"
-
-
 def run(cfgs: Configs, devices=None, quiet: bool = False) -> dict:
     """Trains per `cfgs`; returns the summary. Everything is validated before the workdir is touched.
     With several processes, all of them step and checkpoint; process 0 alone prints and writes."""
@@ -295,8 +288,9 @@ def run(cfgs: Configs, devices=None, quiet: bool = False) -> dict:
     tcfg, dcfg, mcfg = cfgs.train, cfgs.data, cfgs.model
     say(f"holmes_jax: {mcfg.preset} model, {gpt.count_params(jax.eval_shape(lambda: setup.model.init(0))):,} parameters; "
         f"mesh {dict(setup.mesh.shape)}, stage layers {list(setup.pipeline.stage_layers)}, "
-        f"{cfgs.parallel.schedule} over {cfgs.parallel.microbatches} microbatches on {len(devices)} {devices[0].platform} devices")
+        f"{setup.plan.schedule} over {setup.plan.microbatches} microbatches on {len(devices)} {devices[0].platform} devices")
     say(f"data: {token_data.description}")
+    say(setup.plan.explain())
 
     workdir = Path(tcfg.workdir)
     if jax.process_index() == 0:
@@ -321,7 +315,7 @@ def run(cfgs: Configs, devices=None, quiet: bool = False) -> dict:
     mem = compiled.memory_analysis()
     say(f"compiled the train step in {time.perf_counter() - t0:.1f} s"
         + (f"; temporary memory {mem.temp_size_in_bytes / 2**20:.1f} MiB per device" if mem else ""))
-    peak, peak_what = _peak_tflops(devices, quiet)
+    peak, peak_what = peak_tflops(devices)
     say(f"MFU is against the {peak_what}")
 
     flops = metrics.megatron_flops(dcfg.global_batch, dcfg.seq_len, mcfg.num_layers, mcfg.hidden,
@@ -355,7 +349,7 @@ def run(cfgs: Configs, devices=None, quiet: bool = False) -> dict:
         ckpt and ckpt.close()
         raise
     ckpt and ckpt.close()
-    return summarize(rows, start, say)
+    return summarize(rows, start, setup.plan.prediction.step_time_s, say)
 
 
 def evaluate(setup: Setup, eval_step, params, token_data: data.TokenData) -> float:
@@ -363,7 +357,7 @@ def evaluate(setup: Setup, eval_step, params, token_data: data.TokenData) -> flo
     return float(np.mean(jax.device_get(losses)))
 
 
-def summarize(rows: list[dict], start: int, say) -> dict:
+def summarize(rows: list[dict], start: int, predicted_step_s: float, say) -> dict:
     timed = [r for r in rows if r["step"] > start + 1] or rows  # the first step pays for warm-up
     summary = {
         "steps": rows[-1]["step"],
@@ -371,20 +365,22 @@ def summarize(rows: list[dict], start: int, say) -> dict:
         "final_loss": rows[-1]["loss"],
         "val_loss": rows[-1].get("val_loss"),
         "step_time_s": float(np.median([r["step_time_s"] for r in timed])),
+        "predicted_step_time_s": predicted_step_s,
     }
     summary["tokens_per_s"] = float(np.median([r["tokens_per_s"] for r in timed]))
     summary["tflops_per_device"] = float(np.median([r["tflops_per_device"] for r in timed]))
     say(f"done: step {summary['steps']}, loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f}"
         + (f", val {summary['val_loss']:.3f}" if summary["val_loss"] is not None else "")
         + f"; {summary['step_time_s'] * 1e3:.0f} ms/step, {summary['tokens_per_s']:,.0f} tokens/s, "
-        f"{summary['tflops_per_device']:.3g} TFLOPS/device (Megatron formula)")
+        f"{summary['tflops_per_device']:.3g} TFLOPS/device (Megatron formula); "
+        f"the plan predicted {predicted_step_s * 1e3:.0f} ms/step")
     return summary
 
 
 def main(argv: list[str]) -> int:
     cfgs = load_configs(argv)
-    # The CPU backend's device count must be set before any backend starts; GPUs ignore it.
-    jax.config.update("jax_num_cpu_devices", cfgs.parallel.cpu_devices)
+    # Before any backend starts: jax.distributed for several processes, the CPU device count.
+    distributed.initialize(cfgs.parallel.cpu_devices)
     run(cfgs)
     return 0
 

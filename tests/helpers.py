@@ -14,8 +14,10 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def small_configs(tmp_path, *bindings: str) -> train.Configs:
-    """Configs for a quick run in `tmp_path`, with gin `bindings` ('--gin.X=Y') on top."""
+    """Configs for a quick run in `tmp_path`, with gin `bindings` ('--gin.X=Y') on top: one stage,
+    one microbatch unless the bindings say otherwise."""
     base = [
+        "--gin.ParallelConfig.pp=1", "--gin.ParallelConfig.microbatches=1", "--gin.ParallelConfig.schedule=gpipe",
         "--gin.ModelConfig.num_layers=2", "--gin.ModelConfig.hidden=64", "--gin.ModelConfig.num_heads=4",
         "--gin.ModelConfig.ffn_hidden=128", "--gin.DataConfig.seq_len=32", "--gin.DataConfig.global_batch=16",
         "--gin.TrainConfig.steps=6", "--gin.TrainConfig.log_every=1", "--gin.TrainConfig.eval_every=1000",

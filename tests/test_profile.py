@@ -11,7 +11,8 @@ from helpers import small_configs
 
 def test_profile_measures_layers_and_links_and_round_trips(tmp_path):
     cfgs = small_configs(tmp_path, "--gin.ParallelConfig.pp=2")
-    mesh = train.make_mesh(cfgs, train.ordered_devices())
+    devices = train.ordered_devices()
+    mesh = train.make_plan(cfgs, devices).build_mesh(devices)
     result = profile.profile(gpt.GPT(cfgs.model), mesh, micro_batch=4, seq_len=32, repeats=2)
     analytic = presets.model_costs(cfgs.model, 4, 32).layers[0].fwd_flops
     assert result.layer_fwd_flops == pytest.approx(analytic, rel=0.15)  # XLA also counts softmax and norms

@@ -103,7 +103,7 @@ def test_metrics_rows_hold_the_contract_fields(tmp_path):
     (["--gin.TrainConfig.stepz=3"], "stepz"),
     (["--gin.NoSuchConfig.x=1"], "NoSuchConfig"),
     (["--gin.ParallelConfig.schedule=zigzag"], "ParallelConfig.schedule"),
-    (["--gin.ParallelConfig.tp=3"], "ParallelConfig"),
+    (["--gin.ParallelConfig.tp=3"], "tp = 3"),
     (["--gin.DataConfig.source=/nonexistent/text"], "DataConfig.source"),
     (["--gin_file", "/nonexistent.gin"], "nonexistent.gin"),
     (["--bogus"], "--bogus"),

@@ -53,19 +53,20 @@ class Placement:
     data_groups_nic: tuple[tuple[str, ...], ...]  # per stage: NIC classes inside its data groups, sorted
     mixed_stages: tuple[int, ...]  # stages spanning more than one cluster
     device_flops: tuple[float, ...]  # per stage: achievable FLOP/s of its slowest device
+    device_memory: tuple[float, ...]  # per stage: bytes of its smallest device
     tensor_routes: tuple[Route, ...]  # per stage: its tensor groups' all-reduce ring
     data_routes: tuple[Route, ...]  # per stage: its data groups' gradient ring
     boundary_routes: tuple[Route, ...]  # stage s -> s + 1: activations (gradients come back the same way)
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def _fitting_pp(topology: Topology, tp: int) -> list[int]:
     """pp values for which every cluster holds whole stages of tp-wide tensor groups."""
     n = topology.num_devices
-    return [pp for pp in _divisors(n // tp) if all(c.num_devices % (n // pp) == 0 for c in topology.clusters)]
+    return [pp for pp in divisors(n // tp) if all(c.num_devices % (n // pp) == 0 for c in topology.clusters)]
 
 
 def scheduler_order(topology: Topology) -> np.ndarray:
@@ -86,7 +87,8 @@ def route(topology: Topology, src, dst) -> Route:
     share = np.ones(len(src), dtype=int)
     net = kind != INTRA_NODE
     for end in (src[net], dst[net]):  # a node's NIC is shared by what leaves it and what enters it
-        _, inverse, counts = np.unique(topology.device_node[end] * 3 + kind[net], return_inverse=True, return_counts=True)
+        key = topology.device_node[end] * 3 + kind[net]  # (node, fabric)
+        _, inverse, counts = np.unique(key, return_inverse=True, return_counts=True)
         share[net] = np.maximum(share[net], counts[inverse])
     worst = int(np.argmin(rate / share))
     k, link = int(kind[worst]), table[kind[worst]][sender[worst]]
@@ -110,7 +112,7 @@ def place(topology: Topology, tp: int, pp: int, dp: int | None = None, method: s
     n = topology.num_devices
     if n % (pp * tp):
         raise ConfigError(f"pp = {pp} is not allowed with tp = {tp}: pp * tp must divide the {n} devices; "
-                          f"allowed pp: {', '.join(map(str, _divisors(n // tp)))}")
+                          f"allowed pp: {', '.join(map(str, divisors(n // tp)))}")
     if dp is not None and pp * dp * tp != n:
         raise ConfigError(f"dp = {dp} is not allowed: pp * dp * tp = {pp} * {dp} * {tp} must equal the {n} devices; "
                           f"allowed with pp = {pp}, tp = {tp}: dp = {n // (pp * tp)}")
@@ -123,8 +125,9 @@ def place(topology: Topology, tp: int, pp: int, dp: int | None = None, method: s
         s = mixed[0]
         raise ConfigError(
             f"pp = {pp} is not allowed with tp = {tp}: stage {s} would span clusters "
-            f"{', '.join(repr(c.name) for c in clusters[s])}, so its data groups would not stay in one NIC class; "
-            f"allowed pp (every cluster holding whole stages): {', '.join(map(str, _fitting_pp(topology, tp))) or 'none'}; "
+            f"{', '.join(repr(c.name) for c in clusters[s])}, so its data groups would sync across clusters; "
+            f"allowed pp (every cluster holding whole stages): "
+            f"{', '.join(map(str, _fitting_pp(topology, tp))) or 'none'}; "
             f"or allow mixed stages (allow_mixed=True, --allow-mixed)")
 
     def joined(values) -> str:
@@ -137,6 +140,7 @@ def place(topology: Topology, tp: int, pp: int, dp: int | None = None, method: s
         data_groups_nic=tuple(tuple(sorted({c.nic for c in cs})) for cs in clusters),
         mixed_stages=mixed,
         device_flops=tuple(min(c.device_flops for c in cs) for cs in clusters),
+        device_memory=tuple(min(c.device_memory_gb for c in cs) * 1e9 for cs in clusters),
         tensor_routes=tuple(route(topology, grid[s], np.roll(grid[s], -1, axis=1)) for s in range(pp)),
         data_routes=tuple(route(topology, grid[s], np.roll(grid[s], -1, axis=0)) for s in range(pp)),
         boundary_routes=tuple(route(topology, grid[s], grid[s + 1]) for s in range(pp - 1)),
@@ -189,8 +193,8 @@ def _match_processes(topology: Topology, by_process: dict, process_nics) -> list
         procs = [p for p, c in zip(by_process, process_nics) if c == nic_class]
         if len(procs) != len(nodes):
             raise ConfigError(
-                f"{len(procs)} processes report NIC class {nic_class!r} but topology {topology.name!r} has "
-                f"{len(nodes)} {nic_class} nodes; allowed: one process per node, on a host of that node's NIC class")
+                f"NIC class {nic_class!r} is reported by {len(procs)} process(es) but topology {topology.name!r} has "
+                f"{len(nodes)} {nic_class} node(s); allowed: one process per node, on a host of that node's NIC class")
         for node, proc in zip(nodes, procs):
             want = topology.node_devices[node]
             if len(by_process[proc]) != len(want):

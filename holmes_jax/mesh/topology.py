@@ -7,14 +7,14 @@ the node's NVLink-class link, the cluster's NIC, or the inter-cluster link.
 Default link figures (per node for NICs; override per cluster). `efficiency` is the fraction of
 line rate that NCCL-style collectives reach on the link:
 
-| class      | Gb/s | latency | efficiency | why                                                        |
-|------------|------|---------|------------|------------------------------------------------------------|
-| infiniband | 200  | 3 us    | 0.90       | HDR 4x; RDMA with credit-based flow control runs near line rate |
-| roce       | 100  | 8 us    | 0.60       | RDMA over converged Ethernet: PFC pauses and congestion control cost throughput |
-| ethernet   | 25   | 50 us   | 0.80       | TCP sockets: kernel copies and the socket transport's latency |
-| intra-node | 2400 | 2 us    | 0.80       | NVLink 3 on A100: 300 GB/s per device and direction        |
+| class      | Gb/s | latency | efficiency | why                                                       |
+|------------|------|---------|------------|-----------------------------------------------------------|
+| infiniband | 200  | 3 us    | 0.90       | HDR 4x; RDMA with credit flow control runs near line rate |
+| roce       | 100  | 8 us    | 0.60       | RDMA over Ethernet: PFC pauses, congestion control        |
+| ethernet   | 25   | 50 us   | 0.80       | TCP sockets: kernel copies, the socket transport's latency |
+| intra-node | 2400 | 2 us    | 0.80       | NVLink 3 on A100: 300 GB/s per device and direction       |
 
-A device defaults to an A100 (312 TFLOP/s dense bf16) reaching 75% of peak on transformer layers.
+A device defaults to an A100 80GB (312 TFLOP/s dense bf16) reaching 75% of peak on transformer layers.
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ NIC_DEFAULTS = {
 INTRA_NODE_DEFAULT = Link("intra-node", 2400.0, 2.0, 0.80)
 DEVICE_TFLOPS_DEFAULT = 312.0
 DEVICE_EFFICIENCY_DEFAULT = 0.75
+DEVICE_MEMORY_GB_DEFAULT = 80.0
 
 
 def _positive_int(where: str, value) -> None:
@@ -82,7 +83,8 @@ def nic_link(nic: str, gbps: float | None = None, latency_us: float | None = Non
     """The link of NIC class `nic`, class defaults for the figures left out. Error messages name
     the field as `where` + its entry in `fields` (nic, gbps, latency_us, efficiency)."""
     if nic not in NIC_CLASSES:
-        raise ConfigError(f"{where}{fields[0]} = {nic!r} is not allowed; choose one of {', '.join(map(repr, NIC_CLASSES))}")
+        raise ConfigError(f"{where}{fields[0]} = {nic!r} is not allowed; "
+                          f"choose one of {', '.join(map(repr, NIC_CLASSES))}")
     default = NIC_DEFAULTS[nic]
     link = Link(nic, default.gbps if gbps is None else gbps,
                 default.latency_us if latency_us is None else latency_us,
@@ -111,6 +113,7 @@ class Cluster:
     device_tflops: float = DEVICE_TFLOPS_DEFAULT  # dense peak of one device
     device_efficiency: float = DEVICE_EFFICIENCY_DEFAULT  # fraction of peak a transformer layer reaches
     intra_node_gbps: float = INTRA_NODE_DEFAULT.gbps  # per device
+    device_memory_gb: float = DEVICE_MEMORY_GB_DEFAULT
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
@@ -122,6 +125,7 @@ class Cluster:
         _number(f"{where}device_tflops", self.device_tflops, 0)
         _number(f"{where}device_efficiency", self.device_efficiency, 0, 1)
         _number(f"{where}intra_node_gbps", self.intra_node_gbps, 0)
+        _number(f"{where}device_memory_gb", self.device_memory_gb, 0)
 
     @property
     def nic_link(self) -> Link:

@@ -6,8 +6,9 @@
 - `holmes-ratio`: the Holmes paper's rule, layers in proportion to per-stage ratios (their
   scripts: 26 vs 22 of 48 layers for IB vs RoCE); by default each stage's cluster NIC bandwidth.
 - `auto`: the split with the least step time the cost model predicts: every contiguous split when
-  there are few, else hill-climbing from the best of the others and a time-balanced split, moving
-  one layer at a time; so it is never predicted slower than the splits it starts from.
+  there are few (EXHAUSTIVE_LIMIT), else hill-climbing from the best of the others and a
+  time-balanced split, moving one layer between two stages at a time; so it is never predicted
+  slower than the splits it starts from.
 
 An explicit `stage_layers` always wins.
 """
@@ -173,6 +174,8 @@ def split(method: str, model: CostModel, ratios: Sequence[float] | None = None,
                               f"(one per stage) summing to the model's {layers} layers")
         return given
     ratio = tuple(ratios) if ratios is not None else (1.0,) * p
+    if len(ratio) != p:
+        raise ConfigError(f"partition ratios {list(ratio)} are not allowed; allowed: one per stage ({p})")
     if method == "uniform":
         return uniform(layers, p)
     if method == "params":

@@ -144,7 +144,8 @@ def main(argv: list[str]) -> int:
     args, gin_args = parser.parse_known_args(argv)
     cfgs = train.load_configs(gin_args)
     jax.config.update("jax_num_cpu_devices", cfgs.parallel.cpu_devices)
-    mesh = train.make_mesh(cfgs, train.ordered_devices())
+    devices = train.ordered_devices()
+    mesh = train.make_plan(cfgs, devices).build_mesh(devices)
     dp = mesh.shape["data"]
     micro_batch = cfgs.data.global_batch // (dp * cfgs.parallel.microbatches)
     result = profile(gpt.GPT(cfgs.model), mesh, micro_batch, cfgs.data.seq_len, args.repeats)

@@ -49,7 +49,8 @@ class Table:
         return arrive
 
 
-def _op_order(schedule: str, stage: int, stages: int, m: int) -> list[tuple[str, int]]:
+def op_order(schedule: str, stage: int, stages: int, m: int) -> list[tuple[str, int]]:
+    """A stage's forwards ("F", i) and backwards ("B", i) in the order it runs them."""
     if schedule == "gpipe":
         return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
     warmup = min(stages - 1 - stage, m)
@@ -65,7 +66,7 @@ def build(schedule: str, stages: int, microbatches: int) -> Table:
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule {schedule!r}; choose one of {SCHEDULES}")
     p, m = stages, microbatches
-    orders = [_op_order(schedule, s, p, m) for s in range(p)]
+    orders = [op_order(schedule, s, p, m) for s in range(p)]
     done = {"F": np.full((p, m), -1), "B": np.full((p, m), -1)}
     fwd_rows, bwd_rows, t = [], [], 0
     while any(orders):

@@ -1,0 +1,159 @@
+"""One process or many: `jax.distributed` start-up and the facts processes tell each other.
+
+`initialize()` decides from the environment, in this order:
+
+1. `HOLMES_NUM_PROCESSES`, `HOLMES_PROCESS_ID`, `HOLMES_COORDINATOR` (host:port), as
+   `holmes_jax.launch` and `holmes_jax.emulate` set them;
+2. SLURM (`SLURM_JOB_ID` with `SLURM_NTASKS` > 1, i.e. inside `srun`) and Open MPI
+   (`OMPI_COMM_WORLD_SIZE` > 1, i.e. under `mpirun`): JAX's own cluster detection finds the
+   coordinator and ranks, and makes each process see one GPU (its local rank; set
+   `JAX_LOCAL_DEVICE_IDS` to change that); `HOLMES_COORDINATOR` may name the coordinator instead
+   (needed for Open MPI 5, whose environment JAX does not parse);
+3. otherwise a single process, and `jax.distributed` is not started at all.
+
+On CPU the backend's device count (`HOLMES_CPU_DEVICES`, else the argument) and gloo collectives
+are configured first, so this must run before anything touches a JAX backend.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+
+import jax
+import numpy as np
+
+from holmes_jax.config import ConfigError
+from holmes_jax.mesh import nic
+
+COORDINATOR, NUM_PROCESSES, PROCESS_ID, CPU_DEVICES = (
+    "HOLMES_COORDINATOR", "HOLMES_NUM_PROCESSES", "HOLMES_PROCESS_ID", "HOLMES_CPU_DEVICES")
+FACTS_BYTES = 1024  # one process's facts as JSON; hostnames are at most 253 characters
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessInfo:
+    process_index: int
+    process_count: int
+    hostname: str
+    nic: str  # NIC class: infiniband | roce | ethernet
+    gbps: float | None  # the host's NIC speed; None: unknown (or set by HOLMES_NIC_CLASS)
+    local_devices: int
+    method: str  # how the processes were found: single | holmes | slurm | ompi
+
+    def facts(self) -> dict:
+        return {"process_index": self.process_index, "hostname": self.hostname, "nic": self.nic,
+                "gbps": self.gbps, "local_devices": self.local_devices}
+
+
+_info: ProcessInfo | None = None
+
+
+def _int(env, name: str, low: int) -> int:
+    text = env[name]
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < low:
+        raise ConfigError(f"{name} = {text!r} is not allowed; allowed: an integer >= {low}")
+    return value
+
+
+def _coordinator(env) -> str | None:
+    address = env.get(COORDINATOR)
+    if address is None:
+        return None
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"{COORDINATOR} = {address!r} is not allowed; allowed: HOST:PORT, e.g. 10.0.0.1:29500")
+    return address
+
+
+def launch_method(env=None) -> tuple[str, dict]:
+    """(method, keyword arguments for `jax.distributed.initialize`) from `env`; method 'single'
+    means one process and no `jax.distributed` at all."""
+    env = os.environ if env is None else env
+    coordinator = _coordinator(env)
+    given = [name for name in (NUM_PROCESSES, PROCESS_ID) if name in env]
+    if given:
+        if len(given) == 1:
+            missing = PROCESS_ID if given[0] == NUM_PROCESSES else NUM_PROCESSES
+            raise ConfigError(f"{given[0]} is set but {missing} is not; set both (and {COORDINATOR})")
+        count, index = _int(env, NUM_PROCESSES, 1), _int(env, PROCESS_ID, 0)
+        if index >= count:
+            raise ConfigError(f"{PROCESS_ID} = {index} is not allowed; allowed: 0 .. {NUM_PROCESSES} - 1 = {count - 1}")
+        if count == 1:
+            return "single", {}
+        if coordinator is None:
+            raise ConfigError(f"{NUM_PROCESSES} = {count} needs {COORDINATOR}=HOST:PORT (process 0's host)")
+        return "holmes", {"coordinator_address": coordinator, "num_processes": count, "process_id": index}
+    if "SLURM_JOB_ID" in env and "SLURM_NTASKS" in env and _int(env, "SLURM_NTASKS", 1) > 1:
+        needed = ("SLURM_STEP_NODELIST", "SLURM_PROCID", "SLURM_LOCALID")
+        if any(name not in env for name in needed):
+            raise ConfigError(f"SLURM_NTASKS = {env['SLURM_NTASKS']} but {', '.join(n for n in needed if n not in env)} "
+                              "unset: start one process per task with srun")
+        return "slurm", {"coordinator_address": coordinator, "cluster_detection_method": "slurm"}
+    if "OMPI_COMM_WORLD_SIZE" in env and _int(env, "OMPI_COMM_WORLD_SIZE", 1) > 1:
+        if "OMPI_MCA_orte_hnp_uri" in env and coordinator is None:  # Open MPI 4: JAX finds it all
+            return "ompi", {"cluster_detection_method": "ompi"}
+        if coordinator is None:
+            raise ConfigError(f"this Open MPI does not tell JAX the coordinator; pass {COORDINATOR}=HOST:PORT "
+                              "(e.g. mpirun -x HOLMES_COORDINATOR=$(hostname):29500 ...)")
+        kwargs = {"coordinator_address": coordinator, "num_processes": _int(env, "OMPI_COMM_WORLD_SIZE", 2),
+                  "process_id": _int(env, "OMPI_COMM_WORLD_RANK", 0)}
+        if "OMPI_COMM_WORLD_LOCAL_RANK" in env:  # one device per process, as JAX's own detection does
+            kwargs["local_device_ids"] = [_int(env, "OMPI_COMM_WORLD_LOCAL_RANK", 0)]
+        return "ompi", kwargs
+    if coordinator is not None:
+        raise ConfigError(f"{COORDINATOR} is set but {NUM_PROCESSES} and {PROCESS_ID} are not; set all three")
+    return "single", {}
+
+
+def initialize(cpu_devices_per_process: int | None = None) -> ProcessInfo:
+    """Starts `jax.distributed` when the environment describes several processes; returns this
+    process's facts. Idempotent: later calls return the first call's answer."""
+    global _info
+    if _info is not None:
+        return _info
+    method, kwargs = launch_method()
+    if CPU_DEVICES in os.environ:  # the launcher's --devices-per-process wins over the config
+        cpu_devices_per_process = _int(os.environ, CPU_DEVICES, 1)
+    if cpu_devices_per_process is not None:
+        if isinstance(cpu_devices_per_process, bool) or not isinstance(cpu_devices_per_process, int) \
+                or cpu_devices_per_process < 1:
+            raise ConfigError(f"cpu_devices_per_process = {cpu_devices_per_process!r} must be a positive integer")
+        try:
+            jax.config.update("jax_num_cpu_devices", cpu_devices_per_process)
+        except RuntimeError:
+            if method != "single":
+                raise
+            # A backend already started in this single process (e.g. a test runner's): keep it.
+    if method != "single":
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        if not jax.distributed.is_initialized():
+            jax.distributed.initialize(**kwargs)
+    local = nic.detect()
+    _info = ProcessInfo(jax.process_index(), jax.process_count(), socket.gethostname(), local.nic_class,
+                        local.gbps, jax.local_device_count(), method)
+    return _info
+
+
+def exchange_process_facts(info: ProcessInfo) -> list[dict]:
+    """Every process's `info.facts()`, ordered by process index, the same list on every process.
+    A collective: all processes must call it."""
+    mine = info.facts()
+    if info.process_count == 1:
+        return [mine]
+    from jax.experimental import multihost_utils
+
+    blob = json.dumps(mine).encode()
+    if len(blob) > FACTS_BYTES:
+        raise ConfigError(f"process facts take {len(blob)} bytes, more than {FACTS_BYTES}: hostname {info.hostname!r}?")
+    row = np.zeros(FACTS_BYTES, np.uint8)
+    row[:len(blob)] = np.frombuffer(blob, np.uint8)
+    rows = np.asarray(multihost_utils.process_allgather(row)).reshape(info.process_count, FACTS_BYTES)
+    # JSON escapes NUL, so the padding is all that rstrip removes.
+    return sorted((json.loads(bytes(r).rstrip(b"\0")) for r in rows), key=lambda f: f["process_index"])

@@ -1,0 +1,202 @@
+"""`python -m holmes_jax.launch -n N [options] -- CMD ...`: N local processes of one JAX job.
+
+Each process gets `HOLMES_COORDINATOR` (127.0.0.1 and a free port), `HOLMES_NUM_PROCESSES`,
+`HOLMES_PROCESS_ID` (what `holmes_jax.distributed.initialize` reads), optionally its CPU device
+count and NIC class. Output is streamed line by line as "[rank i] ...". When one process fails
+the others are stopped (SIGTERM, then SIGKILL after a grace period) and its status is returned;
+Ctrl-C or a SIGTERM to the launcher is passed on to all, then SIGKILL after the grace period.
+Status 0 only when all succeed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Callable, Sequence
+
+from holmes_jax import cli
+from holmes_jax.config import ConfigError
+from holmes_jax.mesh.topology import NIC_CLASSES
+
+TIMED_OUT = 124  # the status `timeout(1)` uses
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def process_env(rank: int, n: int, coordinator: str, devices_per_process: int | None = None,
+                nic_class: str | None = None, extra: dict | None = None) -> dict:
+    """The environment of process `rank`: ours on top of this process's, then `extra`."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", HOLMES_COORDINATOR=coordinator,
+               HOLMES_NUM_PROCESSES=str(n), HOLMES_PROCESS_ID=str(rank))
+    if devices_per_process is not None:
+        # JAX_NUM_CPU_DEVICES for any JAX program; HOLMES_CPU_DEVICES wins over train's config.
+        env.update(JAX_NUM_CPU_DEVICES=str(devices_per_process), HOLMES_CPU_DEVICES=str(devices_per_process))
+    if nic_class is not None:
+        env["HOLMES_NIC_CLASS"] = nic_class
+    env.update(extra or {})
+    return env
+
+
+def _check(cmd, n, devices_per_process, port, nic_classes) -> None:
+    if not cmd:
+        raise ConfigError("no command to run; give it after --, e.g. -- python -m holmes_jax.train")
+    for name, value in (("-n", n), ("--devices-per-process", devices_per_process)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ConfigError(f"{name} = {value!r} is not allowed; allowed: a positive integer")
+    if port is not None and not 0 < port < 65536:
+        raise ConfigError(f"--port = {port} is not allowed; allowed: 1 .. 65535")
+    if nic_classes is not None:
+        if len(nic_classes) != n:
+            raise ConfigError(f"--nic-classes lists {len(nic_classes)} classes for -n {n} processes; give one per process")
+        for c in nic_classes:
+            if c not in NIC_CLASSES:
+                raise ConfigError(f"--nic-classes: {c!r} is not allowed; choose from {', '.join(NIC_CLASSES)}")
+
+
+def _pump(pipe, prefix: str, stream, lock: threading.Lock) -> None:
+    for raw in iter(pipe.readline, b""):
+        with lock:
+            print(prefix + raw.decode(errors="replace").rstrip("\n"), file=stream, flush=True)
+    pipe.close()
+
+
+def _stop(procs: list[subprocess.Popen], first: int, grace_s: float) -> None:
+    """Signals each still-running process group with `first`, then SIGKILL after `grace_s`."""
+    for sig in (first, signal.SIGKILL):
+        for p in procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, sig)  # its own session: reaches whatever it started too
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + grace_s
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
+class _Signalled(Exception):
+    def __init__(self, signum: int):
+        self.signum = signum
+
+
+def _raise_signalled(signum, frame):
+    raise _Signalled(signum)
+
+
+def _status(code: int) -> int:
+    return 128 - code if code < 0 else code  # killed by signal s: 128 + s, as shells report it
+
+
+def launch(cmd: Sequence[str], n: int, devices_per_process: int | None = None, port: int | None = None,
+           env: dict | None = None, nic_classes: Sequence[str] | None = None, coordinator_host: str = "127.0.0.1",
+           wrap: Callable[[int], list[str]] | None = None, grace_s: float = 5.0,
+           timeout_s: float | None = None) -> int:
+    """Runs `cmd` as processes 0 .. n-1 of one job and returns the job's exit status.
+    `wrap(rank)` is a command prefix per process (the emulator's `ip netns exec HOST ...`);
+    `timeout_s` stops everything after that long, returning 124."""
+    _check(cmd, n, devices_per_process, port, nic_classes)
+    coordinator = f"{coordinator_host}:{port or free_port()}"
+    out, err, lock = sys.stdout, sys.stderr, threading.Lock()
+    procs, pumps = [], []
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    first_signal, code = signal.SIGTERM, None
+    # Ctrl-C or a SIGTERM to us (a job scheduler's) must stop the children, which live in their own
+    # sessions and would outlive us; set explicitly, since a background shell may have ignored SIGINT.
+    handled = (signal.SIGINT, signal.SIGTERM) if threading.current_thread() is threading.main_thread() else ()
+    previous = {sig: signal.signal(sig, _raise_signalled) for sig in handled}
+    try:
+        for rank in range(n):
+            penv = process_env(rank, n, coordinator, devices_per_process, nic_classes and nic_classes[rank], env)
+            argv = [*(wrap(rank) if wrap else []), *cmd]
+            try:
+                p = subprocess.Popen(argv, env=penv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, start_new_session=True)
+            except OSError as e:
+                raise ConfigError(f"cannot run {argv[0]!r}: {e.strerror}") from None
+            procs.append(p)
+            for pipe, stream in ((p.stdout, out), (p.stderr, err)):
+                t = threading.Thread(target=_pump, args=(pipe, f"[rank {rank}] ", stream, lock), daemon=True)
+                t.start()
+                pumps.append(t)
+        while code is None:
+            codes = [p.poll() for p in procs]
+            failed = next(((r, c) for r, c in enumerate(codes) if c not in (None, 0)), None)
+            if failed:
+                code = _status(failed[1])
+                if None in codes:
+                    with lock:
+                        print(f"launch: rank {failed[0]} exited with status {code}; stopping the others", file=err, flush=True)
+            elif all(c == 0 for c in codes):
+                code = 0
+            elif deadline is not None and time.monotonic() > deadline:
+                code = TIMED_OUT
+                with lock:
+                    print(f"launch: still running after {timeout_s:g} s; stopping all", file=err, flush=True)
+            else:
+                time.sleep(0.05)
+    except _Signalled as e:
+        first_signal, code = e.signum, 128 + e.signum
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        _stop(procs, first_signal, grace_s)
+        for t in pumps:
+            t.join(timeout=5)
+    return code
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one `error:` line and status 2 (cli.run), not argparse's usage dump
+        raise ConfigError(message)
+
+
+def _key_value(text: str) -> tuple[str, str]:
+    key, eq, value = text.partition("=")
+    if not eq or not key:
+        raise ConfigError(f"--env {text!r} is not allowed; allowed: KEY=VALUE")
+    return key, value
+
+
+def parser(prog: str = "python -m holmes_jax.launch") -> argparse.ArgumentParser:
+    p = Parser(prog=prog, description="Runs CMD as N local processes of one JAX job.",
+                usage=f"{prog} -n N [options] -- CMD ...")
+    p.add_argument("-n", type=int, required=True, help="number of processes")
+    p.add_argument("--devices-per-process", type=int, help="CPU devices each process exposes")
+    p.add_argument("--port", type=int, help="coordinator port (default: a free one)")
+    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="extra environment, repeatable")
+    p.add_argument("--nic-classes", help="one NIC class per process, comma-separated, e.g. infiniband,roce")
+    p.add_argument("--grace", type=float, default=5.0, help="seconds between SIGTERM and SIGKILL")
+    p.add_argument("--timeout", type=float, help="stop everything after this many seconds (status 124)")
+    return p
+
+
+def split_command(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(options, command) around the first `--`."""
+    if "--" not in argv:
+        if any(a in ("-h", "--help") for a in argv):
+            return argv, []
+        raise ConfigError("no command to run; give it after --, e.g. -- python -m holmes_jax.train")
+    i = argv.index("--")
+    return argv[:i], argv[i + 1:]
+
+
+def main(argv: list[str]) -> int:
+    opts, cmd = split_command(argv)
+    args = parser().parse_args(opts)
+    return launch(cmd, args.n, args.devices_per_process, args.port, dict(map(_key_value, args.env)),
+                  args.nic_classes.split(",") if args.nic_classes else None,
+                  grace_s=args.grace, timeout_s=args.timeout)
+
+
+if __name__ == "__main__":
+    cli.run(main)

@@ -1,0 +1,125 @@
+import itertools
+
+import numpy as np
+import pytest
+
+from holmes_jax.pipeline import cost
+
+LINK = cost.Link(bytes_per_s=1e9, latency_s=1e-5)
+
+
+def test_ring_collectives():
+    assert cost.allreduce_s(8e9, 4, LINK) == pytest.approx(2 * 3 / 4 * 8 + 2 * 3 * 1e-5)
+    assert cost.reduce_scatter_s(8e9, 4, LINK) == pytest.approx(3 / 4 * 8 + 3 * 1e-5)
+    assert cost.all_gather_s(8e9, 4, LINK) == cost.reduce_scatter_s(8e9, 4, LINK)
+    assert cost.allreduce_s(8e9, 1, LINK) == 0
+    np.testing.assert_allclose(cost.allreduce_s(np.array([1e9, 2e9]), np.array([2, 1]), LINK), [1 + 2e-5, 0])
+
+
+@pytest.mark.parametrize("schedule", cost.SCHEDULES)
+@pytest.mark.parametrize("p, m", [(1, 4), (2, 4), (4, 8), (4, 2), (3, 1)])
+def test_uniform_stages_finish_after_the_bubble(schedule, p, m):
+    f, b = 1.0, 2.0
+    finish = cost.simulate(np.full(p, f), np.full(p, b), np.zeros(p - 1), m, schedule)
+    # stage 0 ends last, after (m + p - 1) slots of f + b; stage s one backward earlier each
+    np.testing.assert_allclose(finish, (m + p - 1) * (f + b) - np.arange(p) * b)
+
+
+def test_gpipe_transfers_add_to_fill_and_drain_only():
+    p, m, c = 4, 8, 0.5
+    finish = cost.simulate(np.ones(p), np.full(p, 2.0), np.full(p - 1, c), m, "gpipe")
+    assert finish[0] == pytest.approx((m + p - 1) * 3 + 2 * (p - 1) * c)
+
+
+def test_a_slow_boundary_paces_the_pipeline():
+    # 2 stages, 4 microbatches, transfers (5 s) longer than compute: a boundary carries one at a
+    # time, so activations arrive at 6, 11, 16, 21 and gradients leave stage 1 at 24, 26, 28, 30.
+    finish = cost.simulate(np.ones(2), np.full(2, 2.0), [5.0], 4, "gpipe")
+    np.testing.assert_allclose(finish, [46.0, 30.0])
+
+
+def test_1f1b_is_sensitive_to_round_trips_gpipe_is_not():
+    f, b, c = np.ones(2), np.full(2, 2.0), [1.0]
+    gpipe = cost.simulate(f, b, c, 16, "gpipe")[0]
+    one = cost.simulate(f, b, c, 16, "1f1b")[0]
+    assert gpipe == pytest.approx(17 * 3 + 2)
+    assert one > gpipe
+
+
+def test_simulation_batches_candidates():
+    rng = np.random.default_rng(0)
+    fwd, bwd, p2p = rng.random((3, 5)), rng.random((3, 5)), rng.random((2, 5))
+    batched = cost.simulate(fwd, bwd, p2p, 6, "1f1b")
+    for k in range(5):
+        np.testing.assert_allclose(batched[:, k], cost.simulate(fwd[:, k], bwd[:, k], p2p[:, k], 6, "1f1b"))
+
+
+def _model(stage_flops=(1e12, 1e12), dp=2, tp=1, m=4, schedule="gpipe", zero1=False, memory=float("inf"), layers=4,
+           param_bytes=4.0):
+    """Layers of 1e12 forward / 2e12 backward FLOPs and 1e9 parameters; embedding and head free."""
+    layer = cost.Part(params=1e9, fwd_flops=1e12, bwd_flops=2e12)
+    work = cost.Work(cost.Part(0, 0, 0), (layer,) * layers, cost.Part(0, 0, 0), boundary_bytes=1e8,
+                     layer_stash_bytes=1e9, param_bytes_per_param=param_bytes)
+    stages = [cost.Stage(f, tp, LINK, dp, LINK, memory) for f in stage_flops]
+    return cost.CostModel(work, stages, [LINK] * (len(stages) - 1), m, schedule, zero1, step_flops=1e15, samples=64)
+
+
+def test_prediction_by_hand():
+    pr = _model().predict([2, 2])
+    assert pr.stage_fwd_s == (2.0, 2.0) and pr.stage_bwd_s == (4.0, 4.0)
+    assert pr.stage_compute_s == (24.0, 24.0)
+    assert pr.p2p_s == pytest.approx((1e-5 + 0.1,))
+    sync = 2 * 1 / 2 * 2e9 * 4 / 1e9 + 2 * 1e-5  # 2e9 float32 gradients over a ring of 2
+    assert pr.stage_sync_s == pytest.approx((sync, sync))
+    # GPipe: 5 slots of 6 s, plus a transfer each way, then the sync
+    assert pr.stage_finish_s[0] == pytest.approx(30 + 2 * (1e-5 + 0.1) + sync)
+    assert pr.step_time_s == max(pr.stage_finish_s)
+    assert pr.samples_per_s == pytest.approx(64 / pr.step_time_s)
+    assert pr.tflops_per_device == pytest.approx(1e15 / pr.step_time_s / 4 / 1e12)
+    # memory: (4 + 4 + 8) bytes per parameter, and 4 microbatches x 2 layers x 1 GB stashed
+    assert pr.stage_memory_bytes == pytest.approx((2e9 * 16 + 8e9,) * 2) and pr.fits
+
+
+def test_tensor_parallel_splits_work_and_adds_its_all_reduces():
+    one, two = _model(tp=1).predict([2, 2]), _model(tp=2).predict([2, 2])
+    allreduce = float(cost.allreduce_s(1e8, 2, LINK))
+    assert two.stage_fwd_s[0] == pytest.approx(one.stage_fwd_s[0] / 2 + 2 * 2 * allreduce)
+    assert two.stage_bwd_s[0] == pytest.approx(one.stage_bwd_s[0] / 2 + 2 * 2 * allreduce)
+
+
+def test_zero1_moves_the_same_bytes_unless_parameters_are_smaller():
+    plain, zero1 = _model().predict([2, 2]), _model(zero1=True).predict([2, 2])
+    assert zero1.stage_sync_s == pytest.approx(plain.stage_sync_s)
+    half = _model(zero1=True, param_bytes=2.0).predict([2, 2])
+    rs, ag = cost.reduce_scatter_s(2e9 * 4, 2, LINK), cost.all_gather_s(2e9 * 2, 2, LINK)
+    assert half.stage_sync_s[0] == pytest.approx(rs + ag)
+    assert zero1.stage_memory_bytes[0] == pytest.approx(plain.stage_memory_bytes[0] - 2e9 * 4)  # Adam halves
+
+
+def test_1f1b_stashes_fewer_microbatches():
+    gpipe, one = _model(m=8).predict([2, 2]), _model(m=8, schedule="1f1b").predict([2, 2])
+    # stage 0 holds 8 (GPipe) vs 2 (1F1B) microbatches of 2 layers x 1 GB
+    assert gpipe.stage_memory_bytes[0] - one.stage_memory_bytes[0] == pytest.approx(6 * 2 * 1e9)
+
+
+def test_over_memory_is_infinitely_slow():
+    model = _model(memory=4.5e10)
+    assert not model.predict([3, 1]).fits and model.predict([2, 2]).fits
+    times = model.step_times([[3, 1], [2, 2]])
+    assert times[0] == np.inf and times[1] == pytest.approx(model.predict([2, 2]).step_time_s)
+
+
+@pytest.mark.parametrize("schedule", cost.SCHEDULES)
+def test_step_times_match_predict_and_respect_the_lower_bound(schedule):
+    model = _model(stage_flops=(1e12, 3e11, 5e11), layers=7, m=5, schedule=schedule)
+    splits = np.array([s for s in itertools.product(range(1, 6), repeat=3) if sum(s) == 7])
+    times, bounds = model.step_times(splits), model.lower_bounds(splits)
+    for split, t in zip(splits, times):
+        assert t == pytest.approx(model.predict(split).step_time_s)
+    assert (bounds <= times * (1 + 1e-12)).all()
+    assert (bounds > 0.5 * times).all()  # and not uselessly loose
+
+
+def test_slower_devices_take_longer_per_layer():
+    pr = _model(stage_flops=(1e12, 5e11)).predict([2, 2])
+    assert pr.stage_fwd_s == (2.0, 4.0)

@@ -1,0 +1,148 @@
+"""holmes_jax.distributed: which launcher started us, process facts across processes, and
+multi-process training (gloo on CPU) matching one process with the same devices."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from holmes_jax import distributed
+from holmes_jax.config import ConfigError
+from tests.helpers import REPO, read_metrics
+
+# --------------------------------------------------------------------------- launch detection
+
+
+@pytest.mark.parametrize("env, method, kwargs", [
+    ({}, "single", {}),
+    ({"HOLMES_NUM_PROCESSES": "1", "HOLMES_PROCESS_ID": "0"}, "single", {}),
+    ({"HOLMES_COORDINATOR": "127.0.0.1:1234", "HOLMES_NUM_PROCESSES": "4", "HOLMES_PROCESS_ID": "3"}, "holmes",
+     {"coordinator_address": "127.0.0.1:1234", "num_processes": 4, "process_id": 3}),
+    ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "1"}, "single", {}),  # a one-task job: no distributed runtime
+    ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "8", "SLURM_STEP_NODELIST": "n[1-2]", "SLURM_PROCID": "5",
+      "SLURM_LOCALID": "1"}, "slurm", {"coordinator_address": None, "cluster_detection_method": "slurm"}),
+    ({"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "2", "OMPI_MCA_orte_hnp_uri": "1.0;tcp://10.0.0.1:1"},
+     "ompi", {"cluster_detection_method": "ompi"}),
+    ({"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "2", "HOLMES_COORDINATOR": "head:29500"}, "ompi",
+     {"coordinator_address": "head:29500", "num_processes": 4, "process_id": 2}),
+    ({"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+      "HOLMES_COORDINATOR": "head:29500"}, "ompi",
+     {"coordinator_address": "head:29500", "num_processes": 4, "process_id": 3, "local_device_ids": [1]}),
+    # our launcher's variables win over a scheduler's
+    ({"HOLMES_COORDINATOR": "h:1", "HOLMES_NUM_PROCESSES": "2", "HOLMES_PROCESS_ID": "1", "OMPI_COMM_WORLD_SIZE": "4"},
+     "holmes", {"coordinator_address": "h:1", "num_processes": 2, "process_id": 1}),
+])
+def test_launch_method(env, method, kwargs):
+    assert distributed.launch_method(env) == (method, kwargs)
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"HOLMES_NUM_PROCESSES": "two", "HOLMES_PROCESS_ID": "0"}, "HOLMES_NUM_PROCESSES = 'two'"),
+    ({"HOLMES_NUM_PROCESSES": "2", "HOLMES_PROCESS_ID": "2", "HOLMES_COORDINATOR": "h:1"}, "HOLMES_PROCESS_ID = 2"),
+    ({"HOLMES_NUM_PROCESSES": "2", "HOLMES_PROCESS_ID": "-1", "HOLMES_COORDINATOR": "h:1"}, "HOLMES_PROCESS_ID = '-1'"),
+    ({"HOLMES_NUM_PROCESSES": "2", "HOLMES_PROCESS_ID": "0"}, "needs HOLMES_COORDINATOR"),
+    ({"HOLMES_NUM_PROCESSES": "2"}, "HOLMES_PROCESS_ID is not"),
+    ({"HOLMES_COORDINATOR": "h:1"}, "set all three"),
+    ({"HOLMES_COORDINATOR": "nohost", "HOLMES_NUM_PROCESSES": "2", "HOLMES_PROCESS_ID": "0"}, "HOST:PORT"),
+    ({"HOLMES_COORDINATOR": "h:99999", "HOLMES_NUM_PROCESSES": "2", "HOLMES_PROCESS_ID": "0"}, "HOST:PORT"),
+    ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4"}, "srun"),
+    ({"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "0"}, "HOLMES_COORDINATOR=HOST:PORT"),
+])
+def test_bad_environment_is_a_config_error(env, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        distributed.launch_method(env)
+
+
+def test_single_process_initialize_is_idempotent():
+    info = distributed.initialize(8)  # the test process's backend (8 devices, conftest) is kept
+    assert (info.process_index, info.process_count, info.local_devices, info.method) == (0, 1, 8, "single")
+    assert distributed.initialize() is info
+    assert distributed.exchange_process_facts(info) == [info.facts()]
+
+
+# --------------------------------------------------------------------------- several processes
+
+
+def _env() -> dict:
+    # The launched processes must not see the test process's own distributed state.
+    return {k: v for k, v in dict(os.environ, PYTHONPATH=str(REPO)).items() if not k.startswith(("HOLMES_", "JAX_"))}
+
+
+def _launch(n: int, devices: int, *cmd: str, extra: tuple = (), timeout: int = 240) -> subprocess.CompletedProcess:
+    r = subprocess.run([sys.executable, "-m", "holmes_jax.launch", "-n", str(n), "--devices-per-process", str(devices),
+                        "--timeout", str(timeout - 20), *extra, "--", sys.executable, *cmd],
+                       capture_output=True, text=True, timeout=timeout, cwd=REPO, env=_env())
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return r
+
+
+FACTS = """
+import json
+from holmes_jax import distributed
+info = distributed.initialize()
+import jax
+print("FACTS", json.dumps({"me": info.process_index, "count": info.process_count, "devices": jax.device_count(),
+                           "method": info.method, "all": distributed.exchange_process_facts(info)}))
+"""
+
+
+def test_every_process_sees_every_process_facts():
+    nics = ["infiniband", "infiniband", "roce", "ethernet"]
+    r = _launch(4, 2, "-c", FACTS, extra=("--nic-classes", ",".join(nics)), timeout=120)
+    seen = [json.loads(line.split("FACTS ", 1)[1]) for line in r.stdout.splitlines() if "FACTS " in line]
+    assert sorted(s["me"] for s in seen) == [0, 1, 2, 3]
+    for s in seen:
+        assert (s["count"], s["devices"], s["method"]) == (4, 8, "holmes")
+        assert [f["process_index"] for f in s["all"]] == [0, 1, 2, 3]
+        assert [f["nic"] for f in s["all"]] == nics
+        assert [f["local_devices"] for f in s["all"]] == [2] * 4
+        assert s["all"] == seen[0]["all"]
+
+
+TRAIN_ARGS = [
+    "--gin.ModelConfig.num_layers=2", "--gin.ModelConfig.hidden=64", "--gin.ModelConfig.num_heads=4",
+    "--gin.ModelConfig.ffn_hidden=128", "--gin.DataConfig.seq_len=32", "--gin.DataConfig.global_batch=16",
+    "--gin.TrainConfig.steps=3", "--gin.TrainConfig.log_every=1", "--gin.TrainConfig.eval_every=1000",
+    "--gin.TrainConfig.eval_batches=1", "--gin.TrainConfig.learning_rate=0.01", "--gin.TrainConfig.warmup_steps=1",
+    "--gin.ParallelConfig.pp=2", "--gin.ParallelConfig.microbatches=2",
+]
+
+
+@pytest.fixture(scope="module")
+def one_process_losses(tmp_path_factory):
+    """The reference: one process, 4 CPU devices, the same global batch."""
+    workdir = tmp_path_factory.mktemp("one")
+    r = subprocess.run([sys.executable, "-m", "holmes_jax.train", *TRAIN_ARGS, "--gin.ParallelConfig.cpu_devices=4",
+                        f"--gin.TrainConfig.workdir={workdir}"], capture_output=True, text=True, timeout=240,
+                       cwd=REPO, env=_env())
+    assert r.returncode == 0, r.stderr[-3000:]
+    return [row["loss"] for row in read_metrics(workdir)]
+
+
+def _train(tmp_path, n: int, devices: int) -> list[float]:
+    r = _launch(n, devices, "-m", "holmes_jax.train", *TRAIN_ARGS, f"--gin.TrainConfig.workdir={tmp_path}")
+    assert "[rank 0] done: step 3" in r.stdout
+    assert not [line for line in r.stdout.splitlines() if line.startswith("[rank 1] step")]  # process 0 alone reports
+    assert (tmp_path / "checkpoints" / "3").is_dir()
+    return [row["loss"] for row in read_metrics(tmp_path)]
+
+
+def test_two_processes_pp2_match_one_process(tmp_path, one_process_losses):
+    losses = _train(tmp_path, 2, 2)  # stage 0 on process 0, stage 1 on process 1, dp = 2 in each
+    assert losses == pytest.approx(one_process_losses, abs=1e-5)
+
+
+@pytest.mark.slow
+def test_four_processes_pp2_match_one_process(tmp_path, one_process_losses):
+    losses = _train(tmp_path, 4, 1)  # each data replica of each stage in its own process
+    assert losses == pytest.approx(one_process_losses, abs=1e-5)
+
+
+def test_bad_distributed_environment_exits_2():
+    env = dict(_env(), HOLMES_NUM_PROCESSES="two", HOLMES_PROCESS_ID="0")
+    r = subprocess.run([sys.executable, "-m", "holmes_jax.train", "--gin.TrainConfig.steps=1"], capture_output=True,
+                       text=True, timeout=120, cwd=REPO, env=env)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == ["error: HOLMES_NUM_PROCESSES = 'two' is not allowed; allowed: an integer >= 1"]

@@ -1,0 +1,160 @@
+"""holmes_jax.emulate: namespaces as hosts, shaped links, a JAX job inside, nothing left behind.
+Needs root and iproute2; skipped with the reason otherwise (the argument checks always run)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from holmes_jax import emulate
+from holmes_jax.config import ConfigError
+from tests.helpers import run_module
+
+REASON = emulate.unavailable_reason()
+needs_root = pytest.mark.skipif(REASON is not None, reason=f"emulated cluster {REASON}")
+CLUSTERS = [("ib", "infiniband", 2), ("roce", "roce", 2)]
+
+
+def _root_links() -> list[str]:
+    return sorted(line.split(":")[1].strip() for line in subprocess.run(
+        ["ip", "-o", "link"], capture_output=True, text=True, check=True).stdout.splitlines())
+
+
+PSUM = """
+import json, socket
+from holmes_jax import distributed
+info = distributed.initialize()
+import jax, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+mesh = Mesh(np.array(devices), ("x",))
+x = jax.make_array_from_callback((len(devices),), NamedSharding(mesh, P("x")),
+                                 lambda i: np.arange(1, len(devices) + 1, dtype=np.float32)[i])
+total = jax.jit(jax.shard_map(lambda v: jax.lax.psum(v, "x"), mesh=mesh, in_specs=P("x"), out_specs=P()))(x)
+print("RESULT", json.dumps({"host": socket.gethostname(), "psum": float(total[0]),
+                            "facts": distributed.exchange_process_facts(info)}))
+"""
+
+
+@needs_root
+@pytest.mark.slow
+def test_two_clusters_shaped_links_and_a_jax_job(capsys):
+    links_before = _root_links()
+    with emulate.EmulatedCluster(CLUSTERS) as ec:
+        prefix = ec.prefix
+        assert [(h.hostname, h.address, h.nic_class) for h in ec.hosts] == [
+            ("ib-0", "10.213.1.1", "infiniband"), ("ib-1", "10.213.1.2", "infiniband"),
+            ("roce-0", "10.213.2.1", "roce"), ("roce-1", "10.213.2.2", "roce")]
+        assert sorted(n for n in emulate.namespaces() if n.startswith(prefix)) == sorted(
+            [ec.switch] + [h.netns for h in ec.hosts])
+        assert _root_links() == links_before  # every link and bridge lives inside our namespaces
+        for h in ec.hosts:
+            # Only loopback and our own address, and a route to our subnet alone: nothing else is reachable.
+            addrs = subprocess.run(["ip", "-n", h.netns, "-4", "-o", "addr"], capture_output=True, text=True).stdout
+            assert [line.split()[3] for line in addrs.splitlines()] == ["127.0.0.1/8", f"{h.address}/16"]
+            routes = subprocess.run(["ip", "-n", h.netns, "route"], capture_output=True, text=True).stdout
+            assert [r.split()[0] for r in routes.splitlines()] == ["10.213.0.0/16"]
+
+        ib0, ib1, roce0, roce1 = ec.hosts
+        intra, inter = ec.bandwidth_mbit(ib0, ib1), ec.bandwidth_mbit(ib1, roce1)
+        roce_intra = ec.bandwidth_mbit(roce1, roce0)
+        with capsys.disabled():  # shown with pytest -s
+            print(f"\nmeasured: intra ib {intra:.0f}, intra roce {roce_intra:.0f}, inter {inter:.0f} Mbit/s")
+        assert inter == pytest.approx(emulate.INTER_MBIT, rel=0.25)
+        assert intra > 8 * inter and roce_intra > 5 * inter
+        assert intra > 1.3 * roce_intra  # the NIC classes differ too
+
+        rc = ec.run([sys.executable, "-c", PSUM], devices_per_process=1, timeout_s=150)
+        out = capsys.readouterr().out
+        assert rc == 0, out[-3000:]
+        results = [json.loads(line.split("RESULT ", 1)[1]) for line in out.splitlines() if "RESULT " in line]
+        assert sorted(r["host"] for r in results) == ["ib-0", "ib-1", "roce-0", "roce-1"]
+        assert all(r["psum"] == 1 + 2 + 3 + 4 for r in results)
+        assert all([(f["hostname"], f["nic"]) for f in r["facts"]] == [
+            ("ib-0", "infiniband"), ("ib-1", "infiniband"), ("roce-0", "roce"), ("roce-1", "roce")] for r in results)
+    assert not [n for n in emulate.namespaces() if n.startswith(prefix)]
+    assert ec.leftovers() == []
+    assert _root_links() == links_before
+
+
+@needs_root
+def test_everything_is_removed_after_a_failure_inside_the_block():
+    with pytest.raises(RuntimeError, match="boom"):
+        with emulate.EmulatedCluster([("a", "ethernet", 1), ("b", "roce", 2)]) as ec:
+            assert ec.leftovers() == sorted([ec.switch] + [h.netns for h in ec.hosts])
+            assert all((emulate.NETNS_ETC / h.netns / "hosts").is_file() for h in ec.hosts)
+            raise RuntimeError("boom")
+    assert ec.leftovers() == []
+    assert not [n for n in emulate.namespaces() if n.startswith(ec.prefix)]
+
+
+@needs_root
+def test_a_failing_process_inside_ends_the_job_and_cleans_up():
+    with emulate.EmulatedCluster([("a", "ethernet", 2)]) as ec:
+        script = "import os, sys, time; sys.exit(5) if os.environ['HOLMES_PROCESS_ID'] == '1' else time.sleep(300)"
+        assert ec.run([sys.executable, "-c", script], grace_s=1, timeout_s=60) == 5
+    assert ec.leftovers() == []
+
+
+@needs_root
+def test_stale_namespaces_of_dead_emulators_are_removed():
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    name = f"{emulate.PREFIX}{int(dead.stdout)}-0-sw"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        assert name in emulate.cleanup_stale()
+        assert name not in emulate.namespaces()
+    finally:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+@pytest.mark.parametrize("clusters, kwargs, message", [
+    ([], {}, "at least one"),
+    ([("ib", "myrinet", 2)], {}, "NIC class 'myrinet'"),
+    ([("ib", "infiniband", 0)], {}, "hosts = 0"),
+    ([("IB!", "infiniband", 1)], {}, "cluster name"),
+    ([("a", "roce", 1), ("a", "roce", 1)], {}, "unique"),
+    ([("a", "roce", 1)], {"inter_mbit": 0}, "inter_mbit = 0"),
+    ([("a", "roce", 1)], {"intra_mbit": {"roce": -1}}, "intra_mbit\\['roce'\\] = -1"),
+    ([("a", "roce", 1)], {"intra_mbit": {"myrinet": 1}}, "unknown NIC class"),
+    ([("a", "roce", 1)], {"latency_ms": -1}, "latency_ms"),
+])
+def test_bad_cluster_specs_are_config_errors(clusters, kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        emulate.EmulatedCluster(clusters, **kwargs)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--clusters", "ib:infiniband", "--", "true"], "NAME:NIC_CLASS:HOSTS"),
+    (["--clusters", "ib:myrinet:2", "--", "true"], "myrinet"),
+    (["--clusters", "ib:infiniband:2", "--intra-mbit", "roce=fast", "--", "true"], "NIC_CLASS=MBIT"),
+    (["--clusters", "ib:infiniband:2"], "no command to run"),
+    (["--", "true"], "--clusters"),
+])
+def test_bad_command_line_exits_2(args, message):
+    r = run_module("holmes_jax.emulate", *args)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], r.stderr
+
+
+@needs_root
+def test_command_line_runs_a_command_on_every_host():
+    r = run_module("holmes_jax.emulate", "--clusters", "a:infiniband:1,b:ethernet:1", "--inter-mbit", "50", "--",
+                   "sh", "-c", "echo $(hostname) $HOLMES_NIC_CLASS $HOLMES_PROCESS_ID", timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert sorted(line for line in r.stdout.splitlines() if line.startswith("[rank")) == [
+        "[rank 0] a-0 infiniband 0", "[rank 1] b-0 ethernet 1"]
+    assert "inter-cluster uplinks 50 Mbit/s" in r.stdout
+
+
+@needs_root
+def test_latency_needs_netem_and_a_failed_build_leaves_nothing():
+    ec = emulate.EmulatedCluster([("a", "roce", 1), ("b", "roce", 1)], latency_ms=1)
+    try:
+        with ec:
+            pass
+    except emulate.EmulationError as e:  # this kernel has no sch_netem: the build fails half-way
+        assert "netem" in str(e)
+    assert ec.leftovers() == []

@@ -1,0 +1,106 @@
+"""holmes_jax.launch: environment per process, rank-prefixed output, failure and Ctrl-C handling."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from holmes_jax import launch
+from tests.helpers import REPO, run_module
+
+
+def test_each_process_gets_its_rank_coordinator_devices_and_nic():
+    script = ("import json, os; print(json.dumps({k: os.environ.get(k) for k in ('HOLMES_COORDINATOR', "
+              "'HOLMES_NUM_PROCESSES', 'HOLMES_PROCESS_ID', 'HOLMES_CPU_DEVICES', 'JAX_NUM_CPU_DEVICES', "
+              "'HOLMES_NIC_CLASS', 'EXTRA')}))")
+    r = run_module("holmes_jax.launch", "-n", "2", "--devices-per-process", "3", "--port", "29123",
+                   "--nic-classes", "infiniband,roce", "--env", "EXTRA=a=b", "--", sys.executable, "-c", script)
+    assert r.returncode == 0, r.stderr
+    seen = {}
+    for line in r.stdout.splitlines():
+        prefix, _, body = line.partition("] ")
+        seen[prefix + "]"] = json.loads(body)
+    assert seen == {
+        f"[rank {i}]": {"HOLMES_COORDINATOR": "127.0.0.1:29123", "HOLMES_NUM_PROCESSES": "2", "HOLMES_PROCESS_ID": str(i),
+                        "HOLMES_CPU_DEVICES": "3", "JAX_NUM_CPU_DEVICES": "3", "HOLMES_NIC_CLASS": nic, "EXTRA": "a=b"}
+        for i, nic in enumerate(("infiniband", "roce"))
+    }
+
+
+def test_output_is_prefixed_line_by_line_on_both_streams():
+    script = "import os, sys; r = os.environ['HOLMES_PROCESS_ID']; print('out', r); print('one\\ntwo', r, file=sys.stderr)"
+    r = run_module("holmes_jax.launch", "-n", "3", "--", sys.executable, "-c", script)
+    assert r.returncode == 0, r.stderr
+    assert sorted(r.stdout.splitlines()) == [f"[rank {i}] out {i}" for i in range(3)]
+    assert sorted(r.stderr.splitlines()) == sorted([f"[rank {i}] one" for i in range(3)] + [f"[rank {i}] two {i}" for i in range(3)])
+
+
+def test_a_failing_process_stops_the_others_and_sets_the_status():
+    script = ("import os, sys, time; r = int(os.environ['HOLMES_PROCESS_ID']); print('started', r, flush=True)\n"
+              "if r == 1: time.sleep(0.5); sys.exit(3)\n"
+              "time.sleep(300)")
+    t = time.monotonic()
+    r = run_module("holmes_jax.launch", "-n", "2", "--grace", "2", "--", sys.executable, "-c", script, timeout=60)
+    assert r.returncode == 3
+    assert time.monotonic() - t < 60
+    assert "[rank 0] started 0" in r.stdout and "[rank 1] started 1" in r.stdout
+    assert "rank 1 exited with status 3; stopping the others" in r.stderr
+
+
+def test_sigterm_is_followed_by_sigkill_after_the_grace_period():
+    # rank 0 ignores SIGTERM; only SIGKILL ends it.
+    script = ("import os, signal, sys, time; r = int(os.environ['HOLMES_PROCESS_ID'])\n"
+              "signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True)\n"
+              "if r == 1: time.sleep(0.5); sys.exit(4)\n"
+              "time.sleep(300)")
+    r = run_module("holmes_jax.launch", "-n", "2", "--grace", "1", "--", sys.executable, "-c", script, timeout=60)
+    assert r.returncode == 4
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_ctrl_c_or_sigterm_ends_all_processes(sig):
+    script = "import os, time; print(os.getpid(), flush=True); time.sleep(300)"
+    p = subprocess.Popen([sys.executable, "-m", "holmes_jax.launch", "-n", "2", "--", sys.executable, "-c", script],
+                         cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p.stdout.readline().split()[-1]) for _ in range(2)]
+        p.send_signal(sig)
+        assert p.wait(timeout=30) == 128 + sig
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_timeout_stops_everything(capsys):
+    t = time.monotonic()
+    assert launch.launch([sys.executable, "-c", "import time; time.sleep(300)"], 2, timeout_s=1, grace_s=1) == launch.TIMED_OUT
+    assert time.monotonic() - t < 30
+    assert "still running after 1 s" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["-n", "2", "true"], "no command to run"),
+    (["-n", "0", "--", "true"], "-n = 0"),
+    (["-n", "two", "--", "true"], "invalid int value"),
+    (["--", "true"], "-n"),
+    (["-n", "2", "--nic-classes", "infiniband", "--", "true"], "one per process"),
+    (["-n", "2", "--nic-classes", "infiniband,myrinet", "--", "true"], "'myrinet'"),
+    (["-n", "2", "--env", "NOEQUALS", "--", "true"], "KEY=VALUE"),
+    (["-n", "2", "--port", "70000", "--", "true"], "--port"),
+    (["-n", "2", "--bogus", "--", "true"], "--bogus"),
+    (["-n", "2", "--"], "no command to run"),
+    (["-n", "2", "--", "/nonexistent/program"], "cannot run '/nonexistent/program'"),
+])
+def test_bad_arguments_exit_2_with_one_error_line(args, message):
+    r = run_module("holmes_jax.launch", *args)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], r.stderr

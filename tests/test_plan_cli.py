@@ -1,0 +1,166 @@
+import contextlib
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+import holmes_jax
+from holmes_jax import cli
+from holmes_jax.config import ConfigError, ModelConfig, ParallelConfig
+from holmes_jax.plan import Plan, main, plan
+from helpers import run_module
+
+REPO = Path(__file__).resolve().parent.parent
+TOPOLOGIES = REPO / "configs" / "topologies"
+IB4_ROCE4 = str(TOPOLOGIES / "ib4_roce4.toml")
+BF16 = ModelConfig(preset="7.5b", compute_dtype="bfloat16", remat=True)  # what fits 80 GB at few microbatches
+
+
+def _cli(*args):
+    """Runs the CLI in this process: (exit status, stdout, stderr)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), pytest.raises(SystemExit) as e:
+        cli.run(main, list(args))
+    return e.value.code, out.getvalue(), err.getvalue()
+
+
+def test_ib4_roce4_7_5b_tp8_pp2_json():
+    """The issue's acceptance command, as a subprocess."""
+    r = run_module("holmes_jax.plan", "--topology", IB4_ROCE4, "--model", "7.5b", "--tp", "8", "--pp", "2", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert list(out["mesh"].items()) == [("stage", 2), ("data", 4), ("tensor", 8)]
+    assert out["stage_clusters"] == ["ib", "roce"]  # the stages in different clusters
+    assert out["data_groups_nic"] == [["infiniband"], ["roce"]]  # each stage's data groups in one NIC class
+    assert out["stage_nic"] == ["infiniband", "roce"]
+    assert out["partition"] == "auto" and sum(out["stage_layers"]) == 36
+    assert out["stage_layers"][0] >= out["stage_layers"][1]  # the faster NIC's stage gets at least as many
+    assert set(out["predicted"]) >= {"step_time_s", "samples_per_s", "tflops_per_device", "flops_formula"}
+    assert out["predicted"]["step_time_s"] > 0
+    assert np.array(out["device_grid"]).shape == (2, 4, 8)
+
+
+def test_table_output():
+    code, out, _ = _cli("--topology", IB4_ROCE4, "--model", "7.5b", "--tp", "8", "--pp", "2", "--microbatches", "16",
+                        "--schedule", "1f1b", "--dtype", "bfloat16", "--remat")
+    assert code == 0
+    assert "mesh stage=2 data=4 tensor=8" in out and "schedule 1f1b, 16 microbatches of 8" in out
+    rows = [line.split() for line in out.splitlines() if line.startswith(("0 ", "1 ")) and "->" not in line]
+    assert [row[:3] for row in rows] == [["0", "ib", "infiniband"], ["1", "roce", "roce"]]
+    assert "0 -> 1    inter-cluster ethernet" in out
+    assert "predicted step" in out and "Megatron with recompute" in out
+
+
+def test_module_is_callable_and_the_function_importable():
+    p = holmes_jax.plan(IB4_ROCE4, "7.5b", ParallelConfig(tp=8, pp=2, microbatches=64, schedule="1f1b"))
+    assert isinstance(p, Plan) and p.mesh == {"stage": 2, "data": 4, "tensor": 8}
+    q = plan(IB4_ROCE4, ModelConfig(preset="7.5b"), ParallelConfig(tp=8, pp=2, microbatches=64, schedule="1f1b"))
+    assert q.stage_layers == p.stage_layers and q.prediction == p.prediction
+    data = json.loads(p.to_json())
+    assert data["stage_layers"] == list(p.stage_layers) and data["schedule"] == "1f1b"
+    assert "ib" in p.explain() and "roce" in p.explain()
+
+
+def test_planning_does_not_import_jax_or_models_from_mesh():
+    code = ("import sys, holmes_jax.plan, holmes_jax.mesh.planner; assert 'jax' not in sys.modules, 'jax'; "
+            "import holmes_jax.mesh.topology")
+    assert subprocess.run([sys.executable, "-c", code], cwd=REPO).returncode == 0
+    code = ("import sys, holmes_jax.mesh.planner, holmes_jax.pipeline.partition; "
+            "assert 'holmes_jax.models.presets' not in sys.modules")
+    assert subprocess.run([sys.executable, "-c", code], cwd=REPO).returncode == 0
+
+
+def test_naive_placement_mixes_nic_classes_and_is_slower():
+    args = ["--topology", IB4_ROCE4, "--model", "7.5b", "--tp", "8", "--pp", "2", "--microbatches", "16",
+            "--schedule", "1f1b", "--dtype", "bfloat16", "--remat", "--json"]
+    holmes, naive = (json.loads(_cli(*args, "--placement", p)[1]) for p in ("holmes", "naive"))
+    assert holmes["data_groups_nic"] == [["infiniband"], ["roce"]]
+    assert naive["data_groups_nic"] == [["infiniband", "roce"], ["infiniband", "roce"]]
+    assert naive["links"]["data"][0]["via"] == "inter-cluster ethernet"
+    assert naive["predicted"]["step_time_s"] > holmes["predicted"]["step_time_s"]
+
+
+def test_unequal_clusters_and_three_nic_classes():
+    unequal = plan(TOPOLOGIES / "ib3_roce5.toml", BF16, ParallelConfig(tp=8, pp=8, microbatches=32, schedule="1f1b"))
+    assert unequal.placement.stage_clusters == ("ib",) * 3 + ("roce",) * 5
+    three = plan(TOPOLOGIES / "three_clusters.toml", BF16, ParallelConfig(tp=8, pp=4, microbatches=16, schedule="1f1b"))
+    assert three.placement.stage_nic == ("infiniband", "roce", "ethernet", "ethernet")
+    assert [len(g) for g in three.placement.data_groups_nic] == [1, 1, 1, 1]
+
+
+def test_sizes_left_out_are_chosen_and_fit():
+    p = plan(TOPOLOGIES / "ib4_roce4.toml", BF16)
+    assert p.pp * p.dp * p.tp == 64 and p.global_batch % (p.dp * p.microbatches) == 0
+    assert p.prediction.fits and all(len(g) == 1 for g in p.placement.data_groups_nic)
+    fixed = plan(TOPOLOGIES / "ib4_roce4.toml", BF16,
+                 ParallelConfig(tp=p.tp, pp=p.pp, microbatches=p.microbatches, schedule=p.schedule))
+    assert fixed.prediction.step_time_s == pytest.approx(p.prediction.step_time_s)
+    # a chosen layout is never predicted slower than the hand-picked one of the paper
+    paper = plan(TOPOLOGIES / "ib4_roce4.toml", BF16, ParallelConfig(tp=8, pp=2), auto={"microbatches", "schedule"})
+    assert p.prediction.step_time_s <= paper.prediction.step_time_s
+
+
+def test_mixed_stages_only_when_allowed():
+    args = ["--topology", str(TOPOLOGIES / "ib3_roce5.toml"), "--model", "7.5b", "--tp", "8", "--pp", "2"]
+    code, _, err = _cli(*args)
+    assert code == 2 and err.startswith("error: pp = 2 is not allowed with tp = 8: stage 0 would span clusters")
+    code, out, _ = _cli(*args, "--allow-mixed", "--json")
+    assert code == 0 and json.loads(out)["mixed_stages"] == [0]
+    assert json.loads(out)["data_groups_nic"][0] == ["infiniband", "roce"]
+
+
+def test_build_mesh_from_a_plan_on_eight_cpu_devices():
+    p = plan(TOPOLOGIES / "cpu_2x4.toml", "tiny", ParallelConfig(tp=2, pp=2, dp=2), global_batch=16, seq_len=128)
+    assert p.placement.stage_clusters == ("ib", "roce")
+    mesh = p.build_mesh()
+    assert dict(mesh.shape) == p.mesh
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    assert [[[d.id for d in row] for row in stage] for stage in mesh.devices] == \
+        [[[devices[i].id for i in row] for row in stage] for stage in p.grid]
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--tp", "16"], ["tp = 16", "allowed"]),
+    (["--tp", "8", "--pp", "3"], ["pp = 3", "allowed pp"]),
+    (["--model", "tiny", "--tp", "1", "--pp", "8"], ["pp = 8 is not allowed: every pipeline stage needs a layer"]),
+    (["--model", "tiny", "--tp", "8"], ["tp = 8 is not allowed: it must divide ModelConfig.num_heads = 4"]),
+    (["--model", "gpt5"], ["ModelConfig.preset = 'gpt5' is not known"]),
+    (["--tp", "zero"], ["argument --tp", "allowed: a positive integer"]),
+    (["--partition", "best"], ["argument --partition: invalid choice"]),
+    (["--stage-layers", "20,20"], ["stage_layers = [20, 20] is not allowed"]),
+    (["--global-batch", "102", "--tp", "8", "--pp", "2"], ["global_batch = 102 is not allowed with dp = 4"]),
+    (["--tp", "8", "--pp", "2", "--microbatches", "5"], ["microbatches = 5 is not allowed"]),
+    (["--seq-len", "4096"], ["seq_len = 4096 is not allowed"]),
+])
+def test_bad_input_is_one_error_line_and_exit_2(args, words):
+    argv = ["--topology", IB4_ROCE4] + (["--model", "7.5b"] if "--model" not in args else []) + args
+    code, out, err = _cli(*argv)
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith("error: ")
+    for word in words:
+        assert word in err
+
+
+@pytest.mark.parametrize("make_args", [
+    lambda tmp: ["--topology", str(tmp / "missing.toml"), "--model", "7.5b"],
+    lambda tmp: ["--topology", str(tmp / "bad.toml"), "--model", "7.5b"],
+    lambda tmp: ["--topology", IB4_ROCE4, "--model", "7.5b", "--tp", "16"],
+    lambda tmp: ["--topology", IB4_ROCE4, "--model", "7.5b"] + ["--pp", "128"],
+])
+def test_cli_subprocess_errors(tmp_path, make_args):
+    (tmp_path / "bad.toml").write_text('[[cluster]]\nname = "x"\nnic = "fibre"\nnodes = 1\ndevices_per_node = 8\n')
+    r = run_module("holmes_jax.plan", *make_args(tmp_path))
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.startswith("error: ") and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
+
+
+def test_api_errors_are_config_errors():
+    with pytest.raises(ConfigError, match="topology = 3 is not allowed"):
+        plan(3, "7.5b")
+    with pytest.raises(ConfigError, match="auto = .* is not allowed"):
+        plan(IB4_ROCE4, "7.5b", auto={"layers"})
