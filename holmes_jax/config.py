@@ -86,6 +86,7 @@ class ParallelConfig:
     zero1: bool = True  # shard optimizer state over `data`
     placement: str = "holmes"  # holmes | naive
     topology: str | None = None  # TOML file; None: an emulated topology of the local devices
+    profile: str | None = None  # measured profile JSON (holmes_jax.pipeline.profile); None: analytic costs
     cpu_devices: int = 8  # devices the CPU backend exposes in one process
 
     def validate(self) -> None:
@@ -98,6 +99,9 @@ class ParallelConfig:
         _check_choice("ParallelConfig.schedule", self.schedule, ("gpipe", "1f1b"))
         _check_choice("ParallelConfig.placement", self.placement, ("holmes", "naive"))
         _check_choice("ParallelConfig.zero1", self.zero1, (True, False))
+        if self.profile is not None and (not isinstance(self.profile, str) or not self.profile):
+            raise ConfigError(f"ParallelConfig.profile = {self.profile!r} is not allowed; "
+                              f"allowed: None or the path of a profile JSON file")
         if self.stage_layers is not None:
             layers = tuple(self.stage_layers)
             if len(layers) != self.pp or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in layers):

@@ -7,6 +7,22 @@ batch and device memory is screened with a cheap split (the time-balanced one fo
 simulated in the order of its lower bound until no bound can win, and the best few get the full
 partition search. Predictions come from holmes_jax.pipeline.cost; TFLOPS use Megatron's formula
 (holmes_jax.metrics.megatron_flops), the recompute variant when the model recomputes activations.
+
+With a measured profile (`profile=`, `--profile FILE`, `ParallelConfig.profile`; written by
+`python -m holmes_jax.pipeline.profile`) the cost model uses measured numbers instead of the
+topology's defaults (see `_with_profile`):
+
+- Layers: the profile's forward and backward seconds of one block. When the plan's micro batch or
+  sequence differ from the profile's, they are scaled by the analytic layer FLOPs of the two shapes
+  (attention's s^2 term included). Embedding and head keep their analytic FLOPs, run at the
+  forward's measured rate. The measurement is of the profile's device (topology device 0); other
+  clusters' stages are scaled by their `device_tflops * device_efficiency` relative to it.
+- Links: the profile's data-group all-reduce and stage-boundary figures, matched to the plan's
+  stages by index, replace the topology's where measured. They are ignored (with a note) when the
+  plan's pp differs from the profile's. Measure a profile on the layout it will plan (placement,
+  dp); a profile with no links (`data_links = []`, `stage_links = []`) sizes layers only.
+
+Every such choice is listed in `Plan.notes` (printed by `explain()`, in the JSON as `notes`).
 """
 
 from __future__ import annotations
@@ -60,6 +76,7 @@ class Plan:
     zero1: bool
     prediction: Prediction
     partitions: Mapping[str, Prediction]  # every partition method's split on this layout
+    notes: tuple[str, ...] = ()  # how a measured profile was used (or why parts of it were not)
 
     @property
     def grid(self) -> np.ndarray:
@@ -112,6 +129,7 @@ class Plan:
             "partitions": {m: {"stage_layers": list(p.stage_layers), "step_time_s": p.step_time_s, "fits": p.fits}
                            for m, p in self.partitions.items()},
             "device_grid": self.grid.tolist(),
+            "notes": list(self.notes),
         }
 
     def to_json(self, indent: int | None = None) -> str:
@@ -154,6 +172,7 @@ class Plan:
                 f"{'' if p.fits else ' (over memory)'}"
                 for name, p in self.partitions.items()),
         ]
+        lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
 
@@ -185,20 +204,110 @@ def _table(header: list, rows: list[list]) -> str:
 
 
 def _cost_model(cfg: ModelConfig, pl: Placement, global_batch: int, seq_len: int, microbatches: int,
-                schedule: str, zero1: bool) -> CostModel:
+                schedule: str, zero1: bool, prof=None, topo: Topology | None = None,
+                notes: list[str] | None = None) -> CostModel:
     pp, dp, tp = pl.grid.shape
-    costs = presets.model_costs(cfg, global_batch // (dp * microbatches), seq_len)
-    work = cost.Work(costs.embed, costs.layers, costs.head, costs.activation_bytes,
-                     tp_allreduces_bwd=4 if cfg.remat else 2, layer_stash_bytes=_stash_bytes(cfg, costs, tp, seq_len))
+    micro_batch = global_batch // (dp * microbatches)
+    costs = presets.model_costs(cfg, micro_batch, seq_len)
 
     def link(r: Route) -> cost.Link:
         return cost.Link(r.bytes_per_s, r.latency_s)
 
-    stages = [cost.Stage(pl.device_flops[s], tp, link(pl.tensor_routes[s]), dp, link(pl.data_routes[s]),
+    layers, device_flops = costs.layers, list(pl.device_flops)
+    dp_links, boundaries = [link(r) for r in pl.data_routes], [link(r) for r in pl.boundary_routes]
+    if prof is not None:
+        layers, device_flops, dp_links, boundaries = _with_profile(
+            prof, cfg, costs, micro_batch, seq_len, pl, topo, dp_links, boundaries, notes if notes is not None else [])
+    work = cost.Work(costs.embed, layers, costs.head, costs.activation_bytes,
+                     tp_allreduces_bwd=4 if cfg.remat else 2, layer_stash_bytes=_stash_bytes(cfg, costs, tp, seq_len))
+    stages = [cost.Stage(device_flops[s], tp, link(pl.tensor_routes[s]), dp, dp_links[s],
                          pl.device_memory[s]) for s in range(pp)]
     flops = megatron_flops(global_batch, seq_len, cfg.num_layers, cfg.hidden, cfg.vocab_size, cfg.remat)
-    return CostModel(work, stages, [link(r) for r in pl.boundary_routes], microbatches, schedule, zero1,
+    return CostModel(work, stages, boundaries, microbatches, schedule, zero1,
                      step_flops=flops, samples=global_batch)
+
+
+def _load_profile(profile, cfg: ModelConfig):
+    """A checked Profile from a Profile, a JSON path or None."""
+    if profile is None:
+        return None
+    from holmes_jax.pipeline.profile import Profile  # imports jax: only when a profile is used
+
+    prof = Profile.load(profile) if isinstance(profile, (str, os.PathLike)) else profile
+    if not isinstance(prof, Profile):
+        raise ConfigError(f"profile = {profile!r} is not allowed; allowed: a profile JSON path or a Profile")
+    where = f"profile {str(profile)!r}" if isinstance(profile, (str, os.PathLike)) else "profile"
+    for name in ("micro_batch", "seq_len"):
+        value = getattr(prof, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{where}: {name} = {value!r} is not allowed; allowed: a positive integer")
+    for name, low in (("layer_fwd_flops", 0.0), ("layer_fwd_s", 0.0)):
+        value = getattr(prof, name)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > low:
+            raise ConfigError(f"{where}: {name} = {value!r} is not allowed; allowed: a positive number")
+    if not isinstance(prof.layer_bwd_s, (int, float)) or isinstance(prof.layer_bwd_s, bool) or prof.layer_bwd_s < 0:
+        raise ConfigError(f"{where}: layer_bwd_s = {prof.layer_bwd_s!r} is not allowed; allowed: a number >= 0")
+    for kind, links in (("data_links", prof.data_links), ("stage_links", prof.stage_links)):
+        for i, l in enumerate(links):
+            if l is None:
+                continue
+            if not (isinstance(l.gbps, (int, float)) and l.gbps > 0 and isinstance(l.latency_s, (int, float))
+                    and l.latency_s >= 0):
+                raise ConfigError(f"{where}: {kind}[{i}] = {l!r} is not allowed; allowed: gbps > 0, latency_s >= 0")
+    # A profile of another model: XLA's count of its block is far from this model's analytic one.
+    analytic = presets.model_costs(cfg, prof.micro_batch, prof.seq_len).layers[0].fwd_flops
+    if not 0.5 <= prof.layer_fwd_flops / analytic <= 2.0:
+        raise ConfigError(f"{where}: its layer has {prof.layer_fwd_flops:.4g} forward FLOPs at micro batch "
+                          f"{prof.micro_batch}, seq {prof.seq_len}, but model {cfg.preset!r} (hidden {cfg.hidden}, "
+                          f"ffn {cfg.ffn_hidden}) has {analytic:.4g}; allowed: a profile of this model")
+    return prof
+
+
+def _with_profile(prof, cfg: ModelConfig, costs: presets.ModelCosts, micro_batch: int, seq_len: int,
+                  pl: Placement, topo: Topology, dp_links: list, boundaries: list, notes: list[str]):
+    """(layers, device FLOP/s per stage, data links, boundary links) with the profile's measurements.
+
+    The cost model divides FLOPs by a device rate, so measured seconds enter as a rate: the
+    analytic forward FLOPs of a layer at the profile's shape over its measured forward seconds.
+    Each layer's backward FLOPs become its forward FLOPs times the measured backward/forward ratio,
+    so forward and backward each take their measured time (scaled by FLOPs to the plan's shape).
+    """
+    pp, dp, _ = pl.grid.shape
+    ref = presets.model_costs(cfg, prof.micro_batch, prof.seq_len).layers[0].fwd_flops
+    rate = ref / prof.layer_fwd_s  # analytic FLOP/s the profiled device reached
+    ratio = prof.layer_bwd_s / prof.layer_fwd_s
+    layers = tuple(cost.Part(l.params, l.fwd_flops, l.fwd_flops * ratio) for l in costs.layers)
+    own = topo.clusters[int(topo.device_cluster[0])].device_flops  # the profile ran on device 0
+    device_flops = [rate * f / own for f in pl.device_flops]
+    shape = f"micro batch {prof.micro_batch} x seq {prof.seq_len}"
+    if (prof.micro_batch, prof.seq_len) != (micro_batch, seq_len):
+        scale = costs.layers[0].fwd_flops / ref
+        notes.append(f"profile: layer times measured at {shape}, scaled by analytic FLOPs x{scale:.3g} to this "
+                     f"plan's micro batch {micro_batch} x seq {seq_len}")
+    else:
+        notes.append(f"profile: layer times measured at {shape} (this plan's): forward "
+                     f"{prof.layer_fwd_s * 1e3:.3g} ms, backward {prof.layer_bwd_s * 1e3:.3g} ms")
+    if any(f != own for f in pl.device_flops):
+        notes.append("profile: stages on other device types scaled by their device_tflops * device_efficiency")
+    if len(prof.data_links) == pp:
+        used = []
+        for s, l in enumerate(prof.data_links):
+            if l is not None and dp > 1:
+                # The profile fits one fixed cost per all-reduce; the cost model counts 2(n - 1) hops.
+                dp_links[s] = cost.Link(l.gbps * 1e9 / 8, l.latency_s / (2 * (dp - 1)))
+                used.append(s)
+        if used:
+            notes.append(f"profile: measured data-group links for stage(s) {', '.join(map(str, used))}")
+    elif prof.data_links:
+        notes.append(f"profile: its {len(prof.data_links)} data-group links ignored (this plan has pp = {pp}); "
+                     f"topology figures used")
+    if pp > 1 and len(prof.stage_links) == pp - 1:
+        boundaries = [cost.Link(l.gbps * 1e9 / 8, l.latency_s) for l in prof.stage_links]
+        notes.append("profile: measured stage-boundary links")
+    elif prof.stage_links:
+        notes.append(f"profile: its {len(prof.stage_links)} stage-boundary links ignored (this plan has pp = {pp}); "
+                     f"topology figures used")
+    return layers, device_flops, dp_links, boundaries
 
 
 def _stash_bytes(cfg: ModelConfig, costs: presets.ModelCosts, tp: int, seq_len: int) -> float:
@@ -274,7 +383,7 @@ def _topology(topology) -> Topology:
 
 def plan(topology, model, parallel: ParallelConfig | None = None, *, global_batch: int = DEFAULT_GLOBAL_BATCH,
          seq_len: int | None = None, auto: Iterable[str] | None = None, allow_mixed: bool = False,
-         ratios: Mapping[str, float] | None = None) -> Plan:
+         ratios: Mapping[str, float] | None = None, profile=None) -> Plan:
     """Plans `model` (a preset name or ModelConfig) on `topology` (a TOML path or Topology).
 
     `parallel` fixes tp, pp, dp (None: what is left), microbatches, the partition method or
@@ -282,6 +391,8 @@ def plan(topology, model, parallel: ParallelConfig | None = None, *, global_batc
     cost model chooses instead; default: all of them without `parallel`, none with it.
     `allow_mixed`: let a holmes stage span clusters (reported) instead of refusing.
     `ratios`: holmes-ratio's weight per cluster name (default: cluster NIC Gb/s).
+    `profile`: a measured Profile (or its JSON path); None: `parallel.profile`, else analytic costs
+    and topology links (see the module doc).
     """
     topo = _topology(topology)
     cfg = presets.resolve(model if isinstance(model, ModelConfig) else ModelConfig(preset=model))
@@ -299,8 +410,9 @@ def plan(topology, model, parallel: ParallelConfig | None = None, *, global_batc
     if seq_len > cfg.max_seq_len:
         raise ConfigError(f"seq_len = {seq_len} is not allowed; "
                           f"allowed: up to ModelConfig.max_seq_len = {cfg.max_seq_len}")
+    prof = _load_profile(par.profile if profile is None else profile, cfg)
 
-    candidates, errors = _candidates(topo, cfg, par, free, global_batch, seq_len, allow_mixed, ratios)
+    candidates, errors = _candidates(topo, cfg, par, free, global_batch, seq_len, allow_mixed, ratios, prof)
     if not candidates:
         errors = list(dict.fromkeys(errors))
         raise ConfigError(errors[0] if len(errors) == 1 else
@@ -318,9 +430,13 @@ def plan(topology, model, parallel: ParallelConfig | None = None, *, global_batc
             best = prediction, c
     prediction, c = best
     partitions = {m: c.model.predict(partition.split(m, c.model, c.weights)) for m in partition.METHODS}
+    notes: list[str] = []
+    if prof is not None:  # the chosen layout's notes (rebuilding its cost model is cheap)
+        _cost_model(cfg, c.placement, global_batch, seq_len, c.model.microbatches, c.model.schedule, par.zero1,
+                    prof, topo, notes)
     return Plan(topo, cfg, c.placement, prediction.stage_layers,
                 "explicit" if par.stage_layers is not None else par.partition, c.model.schedule, c.model.microbatches,
-                global_batch, seq_len, par.zero1, prediction, partitions)
+                global_batch, seq_len, par.zero1, prediction, partitions, tuple(notes))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -333,7 +449,7 @@ class _Candidate:
 
 
 def _candidates(topo: Topology, cfg: ModelConfig, par: ParallelConfig, free: set, global_batch: int, seq_len: int,
-                allow_mixed: bool, ratios) -> tuple[list[_Candidate], list[str]]:
+                allow_mixed: bool, ratios, prof=None) -> tuple[list[_Candidate], list[str]]:
     """Every (layout, microbatches, schedule) that fits the topology, the model, the batch and
     device memory; and why the others do not."""
     found, errors = [], []
@@ -347,7 +463,7 @@ def _candidates(topo: Topology, cfg: ModelConfig, par: ParallelConfig, free: set
             continue
         weights = _stage_ratios(topo, pl, ratios)
         for m, schedule in itertools.product(options, SCHEDULES if "schedule" in free else [par.schedule]):
-            model = _cost_model(cfg, pl, global_batch, seq_len, m, schedule, par.zero1)
+            model = _cost_model(cfg, pl, global_batch, seq_len, m, schedule, par.zero1, prof, topo)
             if par.stage_layers is not None or par.partition != "auto":
                 split = partition.split(par.partition, model, weights, par.stage_layers)
             else:
@@ -404,6 +520,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="activation dtype")
     p.add_argument("--remat", action="store_true", help="the model recomputes activations in the backward pass")
     p.add_argument("--allow-mixed", action="store_true", help="let a stage span clusters instead of refusing")
+    p.add_argument("--profile", help="measured profile JSON (python -m holmes_jax.pipeline.profile) for layer "
+                                     "times and link figures instead of the topology's defaults")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
@@ -417,7 +535,8 @@ def main(argv: list[str]) -> int:
                               schedule=given["schedule"] or "gpipe", placement=args.placement)
     model = ModelConfig(preset=args.model, compute_dtype=args.dtype, remat=args.remat)
     result = plan(args.topology, model, parallel, global_batch=args.global_batch, seq_len=args.seq_len,
-                  auto=[name for name, value in given.items() if value is None], allow_mixed=args.allow_mixed)
+                  auto=[name for name, value in given.items() if value is None], allow_mixed=args.allow_mixed,
+                  profile=args.profile)
     print(result.to_json() if args.json else result.explain())
     return 0
 

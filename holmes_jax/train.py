@@ -134,7 +134,8 @@ def make_plan(cfgs: Configs, devices, process_nics=None) -> Plan:
         topo = topology.load(par.topology)
     else:
         topo = planner.local_topology(devices, device_tflops=peak_tflops(devices)[0])
-    return plan_api.plan(topo, cfgs.model, par, global_batch=cfgs.data.global_batch, seq_len=cfgs.data.seq_len)
+    return plan_api.plan(topo, cfgs.model, par, global_batch=cfgs.data.global_batch, seq_len=cfgs.data.seq_len,
+                         profile=par.profile)
 
 
 def _zero1_spec(spec: P, shape: tuple, dp: int) -> P:

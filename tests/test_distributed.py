@@ -10,7 +10,7 @@ import pytest
 
 from holmes_jax import distributed
 from holmes_jax.config import ConfigError
-from tests.helpers import REPO, read_metrics
+from helpers import REPO, read_metrics
 
 # --------------------------------------------------------------------------- launch detection
 

@@ -9,7 +9,7 @@ import pytest
 
 from holmes_jax import emulate
 from holmes_jax.config import ConfigError
-from tests.helpers import run_module
+from helpers import run_module
 
 REASON = emulate.unavailable_reason()
 needs_root = pytest.mark.skipif(REASON is not None, reason=f"emulated cluster {REASON}")

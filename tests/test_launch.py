@@ -10,7 +10,7 @@ import time
 import pytest
 
 from holmes_jax import launch
-from tests.helpers import REPO, run_module
+from helpers import REPO, run_module
 
 
 def test_each_process_gets_its_rank_coordinator_devices_and_nic():

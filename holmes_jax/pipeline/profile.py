@@ -117,6 +117,19 @@ def profile_stage_boundary(mesh: Mesh, stage: int, sizes=(1 << 16, 1 << 22), rep
     return _fit(list(sizes), times, 1.0)
 
 
+def _share_links(links: list, group_sizes: list[int]) -> list:
+    """Every process's measured links merged (a stage's group is measured by its own processes)."""
+    from jax.experimental import multihost_utils
+
+    mine = np.array([[l.gbps, l.latency_s] if l else [np.nan, np.nan] for l in links], dtype=np.float64)
+    every = np.asarray(multihost_utils.process_allgather(mine))  # (processes, stages, 2)
+    merged = []
+    for s, n in enumerate(group_sizes):
+        rows = every[:, s][~np.isnan(every[:, s, 0])]
+        merged.append(Link(float(rows[0, 0]), float(rows[0, 1])) if n > 1 and len(rows) else None)
+    return merged
+
+
 def profile(model, mesh: Mesh, micro_batch: int, seq_len: int, repeats: int = 5) -> Profile:
     """Profiles the layer on this process's first device and every link of `mesh` (stage, data, tensor)."""
     flops, t_fwd, t_bwd = profile_layer(model, micro_batch, seq_len, mesh.local_devices[0], repeats)
@@ -126,6 +139,8 @@ def profile(model, mesh: Mesh, micro_batch: int, seq_len: int, repeats: int = 5)
         group = list(grid[s, :, 0])  # the data group of tensor rank 0 stands for its stage
         mine = any(d.process_index == jax.process_index() for d in group)
         data_links.append(profile_data_group(group, repeats=repeats) if mine else None)
+    if jax.process_count() > 1:  # each process measured its own stages' groups: share them
+        data_links = _share_links(data_links, group_sizes=[grid.shape[1]] * grid.shape[0])
     stage_links = tuple(profile_stage_boundary(mesh, s, repeats=repeats) for s in range(grid.shape[0] - 1))
     return Profile(mesh.local_devices[0].device_kind, micro_batch, seq_len, flops, t_fwd, t_bwd,
                    tuple(data_links), stage_links)
@@ -143,7 +158,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     args, gin_args = parser.parse_known_args(argv)
     cfgs = train.load_configs(gin_args)
-    jax.config.update("jax_num_cpu_devices", cfgs.parallel.cpu_devices)
+    from holmes_jax import distributed
+
+    # Before any backend starts: jax.distributed for several processes (as train does), the CPU device count.
+    distributed.initialize(cfgs.parallel.cpu_devices)
     devices = train.ordered_devices()
     mesh = train.make_plan(cfgs, devices).build_mesh(devices)
     dp = mesh.shape["data"]

@@ -1,0 +1,150 @@
+"""A measured profile drives the plan: layer times and link figures replace the topology's defaults."""
+
+import contextlib
+import dataclasses
+import io
+import json
+from pathlib import Path
+
+import pytest
+
+from holmes_jax import cli
+from holmes_jax.config import ConfigError, ModelConfig, ParallelConfig
+from holmes_jax.models import presets
+from holmes_jax.pipeline.profile import Link, Profile
+from holmes_jax.plan import main, plan
+
+TOPOLOGY = str(Path(__file__).resolve().parent.parent / "configs" / "topologies" / "cpu_2x4.toml")
+MODEL = ModelConfig(preset="tiny", num_layers=8)
+BATCH, SEQ = 16, 32  # dp 4, 4 microbatches: micro batch 1
+FAST, SLOW = Link(gbps=10.0, latency_s=1e-5), Link(gbps=0.01, latency_s=1e-5)
+
+
+def _profile(data_links=(FAST, FAST), stage_links=(FAST,), micro_batch=1, seq_len=SEQ) -> Profile:
+    flops = presets.model_costs(presets.resolve(MODEL), micro_batch, seq_len).layers[0].fwd_flops
+    return Profile("cpu", micro_batch, seq_len, flops, layer_fwd_s=1e-3, layer_bwd_s=2e-3,
+                   data_links=tuple(data_links), stage_links=tuple(stage_links))
+
+
+def _plan(prof, partition="auto", pp=2, config_profile=None):
+    par = ParallelConfig(pp=pp, microbatches=4, partition=partition, profile=config_profile)
+    return plan(TOPOLOGY, MODEL, par, global_batch=BATCH, seq_len=SEQ, profile=prof)
+
+
+def test_measured_layer_times_set_the_compute():
+    p = _plan(_profile(), partition="uniform")
+    # 4 layers per stage: forward 4 ms, backward 8 ms per microbatch (plus a small analytic head/embedding).
+    assert p.prediction.stage_fwd_s[0] == pytest.approx(4e-3, rel=0.02)
+    assert p.prediction.stage_bwd_s[0] == pytest.approx(8e-3, rel=0.02)
+    assert p.prediction.stage_fwd_s[1] > 4e-3  # the head on the last stage
+    # Twice as slow a measurement: compute doubles.
+    slow = dataclasses.replace(_profile(), layer_fwd_s=2e-3, layer_bwd_s=4e-3)
+    assert _plan(slow, partition="uniform").prediction.stage_fwd_s[0] == pytest.approx(8e-3, rel=0.02)
+    assert any("layer times measured" in n for n in p.notes)
+
+
+def test_layer_times_scale_to_the_plans_shape():
+    at_half = _profile(seq_len=SEQ // 2)
+    p = _plan(at_half, partition="uniform")
+    cfg = presets.resolve(MODEL)
+    scale = presets.model_costs(cfg, 1, SEQ).layers[0].fwd_flops / presets.model_costs(cfg, 1, SEQ // 2).layers[0].fwd_flops
+    assert p.prediction.stage_fwd_s[0] == pytest.approx(4e-3 * scale, rel=0.02)
+    assert any("scaled by analytic FLOPs" in n for n in p.notes)
+
+
+def test_a_slow_data_group_raises_the_step_and_moves_layers_away():
+    fast = _plan(_profile())
+    slow = _plan(_profile(data_links=(FAST, SLOW)))
+    assert slow.prediction.stage_sync_s[1] > 10 * fast.prediction.stage_sync_s[1]
+    assert slow.prediction.step_time_s > fast.prediction.step_time_s
+    # Gradient sync grows with the stage's parameters: the slow stage gets fewer layers.
+    assert slow.stage_layers[1] < slow.stage_layers[0]
+    assert slow.prediction.step_time_s < slow.partitions["uniform"].step_time_s
+    assert any("data-group links for stage(s) 0, 1" in n for n in slow.notes)
+    # Slow on the other stage: the shift goes the other way.
+    other = _plan(_profile(data_links=(SLOW, FAST)))
+    assert other.stage_layers[0] < other.stage_layers[1]
+
+
+def test_a_slow_boundary_raises_the_step():
+    fast = _plan(_profile(), partition="uniform")
+    slow = _plan(_profile(stage_links=(SLOW,)), partition="uniform")
+    assert slow.prediction.p2p_s[0] > 100 * fast.prediction.p2p_s[0]
+    assert slow.prediction.step_time_s > fast.prediction.step_time_s + 4 * slow.prediction.p2p_s[0]
+    assert "profile: measured stage-boundary links" in slow.notes
+
+
+def test_links_of_another_pp_are_ignored_with_a_note():
+    prof = _profile(data_links=(SLOW, SLOW, SLOW, SLOW), stage_links=(SLOW, SLOW, SLOW))
+    p = _plan(prof, partition="uniform")
+    bare = _plan(_profile(data_links=(), stage_links=()), partition="uniform")
+    assert p.prediction.step_time_s == pytest.approx(bare.prediction.step_time_s)
+    assert any("4 data-group links ignored (this plan has pp = 2)" in n for n in p.notes)
+    assert any("3 stage-boundary links ignored" in n for n in p.notes)
+    # Without a profile: the topology's figures, no notes.
+    assert _plan(None).notes == ()
+
+
+def test_profile_from_a_file_and_from_parallel_config(tmp_path):
+    path = tmp_path / "p.json"
+    path.write_text(_profile(data_links=(FAST, SLOW)).to_json())
+    by_arg = _plan(str(path))
+    by_config = _plan(None, config_profile=str(path))
+    assert by_arg.stage_layers == by_config.stage_layers
+    assert by_arg.prediction.step_time_s == pytest.approx(by_config.prediction.step_time_s)
+    assert by_arg.to_dict()["notes"] == list(by_arg.notes)
+    assert "note: profile:" in by_arg.explain()
+
+
+def test_parallel_config_profile_is_validated():
+    with pytest.raises(ConfigError, match="ParallelConfig.profile"):
+        ParallelConfig(profile="").validate()
+    with pytest.raises(ConfigError, match="ParallelConfig.profile"):
+        ParallelConfig(profile=3).validate()
+
+
+def test_a_profile_of_another_model_or_bad_numbers_is_refused():
+    other = dataclasses.replace(_profile(), layer_fwd_flops=_profile().layer_fwd_flops * 10)
+    with pytest.raises(ConfigError, match="allowed: a profile of this model"):
+        _plan(other)
+    with pytest.raises(ConfigError, match="layer_fwd_s"):
+        _plan(dataclasses.replace(_profile(), layer_fwd_s=0.0))
+    with pytest.raises(ConfigError, match=r"stage_links\[0\]"):
+        _plan(_profile(stage_links=(Link(gbps=-1.0, latency_s=0.0),)))
+
+
+def _cli(*args):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), pytest.raises(SystemExit) as e:
+        cli.run(main, list(args))
+    return e.value.code, out.getvalue(), err.getvalue()
+
+
+CLI = ["--topology", TOPOLOGY, "--model", "tiny", "--pp", "2", "--tp", "1", "--microbatches", "4", "--global-batch", str(BATCH),
+       "--seq-len", str(SEQ)]
+
+
+@pytest.mark.parametrize("content", ["{}", "not json", '{"micro_batch": 1}', None])
+def test_cli_bad_profile_file_is_exit_2(tmp_path, content):
+    path = tmp_path / "p.json"
+    if content is not None:
+        path.write_text(content)
+    code, out, err = _cli(*CLI, "--profile", str(path))
+    assert code == 2 and out == ""
+    assert err.startswith("error: --profile ") and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_cli_profile_changes_the_json(tmp_path):
+    cfg4 = dataclasses.replace(MODEL, num_layers=4)
+    flops = presets.model_costs(presets.resolve(cfg4), 1, SEQ).layers[0].fwd_flops
+    prof = Profile("cpu", 1, SEQ, flops, 1e-3, 2e-3, (FAST, SLOW), (FAST,))
+    path = tmp_path / "p.json"
+    path.write_text(prof.to_json())
+    code, out, _ = _cli(*CLI, "--json", "--profile", str(path))
+    assert code == 0
+    with_profile = json.loads(out)
+    code, out, _ = _cli(*CLI, "--json")
+    without = json.loads(out)
+    assert with_profile["predicted"]["step_time_s"] != without["predicted"]["step_time_s"]
+    assert with_profile["stage_layers"][1] < with_profile["stage_layers"][0]  # away from the slow data group
+    assert with_profile["notes"] and without["notes"] == []
