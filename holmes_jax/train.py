@@ -127,7 +127,7 @@ def _measured_peak(devices: tuple) -> float:
     return metrics.measure_matmul_peak_tflops(list(devices))
 
 
-def make_plan(cfgs: Configs, devices, process_nics=None) -> Plan:
+def make_plan(cfgs: Configs, devices) -> Plan:
     """The Plan for this run: the topology file's, or one emulated from the devices present."""
     par = cfgs.parallel
     if par.topology:
@@ -236,7 +236,7 @@ def _state_shardings(mesh: Mesh, tx, params_shapes: dict, stage_axis: str | None
 
 def build(cfgs: Configs, devices=None, process_nics=None) -> Setup:
     devices = ordered_devices(devices)
-    the_plan = make_plan(cfgs, devices, process_nics)
+    the_plan = make_plan(cfgs, devices)
     mesh = the_plan.build_mesh(devices, process_nics)
     par = cfgs.parallel
     model = gpt.GPT(cfgs.model)
