@@ -148,13 +148,21 @@ def _zero1_spec(spec: P, shape: tuple, dp: int) -> P:
     return spec
 
 
-def optimizer_specs(opt_shapes, params_specs: dict, params: dict, dp: int, zero1: bool):
+def gradient_specs(params_shapes: dict, stage_axis: str | None, dp: int, zero1: bool) -> dict:
+    """Where gradients and optimizer moments live: the parameter's spec, split over `data` too
+    with ZeRO-1 (so the gradient is reduce-scattered and each replica updates its shard)."""
+    pspecs = gpt.param_specs(params_shapes, stage_axis)
+    if not zero1:
+        return pspecs
+    return jax.tree.map(lambda spec, leaf: _zero1_spec(spec, leaf.shape, dp), pspecs, params_shapes,
+                        is_leaf=lambda x: isinstance(x, P))
+
+
+def optimizer_specs(opt_shapes, moment_specs: dict):
     """PartitionSpecs for optimizer state: a leaf under a parameter's path takes that parameter's
-    spec (split over `data` too with ZeRO-1); counters and scalars are replicated."""
-    by_path = {}
-    for (path, spec), leaf in zip(jax.tree_util.tree_leaves_with_path(params_specs, is_leaf=lambda x: isinstance(x, P)),
-                                  jax.tree_util.tree_leaves(params)):
-        by_path[tuple(path)] = _zero1_spec(spec, leaf.shape, dp) if zero1 else spec
+    moment spec; counters and scalars are replicated."""
+    by_path = {tuple(path): spec for path, spec in
+               jax.tree_util.tree_leaves_with_path(moment_specs, is_leaf=lambda x: isinstance(x, P))}
 
     def spec(path, leaf):
         for start in range(len(path)):
@@ -196,6 +204,7 @@ class Setup:
     schedule: optax.Schedule
     state_shardings: dict
     canonical_shardings: dict
+    grad_specs: dict  # staged layout
     batch_sharding: NamedSharding  # (microbatches, micro_batch, seq + 1), split over `data`
 
     def _canonical_state(self) -> dict:
@@ -228,8 +237,8 @@ class Setup:
 
 def _state_shardings(mesh: Mesh, tx, params_shapes: dict, stage_axis: str | None, zero1: bool) -> dict:
     pspecs = gpt.param_specs(params_shapes, stage_axis)
-    opt_shapes = jax.eval_shape(tx.init, params_shapes)
-    ospecs = optimizer_specs(opt_shapes, pspecs, params_shapes, mesh.shape["data"], zero1)
+    moments = gradient_specs(params_shapes, stage_axis, mesh.shape["data"], zero1)
+    ospecs = optimizer_specs(jax.eval_shape(tx.init, params_shapes), moments)
     specs = {"params": pspecs, "opt_state": ospecs, "step": P()}
     return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
 
@@ -247,6 +256,7 @@ def build(cfgs: Configs, devices=None, process_nics=None) -> Setup:
     return Setup(cfgs, the_plan, mesh, model, pipeline, tx, schedule,
                  _state_shardings(mesh, tx, staged, "stage", par.zero1),
                  _state_shardings(mesh, tx, canonical, None, par.zero1),
+                 gradient_specs(staged, "stage", mesh.shape["data"], par.zero1),
                  NamedSharding(mesh, P(None, "data", None)))
 
 
@@ -258,7 +268,7 @@ def make_train_step(setup: Setup):
     tx, pipeline = setup.tx, setup.pipeline
 
     def step(state, batch):
-        loss, grads = pipeline.loss_and_grads(state["params"], batch)
+        loss, grads = pipeline.loss_and_grads(state["params"], batch, setup.grad_specs)
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], pipeline.mask_updates(updates))
         new_state = {"params": params, "opt_state": opt_state, "step": state["step"] + 1}
@@ -271,7 +281,7 @@ def make_train_step(setup: Setup):
 def make_eval_step(setup: Setup):
     """Validation loss of a batch through the same pipeline program. It also runs the backward
     (its gradients are dropped): simpler than a second forward-only schedule, and evaluation is rare."""
-    return jax.jit(lambda params, batch: setup.pipeline.loss_and_grads(params, batch)[0],
+    return jax.jit(lambda params, batch: setup.pipeline.loss_and_grads(params, batch, setup.grad_specs)[0],
                    in_shardings=(setup.state_shardings["params"], setup.batch_sharding))
 
 

@@ -15,7 +15,7 @@ def _loss_and_canonical_grads(tmp_path, *bindings):
     setup = train.build(cfgs)
     state = setup.init_state()
     batch = setup.batch("train", 0, data.load(cfgs.data))
-    loss, grads = jax.jit(setup.pipeline.loss_and_grads)(state["params"], batch)
+    loss, grads = jax.jit(lambda p, b: setup.pipeline.loss_and_grads(p, b, setup.grad_specs))(state["params"], batch)
     return float(loss), jax.device_get(setup.pipeline.to_canonical(grads))
 
 
@@ -117,12 +117,13 @@ def test_gradients_are_reduced_over_data_once_per_step_not_per_microbatch(tmp_pa
     for line in hlo.splitlines():
         if not line.startswith(" ") and line.strip().endswith("{"):
             current = re.match(r"^(?:ENTRY )?%?([\w.\-]+)", line.strip()).group(1)
-        elif re.search(r"\b(all-reduce|collective-permute)(-start)?\(", line):
+        elif re.search(r"\b(all-reduce|reduce-scatter|collective-permute)(-start)?\(", line):
             where.setdefault(current, []).append(line)
     in_loop = [l for c, lines in where.items() if c in inside for l in lines]
-    outside = [l for c, lines in where.items() if c not in inside for l in lines if "all-reduce" in l]
+    reductions = lambda lines: [l for l in lines if "all-reduce" in l or "reduce-scatter" in l]  # noqa: E731
+    outside = reductions([l for c, lines in where.items() if c not in inside for l in lines])
     assert loop_bodies, "expected the schedule's scan to compile to a loop"
     assert any("collective-permute" in l for l in in_loop)  # the per-tick ppermutes: the loop is found
-    assert not [l for l in in_loop if "all-reduce" in l], in_loop[:2]
+    assert not reductions(in_loop), reductions(in_loop)[:2]
     # Data groups of the mesh (stage, data, tensor) = (2, 4, 1): devices {0,1,2,3} and {4,5,6,7}.
     assert any("{0,1,2,3},{4,5,6,7}" in l.replace(" ", "") for l in outside), outside[:3]

@@ -24,6 +24,8 @@ folded into its backward, which recomputes it anyway.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -86,20 +88,29 @@ class Pipeline:
 
     # ------------------------------------------------------------------ the step
 
-    def loss_and_grads(self, params: dict, batch: jax.Array):
+    def loss_and_grads(self, params: dict, batch: jax.Array, grad_specs: dict):
         """Mean loss over `batch` (microbatches, micro_batch, seq + 1) and the gradients of `params`
-        (staged layout). Call inside `jit`."""
+        (staged layout), laid out as `grad_specs` says. Call inside `jit`. A leaf whose spec names
+        `data` (ZeRO-1) is reduce-scattered over `data` along that axis; the rest are all-reduced."""
+        is_spec = lambda x: isinstance(x, P)  # noqa: E731
+        manual = jax.tree.map(lambda spec: P(*(n if n in ("stage", "data") else None for n in spec)), grad_specs,
+                              is_leaf=is_spec)
+        scatter_dims = jax.tree.map(lambda spec: list(spec).index("data") if "data" in spec else -1, manual,
+                                    is_leaf=is_spec)
         shared = {"embed": params["embed"], "head": params["head"]}
+        shared_out = {"embed": manual["embed"], "head": manual["head"]}
+        shared_dims = {"embed": scatter_dims["embed"], "head": scatter_dims["head"]}
         block_specs = jax.tree.map(lambda _: P("stage"), params["blocks"])
         fn = jax.shard_map(
-            self._stage_program, mesh=self.mesh, axis_names={"stage", "data"},
+            functools.partial(self._stage_program, block_dims=scatter_dims["blocks"], shared_dims=shared_dims),
+            mesh=self.mesh, axis_names={"stage", "data"},
             in_specs=(block_specs, P(), P(None, "data")),
-            out_specs=(P(), block_specs, P()), check_vma=False,
+            out_specs=(P(), manual["blocks"], shared_out), check_vma=False,
         )
         loss, block_grads, shared_grads = fn(params["blocks"], shared, batch)
         return loss, {"embed": shared_grads["embed"], "blocks": block_grads, "head": shared_grads["head"]}
 
-    def _stage_program(self, blocks, shared, batch):
+    def _stage_program(self, blocks, shared, batch, block_dims, shared_dims):
         model, table, p = self.model, self.table, self.stages
         s = lax.axis_index("stage")
         blocks = jax.tree.map(lambda x: x[0], blocks)
@@ -145,9 +156,15 @@ class Pipeline:
                  act, act, zeros, jnp.zeros((), jnp.float32))
         rows = tuple(jnp.asarray(r) for r in (table.fwd, table.bwd, table.x_arrivals(), table.g_arrivals()))
         (_, _, _, _, (g_blocks, g_shared), loss_sum), _ = lax.scan(tick, carry, rows)
-        # The one gradient reduction of the step: blocks over `data`; the shared embedding and
-        # head (used on the first and last stage) over `stage` too.
-        g_blocks = lax.psum(g_blocks, "data")
-        g_shared = lax.psum(g_shared, ("stage", "data"))
+        # The one gradient reduction of the step, over `data` (reduce-scatter for ZeRO-1 leaves,
+        # all-reduce otherwise); the shared embedding and head, used on the first and last stage,
+        # are summed over `stage` first. Block leaves here lack the leading stage axis: dim - 1.
+        def over_data(x, dim, offset=0):
+            if dim < 0:
+                return lax.psum(x, "data")
+            return lax.psum_scatter(x, "data", scatter_dimension=dim - offset, tiled=True)
+
+        g_blocks = jax.tree.map(lambda x, d: over_data(x, d, offset=1), g_blocks, block_dims)
+        g_shared = jax.tree.map(over_data, lax.psum(g_shared, "stage"), shared_dims)
         loss = lax.psum(loss_sum, ("stage", "data"))
         return loss, jax.tree.map(lambda x: x[None], g_blocks), g_shared
