@@ -47,7 +47,8 @@ def main(argv):
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=5)
     args, gin_args = parser.parse_known_args(argv)
-    cfgs = train.load_configs(["--gin.ParallelConfig.dp=8", *gin_args])
+    cfgs = train.load_configs(["--gin.ParallelConfig.pp=1", "--gin.ParallelConfig.dp=8", "--gin.ParallelConfig.microbatches=1",
+                               *gin_args])
     tokens = data.load(cfgs.data)
     devices = train.ordered_devices()
     d, seed = cfgs.data, cfgs.train.seed

@@ -11,8 +11,8 @@ so tensor-parallel shardings keep working inside). A scan walks the schedule's t
 stage stores what arrived, runs its forward (if the table says so), then its backward: the stage's
 forward recomputed from its stashed input under `jax.vjp`, so only stage inputs are kept alive
 (GPipe: m of them, 1F1B: at most p). Activations then move one stage down and gradients one stage
-up with `lax.ppermute`. Gradients accumulate locally and are summed over `data` once, after the
-scan: one reduction per step, not per microbatch.
+up with `lax.ppermute`. Gradients accumulate locally and are reduced over `data` once, after the
+scan (reduce-scattered where ZeRO-1 shards them): one reduction per step, not per microbatch.
 
 The embedding runs on the first stage and the head and loss on the last, each under `lax.cond`:
 other stages skip that work (and bubble ticks skip theirs), so they idle rather than compute
