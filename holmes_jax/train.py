@@ -134,8 +134,7 @@ def make_plan(cfgs: Configs, devices) -> Plan:
         topo = topology.load(par.topology)
     else:
         topo = planner.local_topology(devices, device_tflops=peak_tflops(devices)[0])
-    return plan_api.plan(topo, cfgs.model, par, global_batch=cfgs.data.global_batch, seq_len=cfgs.data.seq_len,
-                         profile=par.profile)
+    return plan_api.plan(topo, cfgs.model, par, global_batch=cfgs.data.global_batch, seq_len=cfgs.data.seq_len)
 
 
 def _zero1_spec(spec: P, shape: tuple, dp: int) -> P:
@@ -243,10 +242,10 @@ def _state_shardings(mesh: Mesh, tx, params_shapes: dict, stage_axis: str | None
     return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
 
 
-def build(cfgs: Configs, devices=None, process_nics=None) -> Setup:
+def build(cfgs: Configs, devices=None) -> Setup:
     devices = ordered_devices(devices)
     the_plan = make_plan(cfgs, devices)
-    mesh = the_plan.build_mesh(devices, process_nics)
+    mesh = the_plan.build_mesh(devices)
     par = cfgs.parallel
     model = gpt.GPT(cfgs.model)
     pipeline = Pipeline(model, mesh, the_plan.stage_layers, the_plan.microbatches, the_plan.schedule)
