@@ -31,7 +31,7 @@ def main() -> None:
                             name=f"ib{nodes // 2}_roce{nodes // 2}")
         for layers in LAYERS:
             model = ModelConfig(preset="7.5b", num_layers=layers, compute_dtype="bfloat16", remat=True)
-            cost._replay.cache_clear()
+            cost._ticks.cache_clear()
             start = time.perf_counter()
             p = plan(topology, model, global_batch=max(512, 2 * nodes))
             seconds = time.perf_counter() - start

@@ -17,6 +17,7 @@ topology's defaults (see `_with_profile`):
   (attention's s^2 term included). Embedding and head keep their analytic FLOPs, run at the
   forward's measured rate. The measurement is of the profile's device (topology device 0); other
   clusters' stages are scaled by their `device_tflops * device_efficiency` relative to it.
+- The optimizer step: the profile's seconds per parameter (without a profile it is not timed).
 - Links: the profile's data-group all-reduce and stage-boundary figures, matched to the plan's
   stages by index, replace the topology's where measured. They are ignored (with a note) when the
   plan's pp differs from the profile's. Measure a profile on the layout it will plan (placement,
@@ -147,11 +148,11 @@ class Plan:
             f"(global batch {self.global_batch}, seq {self.seq_len})"
             f" | partition {self.partition}",
             "",
-            _table(["stage", "cluster", "nic", "layers", "fwd+bwd/mb", "compute", "sync", "finish", "memory",
+            _table(["stage", "cluster", "nic", "layers", "fwd+bwd/mb", "compute", "sync", "update", "finish", "memory",
                     "gradient ring"],
                    [[s, pl.stage_clusters[s], pl.stage_nic[s], self.stage_layers[s],
                      _seconds(pr.stage_fwd_s[s] + pr.stage_bwd_s[s]), _seconds(pr.stage_compute_s[s]),
-                     _seconds(pr.stage_sync_s[s]), _seconds(pr.stage_finish_s[s]),
+                     _seconds(pr.stage_sync_s[s]), _seconds(pr.stage_update_s[s]), _seconds(pr.stage_finish_s[s]),
                      f"{_bytes(pr.stage_memory_bytes[s])} of {_bytes(pl.device_memory[s])}",
                      _route_text(pl.data_routes[s]) if self.dp > 1 else "-"] for s in range(self.pp)]),
         ]
@@ -214,14 +215,15 @@ def _cost_model(cfg: ModelConfig, pl: Placement, global_batch: int, seq_len: int
         return cost.Link(r.bytes_per_s, r.latency_s)
 
     layers, device_flops = costs.layers, list(pl.device_flops)
+    update = [0.0] * pp  # the optimizer step is only timed by a profile
     dp_links, boundaries = [link(r) for r in pl.data_routes], [link(r) for r in pl.boundary_routes]
     if prof is not None:
-        layers, device_flops, dp_links, boundaries = _with_profile(
+        layers, device_flops, update, dp_links, boundaries = _with_profile(
             prof, cfg, costs, micro_batch, seq_len, pl, topo, dp_links, boundaries, notes if notes is not None else [])
     work = cost.Work(costs.embed, layers, costs.head, costs.activation_bytes,
                      tp_allreduces_bwd=4 if cfg.remat else 2, layer_stash_bytes=_stash_bytes(cfg, costs, tp, seq_len))
     stages = [cost.Stage(device_flops[s], tp, link(pl.tensor_routes[s]), dp, dp_links[s],
-                         pl.device_memory[s]) for s in range(pp)]
+                         pl.device_memory[s], update[s]) for s in range(pp)]
     flops = megatron_flops(global_batch, seq_len, cfg.num_layers, cfg.hidden, cfg.vocab_size, cfg.remat)
     return CostModel(work, stages, boundaries, microbatches, schedule, zero1,
                      step_flops=flops, samples=global_batch)
@@ -265,7 +267,8 @@ def _load_profile(profile, cfg: ModelConfig):
 
 def _with_profile(prof, cfg: ModelConfig, costs: presets.ModelCosts, micro_batch: int, seq_len: int,
                   pl: Placement, topo: Topology, dp_links: list, boundaries: list, notes: list[str]):
-    """(layers, device FLOP/s per stage, data links, boundary links) with the profile's measurements.
+    """(layers, device FLOP/s per stage, optimizer seconds per parameter per stage, data links,
+    boundary links) with the profile's measurements.
 
     The cost model divides FLOPs by a device rate, so measured seconds enter as a rate: the
     analytic forward FLOPs of a layer at the profile's shape over its measured forward seconds.
@@ -279,6 +282,7 @@ def _with_profile(prof, cfg: ModelConfig, costs: presets.ModelCosts, micro_batch
     layers = tuple(cost.Part(l.params, l.fwd_flops, l.fwd_flops * ratio) for l in costs.layers)
     own = topo.clusters[int(topo.device_cluster[0])].device_flops  # the profile ran on device 0
     device_flops = [rate * f / own for f in pl.device_flops]
+    update = [prof.update_s_per_param * own / f for f in pl.device_flops]  # other devices: by their speed
     shape = f"micro batch {prof.micro_batch} x seq {prof.seq_len}"
     if (prof.micro_batch, prof.seq_len) != (micro_batch, seq_len):
         scale = costs.layers[0].fwd_flops / ref
@@ -307,7 +311,7 @@ def _with_profile(prof, cfg: ModelConfig, costs: presets.ModelCosts, micro_batch
     elif prof.stage_links:
         notes.append(f"profile: its {len(prof.stage_links)} stage-boundary links ignored (this plan has pp = {pp}); "
                      f"topology figures used")
-    return layers, device_flops, dp_links, boundaries
+    return layers, device_flops, update, dp_links, boundaries
 
 
 def _stash_bytes(cfg: ModelConfig, costs: presets.ModelCosts, tp: int, seq_len: int) -> float:

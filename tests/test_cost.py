@@ -16,68 +16,86 @@ def test_ring_collectives():
     np.testing.assert_allclose(cost.allreduce_s(np.array([1e9, 2e9]), np.array([2, 1]), LINK), [1 + 2e-5, 0])
 
 
-@pytest.mark.parametrize("schedule", cost.SCHEDULES)
-@pytest.mark.parametrize("p, m", [(1, 4), (2, 4), (4, 8), (4, 2), (3, 1)])
-def test_uniform_stages_finish_after_the_bubble(schedule, p, m):
+@pytest.mark.parametrize("p, m", [(2, 4), (4, 8), (4, 2), (3, 1), (3, 5)])
+def test_gpipe_ticks_fill_drain_and_recompute(p, m):
     f, b = 1.0, 2.0
-    finish = cost.simulate(np.full(p, f), np.full(p, b), np.zeros(p - 1), m, schedule)
-    # stage 0 ends last, after (m + p - 1) slots of f + b; stage s one backward earlier each
-    np.testing.assert_allclose(finish, (m + p - 1) * (f + b) - np.arange(p) * b)
+    busy, end = cost.simulate(np.full(p, f), np.full(p, b), np.zeros(p - 1), m, "gpipe")
+    # m + p - 2 ticks of forwards (the last stage runs none of its own), then m + p - 1 ticks of
+    # backwards that each recompute the forward; stage s ends s backwards before stage 0
+    assert end == pytest.approx((m + p - 2) * f + (m + p - 1) * (f + b))
+    np.testing.assert_allclose(busy, end - np.arange(p) * (f + b))
 
 
-def test_gpipe_transfers_add_to_fill_and_drain_only():
-    p, m, c = 4, 8, 0.5
-    finish = cost.simulate(np.ones(p), np.full(p, 2.0), np.full(p - 1, c), m, "gpipe")
-    assert finish[0] == pytest.approx((m + p - 1) * 3 + 2 * (p - 1) * c)
+def test_one_stage_runs_a_backward_per_microbatch():
+    busy, end = cost.simulate([1.0], [2.0], [], 4, "gpipe")
+    assert end == pytest.approx(4 * 3.0) and busy == pytest.approx([12.0])
 
 
-def test_a_slow_boundary_paces_the_pipeline():
-    # 2 stages, 4 microbatches, transfers (5 s) longer than compute: a boundary carries one at a
-    # time, so activations arrive at 6, 11, 16, 21 and gradients leave stage 1 at 24, 26, 28, 30.
-    finish = cost.simulate(np.ones(2), np.full(2, 2.0), [5.0], 4, "gpipe")
-    np.testing.assert_allclose(finish, [46.0, 30.0])
+def test_1f1b_ticks_with_a_forward_and_a_backward_cost_both():
+    # p = 2, m = 4: stage 0 runs F0 | F1 | B0 | F2 B1 | F3 | B2 | B3 while stage 1 runs its
+    # backwards in ticks 1, 2, 4, 5: 1 + 3 + 3 + (1 + 3) + 3 + 3 + 3
+    busy, end = cost.simulate(np.ones(2), np.full(2, 2.0), [0.0], 4, "1f1b")
+    assert end == pytest.approx(20.0) and busy == pytest.approx([20.0, 17.0])
+    assert end > cost.simulate(np.ones(2), np.full(2, 2.0), [0.0], 4, "gpipe")[1]
 
 
-def test_1f1b_is_sensitive_to_round_trips_gpipe_is_not():
-    f, b, c = np.ones(2), np.full(2, 2.0), [1.0]
-    gpipe = cost.simulate(f, b, c, 16, "gpipe")[0]
-    one = cost.simulate(f, b, c, 16, "1f1b")[0]
-    assert gpipe == pytest.approx(17 * 3 + 2)
-    assert one > gpipe
+def test_every_tick_waits_for_the_slowest_boundary_both_ways():
+    p, m = 3, 4
+    ticks = 2 * (m + p) - 3
+    free = cost.simulate(np.ones(p), np.full(p, 2.0), [0.0, 0.0], m, "gpipe")[1]
+    slow = cost.simulate(np.ones(p), np.full(p, 2.0), [0.5, 5.0], m, "gpipe")[1]
+    assert slow - free == pytest.approx(ticks * 2 * 5.0)
 
 
 def test_simulation_batches_candidates():
     rng = np.random.default_rng(0)
     fwd, bwd, p2p = rng.random((3, 5)), rng.random((3, 5)), rng.random((2, 5))
-    batched = cost.simulate(fwd, bwd, p2p, 6, "1f1b")
+    busy, end = cost.simulate(fwd, bwd, p2p, 6, "1f1b")
     for k in range(5):
-        np.testing.assert_allclose(batched[:, k], cost.simulate(fwd[:, k], bwd[:, k], p2p[:, k], 6, "1f1b"))
+        one_busy, one_end = cost.simulate(fwd[:, k], bwd[:, k], p2p[:, k], 6, "1f1b")
+        np.testing.assert_allclose(busy[:, k], one_busy)
+        assert end[k] == pytest.approx(one_end)
 
 
 def _model(stage_flops=(1e12, 1e12), dp=2, tp=1, m=4, schedule="gpipe", zero1=False, memory=float("inf"), layers=4,
-           param_bytes=4.0):
+           param_bytes=4.0, update=0.0):
     """Layers of 1e12 forward / 2e12 backward FLOPs and 1e9 parameters; embedding and head free."""
     layer = cost.Part(params=1e9, fwd_flops=1e12, bwd_flops=2e12)
     work = cost.Work(cost.Part(0, 0, 0), (layer,) * layers, cost.Part(0, 0, 0), boundary_bytes=1e8,
                      layer_stash_bytes=1e9, param_bytes_per_param=param_bytes)
-    stages = [cost.Stage(f, tp, LINK, dp, LINK, memory) for f in stage_flops]
+    stages = [cost.Stage(f, tp, LINK, dp, LINK, memory, update) for f in stage_flops]
     return cost.CostModel(work, stages, [LINK] * (len(stages) - 1), m, schedule, zero1, step_flops=1e15, samples=64)
 
 
 def test_prediction_by_hand():
-    pr = _model().predict([2, 2])
+    pr = _model(update=1e-9).predict([2, 2])
     assert pr.stage_fwd_s == (2.0, 2.0) and pr.stage_bwd_s == (4.0, 4.0)
-    assert pr.stage_compute_s == (24.0, 24.0)
-    assert pr.p2p_s == pytest.approx((1e-5 + 0.1,))
+    # stage 0: 4 forwards and 4 backwards that recompute them; the last stage: the backwards only
+    assert pr.stage_compute_s == (32.0, 24.0)
+    hop = 1e-5 + 0.1
+    assert pr.p2p_s == pytest.approx((hop,))
+    # GPipe, p = 2, m = 4: 4 ticks of forwards, 5 of backwards, each tick two transfers
+    assert pr.pipeline_s == pytest.approx(4 * 2 + 5 * 6 + 9 * 2 * hop)
     sync = 2 * 1 / 2 * 2e9 * 4 / 1e9 + 2 * 1e-5  # 2e9 float32 gradients over a ring of 2
     assert pr.stage_sync_s == pytest.approx((sync, sync))
-    # GPipe: 5 slots of 6 s, plus a transfer each way, then the sync
-    assert pr.stage_finish_s[0] == pytest.approx(30 + 2 * (1e-5 + 0.1) + sync)
+    assert pr.stage_update_s == pytest.approx((2.0, 2.0))  # 2e9 parameters at 1 ns each
+    assert pr.stage_finish_s[0] == pytest.approx(pr.pipeline_s + sync + 2.0)
     assert pr.step_time_s == max(pr.stage_finish_s)
     assert pr.samples_per_s == pytest.approx(64 / pr.step_time_s)
     assert pr.tflops_per_device == pytest.approx(1e15 / pr.step_time_s / 4 / 1e12)
     # memory: (4 + 4 + 8) bytes per parameter, and 4 microbatches x 2 layers x 1 GB stashed
     assert pr.stage_memory_bytes == pytest.approx((2e9 * 16 + 8e9,) * 2) and pr.fits
+
+
+def test_uneven_stages_sync_and_update_their_padding():
+    even, uneven = _model(update=1e-9).predict([2, 2]), _model(update=1e-9).predict([3, 1])
+    # every stage holds 3 layer slots: the one-layer stage syncs and updates 3 layers' worth
+    assert uneven.stage_sync_s[1] == pytest.approx(even.stage_sync_s[1] * 3 / 2)
+    assert uneven.stage_update_s == pytest.approx((3.0, 3.0))
+
+
+def test_zero1_updates_a_share():
+    assert _model(zero1=True, update=1e-9).predict([2, 2]).stage_update_s == pytest.approx((1.0, 1.0))
 
 
 def test_tensor_parallel_splits_work_and_adds_its_all_reduces():

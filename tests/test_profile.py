@@ -13,10 +13,12 @@ def test_profile_measures_layers_and_links_and_round_trips(tmp_path):
     cfgs = small_configs(tmp_path, "--gin.ParallelConfig.pp=2")
     devices = train.ordered_devices()
     mesh = train.make_plan(cfgs, devices).build_mesh(devices)
-    result = profile.profile(gpt.GPT(cfgs.model), mesh, micro_batch=4, seq_len=32, repeats=2)
+    tx, _ = train.make_optimizer(cfgs.train)
+    result = profile.profile(gpt.GPT(cfgs.model), tx, mesh, micro_batch=4, seq_len=32, repeats=2)
     analytic = presets.model_costs(cfgs.model, 4, 32).layers[0].fwd_flops
     assert result.layer_fwd_flops == pytest.approx(analytic, rel=0.15)  # XLA also counts softmax and norms
     assert result.layer_fwd_s > 0 and result.layer_bwd_s > 0 and result.achieved_tflops > 0
+    assert 0 < result.update_s_per_param < result.layer_fwd_s / 1000  # AdamW touches a parameter a few times
     assert len(result.data_links) == 2 and all(l.gbps > 0 for l in result.data_links)
     assert len(result.stage_links) == 1 and result.stage_links[0].gbps > 0
     path = tmp_path / "profile.json"

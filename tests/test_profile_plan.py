@@ -52,18 +52,16 @@ def test_layer_times_scale_to_the_plans_shape():
     assert any("scaled by analytic FLOPs" in n for n in p.notes)
 
 
-def test_a_slow_data_group_raises_the_step_and_moves_layers_away():
+def test_a_slow_data_group_raises_the_step_and_keeps_the_split_even():
     fast = _plan(_profile())
     slow = _plan(_profile(data_links=(FAST, SLOW)))
     assert slow.prediction.stage_sync_s[1] > 10 * fast.prediction.stage_sync_s[1]
     assert slow.prediction.step_time_s > fast.prediction.step_time_s
-    # Gradient sync grows with the stage's parameters: the slow stage gets fewer layers.
-    assert slow.stage_layers[1] < slow.stage_layers[0]
-    assert slow.prediction.step_time_s < slow.partitions["uniform"].step_time_s
     assert any("data-group links for stage(s) 0, 1" in n for n in slow.notes)
-    # Slow on the other stage: the shift goes the other way.
-    other = _plan(_profile(data_links=(SLOW, FAST)))
-    assert other.stage_layers[0] < other.stage_layers[1]
+    # The runtime pads every stage to the longest one's layers, so taking layers off the slow
+    # stage does not shrink its gradients: any uneven split syncs more there.
+    assert slow.stage_layers == (4, 4)
+    assert slow.prediction.step_time_s <= min(p.step_time_s for p in slow.partitions.values())
 
 
 def test_a_slow_boundary_raises_the_step():
@@ -146,5 +144,6 @@ def test_cli_profile_changes_the_json(tmp_path):
     code, out, _ = _cli(*CLI, "--json")
     without = json.loads(out)
     assert with_profile["predicted"]["step_time_s"] != without["predicted"]["step_time_s"]
-    assert with_profile["stage_layers"][1] < with_profile["stage_layers"][0]  # away from the slow data group
+    slow_sync = with_profile["predicted"]["stage_sync_s"]
+    assert slow_sync[1] > 10 * slow_sync[0]  # the slow data group
     assert with_profile["notes"] and without["notes"] == []

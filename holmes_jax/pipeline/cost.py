@@ -1,26 +1,30 @@
 """Step-time prediction from plain numbers: FLOPs, parameter counts, device speeds, link speeds.
 
-One training step, as the model sees it (DESIGN.md section 6):
+One training step as the pipeline runtime runs it (DESIGN.md section 6; pipeline.runtime):
 
-1. Every stage runs its microbatches' forwards and backwards in the schedule's order (GPipe or
-   1F1B). A stage's forward of one microbatch takes its layers' FLOPs (the embedding on the first
+1. The schedule's tick table (GPipe or 1F1B) is walked in lockstep. In a tick each stage runs its
+   forward of one microbatch (if the table says so), then its backward, which recomputes the
+   stage's forward from the stashed input: so a backward costs forward + backward. The last
+   stage runs no separate forward. A forward takes its layers' FLOPs (the embedding on the first
    stage, head and loss on the last) divided by tensor parallelism, at the device's achievable
    FLOP/s, plus its tensor-parallel all-reduces over the node's link.
-2. Activations cross each stage boundary after a forward and their gradients come back after a
-   backward: micro_batch * seq * hidden * bytes each way, split over the tp ranks, over the link
-   that boundary uses. A boundary carries one transfer per direction at a time, so a slow link
-   paces the pipeline; the sender goes on computing meanwhile.
-3. After its last backward a stage syncs its gradients over its data-parallel ring: a ring
+2. Every tick ends with two ppermutes, activations one stage down and then gradients one stage
+   up (micro_batch * seq * hidden * bytes, split over the tp ranks), over each boundary's link.
+   They are collectives: a tick lasts as long as its slowest stage plus the slowest boundary.
+3. After the last tick each stage syncs its gradients over its data-parallel ring: a ring
    all-reduce, 2(n-1)/n * S/W + 2(n-1) latencies, or with ZeRO-1 a reduce-scatter of the gradients
    and an all-gather of the updated parameters (the same bytes when both are float32), on the
-   ring's slowest link. Syncs do not overlap the backward pass; the optimizer update is not timed.
-4. The step ends when the last stage finishes its sync.
+   ring's slowest link; then the optimizer step, at the device's measured seconds per parameter
+   (ZeRO-1: its 1/dp share).
+4. The step ends when the last stage finishes its update.
 5. Memory per device: weights, gradients and Adam state (ZeRO-1 shards the latter over data),
    plus each layer's stash for every microbatch in flight (GPipe: all m; 1F1B: p - s on stage s).
    A split over some device's memory is infinitely slow.
+6. The runtime pads every stage to the longest stage's layer count, so sync, update and memory
+   are those of the padded stage: an uneven split moves more gradient bytes than an even one.
 
-`simulate` replays each stage's op order against these durations and dependencies, vectorised
-over a batch of candidate splits so the partitioner can compare many at once.
+`simulate` walks the ticks against these durations, vectorised over a batch of candidate splits
+so the partitioner can compare many at once.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from typing import NamedTuple, Protocol, Sequence
 
 import numpy as np
 
-from holmes_jax.pipeline.schedule import op_order
+from holmes_jax.pipeline import schedule as schedules
 
 SCHEDULES = ("gpipe", "1f1b")
 
@@ -98,6 +102,7 @@ class Stage:
     dp: int
     dp_link: Link  # its data groups' gradient ring (the slowest hop, NIC sharing counted)
     memory_bytes: float = float("inf")  # of one device
+    update_s_per_param: float = 0.0  # the optimizer step on one device, per parameter it updates (measured)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,9 +112,11 @@ class Prediction:
     stage_bwd_s: tuple[float, ...]
     stage_compute_s: tuple[float, ...]  # all microbatches, forward and backward
     p2p_s: tuple[float, ...]  # per boundary: one microbatch's activations (its gradients take as long back)
-    stage_pipeline_s: tuple[float, ...]  # when the stage's last backward ends, waiting included
+    stage_busy_s: tuple[float, ...]  # when the stage's last backward ends, waiting included
+    pipeline_s: float  # when the schedule's last tick ends (every stage leaves it together)
     stage_sync_s: tuple[float, ...]
-    stage_finish_s: tuple[float, ...]  # pipeline end + sync
+    stage_update_s: tuple[float, ...]  # the optimizer step
+    stage_finish_s: tuple[float, ...]  # pipeline end + sync + update
     stage_memory_bytes: tuple[float, ...]  # per device: weights, gradients, optimizer state, stashed activations
     fits: bool  # every stage within its devices' memory
     step_time_s: float
@@ -121,74 +128,47 @@ class Prediction:
 
 
 @functools.lru_cache(maxsize=256)
-def _replay(schedule: str, p: int, m: int) -> tuple[tuple[np.ndarray, ...], np.ndarray]:
-    """The schedule as waves of ops, each wave depending only on earlier ones.
-
-    Ops run on resources: stage s runs F(s, i) and B(s, i) in its op order; boundary s carries
-    activations A(s, i) to stage s + 1 and gradients G(s, i) back, each direction one transfer at
-    a time in microbatch order. An op's row says what it is (F rows 0..p-1, B rows p..2p-1, A rows
-    2p..3p-2, G rows 3p-1..4p-3) and its number is row * m + i; number (4p - 2) * m is "nothing"
-    (ends at 0). Each wave holds arrays (op, previous op on its resource, op it waits for, row);
-    waves come from Kahn's algorithm, a wave being every op whose two predecessors are done.
-    Also returns each stage's last op.
-    """
-    a_row, g_row = 2 * p, 3 * p - 1
-    none = (4 * p - 2) * m
-    i = np.arange(m)
-    # Resource queues in run order: stage s's ops, then each boundary's two directions.
-    queues = [np.array([(s + (p if kind == "B" else 0)) * m + j for kind, j in op_order(schedule, s, p, m)])
-              for s in range(p)]
-    queues += [row * m + i for row in range(a_row, g_row + p - 1)]
-    prev = np.full(none + 1, none)
-    for q in queues:
-        prev[q[1:]] = q[:-1]
-    row = np.arange(none) // m
-    s, j = row % p, np.arange(none) % m  # each op's stage (or boundary) and microbatch
-    # F(s) waits for A(s - 1), B(s) for G(s) (the last stage's B follows its own F in its queue),
-    # A(s) for F(s), G(s) for B(s + 1).
-    dep = np.append(np.select(
-        [(row < p) & (s > 0), (row >= p) & (row < a_row - 1), (row >= a_row) & (row < g_row), row >= g_row],
-        [(a_row + s - 1) * m + j, (g_row + s) * m + j, (row - a_row) * m + j, (p + row - g_row + 1) * m + j],
-        default=none), none)
-
-    # Kahn's algorithm, one wave at a time.
-    follower = np.full(none + 1, none)  # the next op on the same resource
-    follower[prev[:none]] = np.arange(none)
-    waiter = np.full(none + 1, none)  # the op that waits for this one
-    waiter[dep[:none]] = np.arange(none)
-    follower[none] = waiter[none] = none
-    pending = (prev[:none] != none).astype(int) + (dep[:none] != none)  # predecessors not done yet
-    wave, waves = np.flatnonzero(pending == 0), []
-    while len(wave):
-        waves.append((wave, prev[wave], dep[wave], row[wave]))
-        freed = np.concatenate([follower[wave], waiter[wave]])
-        freed = freed[freed != none]
-        np.subtract.at(pending, freed, 1)
-        wave = np.unique(freed[pending[freed] == 0])
-    if sum(len(w[0]) for w in waves) != none:
-        raise AssertionError(f"{schedule} op order deadlocks for p={p}, m={m}")
-    return tuple(waves), np.array([q[-1] for q in queues[:p]])
+def _ticks(schedule: str, p: int, m: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The runtime's tick table as masks: (ticks, p) "runs a separate forward", (ticks, p) "runs a
+    backward", and each stage's last busy tick. The last stage has no separate forward: its
+    backward recomputes the forward anyway (pipeline.runtime)."""
+    fwd, bwd = schedules.ticks(schedule, p, m)
+    forward, backward = fwd >= 0, bwd >= 0
+    forward[:, -1] = False
+    busy = forward | backward
+    last = np.array([np.flatnonzero(busy[:, s]).max() for s in range(p)])
+    return forward, backward, last
 
 
-def simulate(fwd_s, bwd_s, p2p_s, microbatches: int, schedule: str = "gpipe") -> np.ndarray:
-    """When each stage ends its last backward, starting at 0.
+def simulate(fwd_s, bwd_s, p2p_s, microbatches: int, schedule: str = "gpipe") -> tuple[np.ndarray, np.ndarray]:
+    """The runtime's lockstep ticks: (when each stage's last backward ends, when the scan ends).
 
-    fwd_s, bwd_s: (p, *batch) seconds per microbatch; p2p_s: (p - 1, *batch) seconds of one
-    microbatch's transfer across each boundary, either way (a 1-D vector broadcasts over the
-    batch). A boundary carries one transfer per direction at a time. Returns (p, *batch).
+    fwd_s, bwd_s: (p, *batch) seconds of one microbatch's forward and backward on each stage;
+    p2p_s: (p - 1, *batch) seconds of one transfer across each boundary (a 1-D vector broadcasts
+    over the batch). Each tick a stage runs its forward (if any), then its backward, which
+    recomputes the forward from the stashed input (so it costs forward + backward); then every
+    boundary moves one activation buffer down and one gradient buffer up, two ppermutes one after
+    the other, whether or not they carry a microbatch. A ppermute is a collective, so every tick
+    lasts as long as its slowest stage plus the slowest boundary's two transfers.
+    Returns ((p, *batch), (*batch)).
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule {schedule!r}; choose one of {SCHEDULES}")
     fwd_s, bwd_s = np.asarray(fwd_s, dtype=float), np.asarray(bwd_s, dtype=float)
     p, batch = fwd_s.shape[0], fwd_s.shape[1:]
-    waves, last = _replay(schedule, p, microbatches)
-    p2p = np.asarray(p2p_s, dtype=float)
-    p2p = np.broadcast_to(p2p.reshape(p2p.shape + (1,) * (len(batch) + 1 - p2p.ndim)), (p - 1,) + batch)
-    duration = np.concatenate([fwd_s, bwd_s, p2p, p2p])
-    end = np.zeros(((4 * p - 2) * microbatches + 1,) + batch)  # the last entry: "nothing", ends at 0
-    for op, prev, dep, row in waves:
-        end[op] = np.maximum(end[prev], end[dep]) + duration[row]
-    return end[last]
+    forward, backward, last = _ticks(schedule, p, microbatches)
+    shape = (p,) + (1,) * len(batch)
+    hop = 0.0
+    if p > 1:
+        p2p = np.asarray(p2p_s, dtype=float)
+        p2p = np.broadcast_to(p2p.reshape(p2p.shape + (1,) * (len(batch) + 1 - p2p.ndim)), (p - 1,) + batch)
+        hop = 2 * p2p.max(axis=0)
+    end, stage_end = np.zeros(batch), np.zeros((p,) + batch)
+    for t in range(forward.shape[0]):
+        work = forward[t].reshape(shape) * fwd_s + backward[t].reshape(shape) * (fwd_s + bwd_s)
+        end = end + work.max(axis=0) + hop
+        stage_end[last == t] = end
+    return stage_end, end
 
 
 class CostModel:
@@ -212,6 +192,7 @@ class CostModel:
             return extra
 
         self._prefix = {a: prefix(a) for a in ("fwd_flops", "bwd_flops", "params")}
+        self._mean_layer_params = self._prefix["params"][-1] / max(len(work.layers), 1)
         self._ends = {a: ends(a) for a in ("fwd_flops", "bwd_flops", "params")}
         self._tp = np.array([s.tp for s in stages], dtype=float)
         self._flops = np.array([s.device_flops for s in stages]) * self._tp  # a stage's tp devices together
@@ -226,6 +207,7 @@ class CostModel:
         depth = np.arange(p, 0, -1) if schedule == "1f1b" else np.full(p, microbatches)
         self._in_flight = np.minimum(depth, microbatches)
         self._memory = np.array([s.memory_bytes for s in stages])
+        self._update_rate = np.array([s.update_s_per_param for s in stages])
 
     @property
     def num_layers(self) -> int:
@@ -253,7 +235,9 @@ class CostModel:
 
     def stage_terms(self, splits) -> dict[str, np.ndarray]:
         """What each stage of each split (batch, stages) costs, before the schedule: one
-        microbatch's forward and backward, the gradient sync, and memory per device."""
+        microbatch's forward and backward, the gradient sync, the optimizer step, and memory per
+        device. The runtime pads every stage to the longest stage's layer count (one array per
+        leaf over `stage`), so sync, update and memory are of the padded stage."""
         n = np.asarray(splits, dtype=int)
         stop = np.cumsum(n, axis=1)
         start = stop - n
@@ -263,7 +247,8 @@ class CostModel:
 
         fwd = total("fwd_flops") / self._flops + n * self._tp_fwd
         bwd = total("bwd_flops") / self._flops + n * self._tp_bwd
-        params = total("params") / self._tp
+        padding = n.max(axis=1, keepdims=True) - n
+        params = (total("params") + padding * self._mean_layer_params) / self._tp
         w = self.work
         if self.zero1:
             sync = (reduce_scatter_s(params * w.grad_bytes_per_param, self._dp, self._dp_link)
@@ -273,13 +258,15 @@ class CostModel:
         optimizer = w.optimizer_bytes_per_param / (self._dp if self.zero1 else 1)
         memory = (params * (w.param_bytes_per_param + w.grad_bytes_per_param + optimizer)
                   + self._in_flight * n * w.layer_stash_bytes)
-        return {"fwd": fwd, "bwd": bwd, "sync": sync, "memory": memory,
+        update = self._update_rate * params / (self._dp if self.zero1 else 1)
+        return {"fwd": fwd, "bwd": bwd, "sync": sync, "update": update, "memory": memory,
                 "fits": (memory <= self._memory).all(axis=1)}
 
     def _evaluate(self, splits) -> dict[str, np.ndarray]:
         t = self.stage_terms(splits)
-        t["pipeline"] = simulate(t["fwd"].T, t["bwd"].T, self._p2p, self.microbatches, self.schedule).T
-        t["finish"] = t["pipeline"] + t["sync"]
+        busy, end = simulate(t["fwd"].T, t["bwd"].T, self._p2p, self.microbatches, self.schedule)
+        t["busy"], t["pipeline"] = busy.T, end
+        t["finish"] = end[:, None] + t["sync"] + t["update"]
         return t
 
     def step_times(self, splits) -> np.ndarray:
@@ -289,15 +276,19 @@ class CostModel:
         return np.where(t["fits"], t["finish"].max(axis=1), np.inf)
 
     def lower_bounds(self, splits) -> np.ndarray:
-        """(batch,) what no schedule beats, without simulating: stage 0 ends no sooner than the
-        first microbatch reaches some stage k, k works through all m microbatches, and the last
-        gradient comes back (then stage 0 syncs); and no stage ends before its own m microbatches
-        and sync. Infinite where a stage does not fit in memory."""
+        """(batch,) what the ticks cannot beat, without walking them: no tick is shorter than any
+        one stage's work in it, so the schedule lasts at least the busiest stage's m microbatches
+        (a separate forward, except on the last stage, and a backward that recomputes it) plus
+        every tick's transfers; then the slowest sync and update. Infinite where a stage does not
+        fit in memory."""
         t = self.stage_terms(splits)
-        work = t["fwd"] + t["bwd"]
-        before = np.cumsum(work, axis=1) - work
-        m = self.microbatches
-        bound = np.maximum((before + m * work).max(axis=1) + t["sync"][:, 0], (m * work + t["sync"]).max(axis=1))
+        p, m = self.num_stages, self.microbatches
+        separate = np.ones(p)
+        separate[-1] = 0.0
+        work = m * (separate * t["fwd"] + t["fwd"] + t["bwd"])
+        ticks = _ticks(self.schedule, p, m)[0].shape[0]
+        hops = ticks * 2 * self._p2p.max() if p > 1 else 0.0
+        bound = work.max(axis=1) + hops + (t["sync"] + t["update"]).max(axis=1)
         return np.where(t["fits"], bound, np.inf)
 
     def predict(self, stage_layers: Sequence[int]) -> Prediction:
@@ -311,9 +302,10 @@ class CostModel:
         return Prediction(
             stage_layers=tuple(int(x) for x in stage_layers),
             stage_fwd_s=floats(t["fwd"]), stage_bwd_s=floats(t["bwd"]),
-            stage_compute_s=floats(self.microbatches * (t["fwd"] + t["bwd"])),
-            p2p_s=floats(self._p2p), stage_pipeline_s=floats(t["pipeline"]),
-            stage_sync_s=floats(t["sync"]), stage_finish_s=floats(t["finish"]),
+            stage_compute_s=floats(self.microbatches * (t["fwd"] * (np.arange(self.num_stages) < self.num_stages - 1)
+                                                        + t["fwd"] + t["bwd"])),
+            p2p_s=floats(self._p2p), stage_busy_s=floats(t["busy"]), pipeline_s=float(t["pipeline"]),
+            stage_sync_s=floats(t["sync"]), stage_update_s=floats(t["update"]), stage_finish_s=floats(t["finish"]),
             stage_memory_bytes=floats(t["memory"]), fits=bool(t["fits"]),
             step_time_s=step, samples_per_s=self.samples / step,
             tflops_per_device=self.step_flops / step / devices / 1e12,

@@ -2,6 +2,8 @@
 
 - Layer costs: XLA's flop count of one transformer block (`cost_analysis`) and its measured
   forward and forward+backward time on the real device, for one microbatch.
+- The optimizer step: one block's parameters through the run's optimizer (AdamW, clipping),
+  timed on the real device, as seconds per parameter.
 - Links: bandwidth and latency of each stage's data-parallel group (a `psum` over `data` on that
   stage's devices) and of each stage boundary (a `ppermute` from stage s to s + 1), each timed at
   two message sizes so latency and bandwidth separate: t = latency + bytes / bandwidth (for the
@@ -42,6 +44,7 @@ class Profile:
     layer_bwd_s: float
     data_links: tuple[Link | None, ...]  # per stage; None when the stage has one replica
     stage_links: tuple[Link, ...]  # per boundary s -> s + 1
+    update_s_per_param: float = 0.0  # the optimizer step (older profiles lack it: not timed)
 
     @property
     def achieved_tflops(self) -> float:
@@ -83,6 +86,23 @@ def profile_layer(model, micro_batch: int, seq_len: int, device, repeats: int = 
     t_fwd = _best_time(fwd, params, x, repeats=repeats)
     t_both = _best_time(step, params, x, repeats=repeats)
     return flops, t_fwd, max(t_both - t_fwd, 0.0)
+
+
+def profile_update(model, tx, device, repeats: int = 5) -> float:
+    """Seconds per parameter of one optimizer step (update and apply) over one block on `device`."""
+    import optax
+
+    params = jax.device_put(jax.tree.map(lambda x: x[:1], model.init(0)["blocks"]), device)
+    grads = jax.tree.map(lambda x: jnp.full_like(x, 1e-3), params)
+    state = jax.device_put(tx.init(params), device)
+
+    @jax.jit
+    def update(params, grads, state):
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    count = sum(x.size for x in jax.tree.leaves(params))
+    return _best_time(update, params, grads, state, repeats=repeats) / count
 
 
 def _fit(sizes: list[int], times: list[float], factor: float) -> Link:
@@ -130,9 +150,11 @@ def _share_links(links: list, group_sizes: list[int]) -> list:
     return merged
 
 
-def profile(model, mesh: Mesh, micro_batch: int, seq_len: int, repeats: int = 5) -> Profile:
-    """Profiles the layer on this process's first device and every link of `mesh` (stage, data, tensor)."""
+def profile(model, tx, mesh: Mesh, micro_batch: int, seq_len: int, repeats: int = 5) -> Profile:
+    """Profiles the layer and the optimizer `tx` on this process's first device and every link of
+    `mesh` (stage, data, tensor)."""
     flops, t_fwd, t_bwd = profile_layer(model, micro_batch, seq_len, mesh.local_devices[0], repeats)
+    update = profile_update(model, tx, mesh.local_devices[0], repeats)
     grid = mesh.devices
     data_links = []
     for s in range(grid.shape[0]):
@@ -143,7 +165,7 @@ def profile(model, mesh: Mesh, micro_batch: int, seq_len: int, repeats: int = 5)
         data_links = _share_links(data_links, group_sizes=[grid.shape[1]] * grid.shape[0])
     stage_links = tuple(profile_stage_boundary(mesh, s, repeats=repeats) for s in range(grid.shape[0] - 1))
     return Profile(mesh.local_devices[0].device_kind, micro_batch, seq_len, flops, t_fwd, t_bwd,
-                   tuple(data_links), stage_links)
+                   tuple(data_links), stage_links, update)
 
 
 def main(argv: list[str]) -> int:
@@ -166,7 +188,8 @@ def main(argv: list[str]) -> int:
     mesh = train.make_plan(cfgs, devices).build_mesh(devices)
     dp = mesh.shape["data"]
     micro_batch = cfgs.data.global_batch // (dp * cfgs.parallel.microbatches)
-    result = profile(gpt.GPT(cfgs.model), mesh, micro_batch, cfgs.data.seq_len, args.repeats)
+    tx, _ = train.make_optimizer(cfgs.train)
+    result = profile(gpt.GPT(cfgs.model), tx, mesh, micro_batch, cfgs.data.seq_len, args.repeats)
     if jax.process_index() == 0:
         Path(args.out).write_text(result.to_json())
         print(result.to_json())

@@ -63,6 +63,14 @@ def op_order(schedule: str, stage: int, stages: int, m: int) -> list[tuple[str, 
 
 
 def build(schedule: str, stages: int, microbatches: int) -> Table:
+    fwd, bwd = ticks(schedule, stages, microbatches)
+    x_slots, g_slots = _slots(fwd, bwd, stages, microbatches)
+    return Table(schedule, stages, microbatches, fwd, bwd, x_slots, g_slots)
+
+
+def ticks(schedule: str, stages: int, microbatches: int) -> tuple[np.ndarray, np.ndarray]:
+    """The table's (ticks, stages) forward and backward microbatch indices (-1: none), without
+    the stash sizes (`build` adds those; the cost model needs only this)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule {schedule!r}; choose one of {SCHEDULES}")
     p, m = stages, microbatches
@@ -75,7 +83,6 @@ def build(schedule: str, stages: int, microbatches: int) -> Table:
             kinds_done = set()
             while orders[s] and len(kinds_done) < 2:
                 kind, i = orders[s][0]
-                # A tick runs its forward before its backward, so an F may not follow a B in it.
                 # A tick runs its forward before its backward, so an F may not follow a B in it
                 # (that F's input would be stashed while the B's is still held: p + 1 alive).
                 if kind in kinds_done or "B" in kinds_done or not _ready(kind, i, s, p, t, done):
@@ -89,9 +96,7 @@ def build(schedule: str, stages: int, microbatches: int) -> Table:
         t += 1
         if t > 4 * (m + p) + 4:
             raise AssertionError(f"{schedule} schedule for p={p}, m={m} does not terminate")
-    fwd, bwd = np.asarray(fwd_rows), np.asarray(bwd_rows)
-    x_slots, g_slots = _slots(fwd, bwd, p, m)
-    return Table(schedule, p, m, fwd, bwd, x_slots, g_slots)
+    return np.asarray(fwd_rows), np.asarray(bwd_rows)
 
 
 def _ready(kind: str, i: int, s: int, p: int, t: int, done: dict) -> bool:
