@@ -37,7 +37,7 @@ import numpy as np
 
 from holmes_jax.pipeline import schedule as schedules
 
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = schedules.SCHEDULES
 
 
 class Part(NamedTuple):
@@ -152,8 +152,6 @@ def simulate(fwd_s, bwd_s, p2p_s, microbatches: int, schedule: str = "gpipe") ->
     lasts as long as its slowest stage plus the slowest boundary's two transfers.
     Returns ((p, *batch), (*batch)).
     """
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule {schedule!r}; choose one of {SCHEDULES}")
     fwd_s, bwd_s = np.asarray(fwd_s, dtype=float), np.asarray(bwd_s, dtype=float)
     p, batch = fwd_s.shape[0], fwd_s.shape[1:]
     forward, backward, last = _ticks(schedule, p, microbatches)
@@ -262,6 +260,12 @@ class CostModel:
         return {"fwd": fwd, "bwd": bwd, "sync": sync, "update": update, "memory": memory,
                 "fits": (memory <= self._memory).all(axis=1)}
 
+    def _all_microbatches(self, t: dict) -> np.ndarray:
+        """(batch, stages) one stage's compute over the step: a separate forward per microbatch
+        where the tick table has them (not on the last stage), and a backward that recomputes it."""
+        separate = _ticks(self.schedule, self.num_stages, self.microbatches)[0].any(axis=0)
+        return self.microbatches * (separate * t["fwd"] + t["fwd"] + t["bwd"])
+
     def _evaluate(self, splits) -> dict[str, np.ndarray]:
         t = self.stage_terms(splits)
         busy, end = simulate(t["fwd"].T, t["bwd"].T, self._p2p, self.microbatches, self.schedule)
@@ -282,17 +286,14 @@ class CostModel:
         every tick's transfers; then the slowest sync and update. Infinite where a stage does not
         fit in memory."""
         t = self.stage_terms(splits)
-        p, m = self.num_stages, self.microbatches
-        separate = np.ones(p)
-        separate[-1] = 0.0
-        work = m * (separate * t["fwd"] + t["fwd"] + t["bwd"])
-        ticks = _ticks(self.schedule, p, m)[0].shape[0]
-        hops = ticks * 2 * self._p2p.max() if p > 1 else 0.0
-        bound = work.max(axis=1) + hops + (t["sync"] + t["update"]).max(axis=1)
+        ticks = _ticks(self.schedule, self.num_stages, self.microbatches)[0].shape[0]
+        hops = ticks * 2 * self._p2p.max() if self.num_stages > 1 else 0.0
+        bound = self._all_microbatches(t).max(axis=1) + hops + (t["sync"] + t["update"]).max(axis=1)
         return np.where(t["fits"], bound, np.inf)
 
     def predict(self, stage_layers: Sequence[int]) -> Prediction:
-        t = {k: v[0] for k, v in self._evaluate([list(stage_layers)]).items()}
+        t = self._evaluate([list(stage_layers)])
+        t = {k: v[0] for k, v in dict(t, compute=self._all_microbatches(t)).items()}
         step = float(t["finish"].max())
         devices = int(sum(s.tp * s.dp for s in self.stages))
 
@@ -302,8 +303,7 @@ class CostModel:
         return Prediction(
             stage_layers=tuple(int(x) for x in stage_layers),
             stage_fwd_s=floats(t["fwd"]), stage_bwd_s=floats(t["bwd"]),
-            stage_compute_s=floats(self.microbatches * (t["fwd"] * (np.arange(self.num_stages) < self.num_stages - 1)
-                                                        + t["fwd"] + t["bwd"])),
+            stage_compute_s=floats(t["compute"]),
             p2p_s=floats(self._p2p), stage_busy_s=floats(t["busy"]), pipeline_s=float(t["pipeline"]),
             stage_sync_s=floats(t["sync"]), stage_update_s=floats(t["update"]), stage_finish_s=floats(t["finish"]),
             stage_memory_bytes=floats(t["memory"]), fits=bool(t["fits"]),

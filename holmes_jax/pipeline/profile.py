@@ -23,6 +23,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from holmes_jax.config import ConfigError
@@ -90,8 +91,6 @@ def profile_layer(model, micro_batch: int, seq_len: int, device, repeats: int = 
 
 def profile_update(model, tx, device, repeats: int = 5) -> float:
     """Seconds per parameter of one optimizer step (update and apply) over one block on `device`."""
-    import optax
-
     params = jax.device_put(jax.tree.map(lambda x: x[:1], model.init(0)["blocks"]), device)
     grads = jax.tree.map(lambda x: jnp.full_like(x, 1e-3), params)
     state = jax.device_put(tx.init(params), device)
