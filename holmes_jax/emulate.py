@@ -122,8 +122,9 @@ def cleanup_stale() -> list[str]:
 
 
 def _tbf(ns: str, dev: str, mbit: float) -> None:
-    # burst: 2 ms at line rate, at least 64 KiB (one GSO packet); less and tbf falls short of the rate.
-    burst = max(64 * 1024, int(mbit * 1e6 / 8 / 500))
+    # burst: 1 ms at the rate (tbf splits bigger GSO packets). A real link sends every message at
+    # its rate; a bigger bucket let a pipeline hop (tens of KB) cross a 100 Mbit/s link at veth speed.
+    burst = max(int(mbit * 1e6 / 8 / 1000), 3000)
     _sh("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{mbit}mbit", "burst", str(burst),
         "latency", "50ms")
 
