@@ -39,12 +39,13 @@ def test_1f1b_ticks_with_a_forward_and_a_backward_cost_both():
     assert end > cost.simulate(np.ones(2), np.full(2, 2.0), [0.0], 4, "gpipe")[1]
 
 
-def test_every_tick_waits_for_the_slowest_boundary_both_ways():
+def test_a_tick_waits_for_the_slowest_boundary_in_each_direction_that_moves():
+    # GPipe, p = 3, m = 4: activations move in the m + p - 2 ticks where stages 0 .. p-2 run
+    # forwards, gradients in the m + p - 2 ticks where stages 1 .. p-1 run backwards.
     p, m = 3, 4
-    ticks = 2 * (m + p) - 3
     free = cost.simulate(np.ones(p), np.full(p, 2.0), [0.0, 0.0], m, "gpipe")[1]
     slow = cost.simulate(np.ones(p), np.full(p, 2.0), [0.5, 5.0], m, "gpipe")[1]
-    assert slow - free == pytest.approx(ticks * 2 * 5.0)
+    assert slow - free == pytest.approx(2 * (m + p - 2) * 5.0)
 
 
 def test_simulation_batches_candidates():
@@ -74,8 +75,9 @@ def test_prediction_by_hand():
     assert pr.stage_compute_s == (32.0, 24.0)
     hop = 1e-5 + 0.1
     assert pr.p2p_s == pytest.approx((hop,))
-    # GPipe, p = 2, m = 4: 4 ticks of forwards, 5 of backwards, each tick two transfers
-    assert pr.pipeline_s == pytest.approx(4 * 2 + 5 * 6 + 9 * 2 * hop)
+    # GPipe, p = 2, m = 4: 4 ticks of forwards, 5 of backwards; activations move after stage 0's
+    # 4 forwards, gradients after stage 1's 4 backwards
+    assert pr.pipeline_s == pytest.approx(4 * 2 + 5 * 6 + 8 * hop)
     sync = 2 * 1 / 2 * 2e9 * 4 / 1e9 + 2 * 1e-5  # 2e9 float32 gradients over a ring of 2
     assert pr.stage_sync_s == pytest.approx((sync, sync))
     assert pr.stage_update_s == pytest.approx((2.0, 2.0))  # 2e9 parameters at 1 ns each

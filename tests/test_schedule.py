@@ -37,5 +37,17 @@ def test_gpipe_takes_the_ideal_number_of_ticks():
         assert schedule.build("gpipe", p, m).ticks == 2 * (m + p - 1) - 1
 
 
+@pytest.mark.parametrize("name", schedule.SCHEDULES)
+def test_transfers_happen_exactly_where_some_arrival_follows(name):
+    t = schedule.build(name, 4, 8)
+    x_moves, g_moves = schedule.transfers(t.fwd, t.bwd)
+    # What moves after tick k arrives at tick k + 1; a tick with nothing arriving sends nothing.
+    assert list(x_moves[:-1]) == list((t.x_arrivals()[1:] >= 0).any(axis=1))
+    assert list(g_moves[:-1]) == list((t.g_arrivals()[1:] >= 0).any(axis=1))
+    assert not x_moves[-1] and not g_moves[-1]
+    if name == "gpipe":  # forwards, then backwards: never both in one tick
+        assert not (x_moves & g_moves).any()
+
+
 def test_theory_ratio():
     assert schedule.theory_ratio(4, 8) == pytest.approx(11 / 8)

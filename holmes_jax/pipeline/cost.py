@@ -8,9 +8,11 @@ One training step as the pipeline runtime runs it (DESIGN.md section 6; pipeline
    stage runs no separate forward. A forward takes its layers' FLOPs (the embedding on the first
    stage, head and loss on the last) divided by tensor parallelism, at the device's achievable
    FLOP/s, plus its tensor-parallel all-reduces over the node's link.
-2. Every tick ends with two ppermutes, activations one stage down and then gradients one stage
-   up (micro_batch * seq * hidden * bytes, split over the tp ranks), over each boundary's link.
-   They are collectives: a tick lasts as long as its slowest stage plus the slowest boundary.
+2. A tick ends with up to two ppermutes, activations one stage down and then gradients one stage
+   up (micro_batch * seq * hidden * bytes, split over the tp ranks), over each boundary's link,
+   each only in ticks where some stage sends one (GPipe: activations in its forward ticks,
+   gradients in its backward ticks). They are collectives: a tick lasts as long as its slowest
+   stage plus its transfers over the slowest boundary.
 3. After the last tick each stage syncs its gradients over its data-parallel ring: a ring
    all-reduce, 2(n-1)/n * S/W + 2(n-1) latencies, or with ZeRO-1 a reduce-scatter of the gradients
    and an all-gather of the updated parameters (the same bytes when both are float32), on the
@@ -128,16 +130,18 @@ class Prediction:
 
 
 @functools.lru_cache(maxsize=256)
-def _ticks(schedule: str, p: int, m: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _ticks(schedule: str, p: int, m: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The runtime's tick table as masks: (ticks, p) "runs a separate forward", (ticks, p) "runs a
-    backward", and each stage's last busy tick. The last stage has no separate forward: its
-    backward recomputes the forward anyway (pipeline.runtime)."""
+    backward", each stage's last busy tick, and (ticks,) how many transfers end each tick (0-2:
+    activations down, gradients up, each only where some stage sends). The last stage has no
+    separate forward: its backward recomputes the forward anyway (pipeline.runtime)."""
     fwd, bwd = schedules.ticks(schedule, p, m)
     forward, backward = fwd >= 0, bwd >= 0
     forward[:, -1] = False
     busy = forward | backward
     last = np.array([np.flatnonzero(busy[:, s]).max() for s in range(p)])
-    return forward, backward, last
+    x_moves, g_moves = schedules.transfers(fwd, bwd)
+    return forward, backward, last, x_moves.astype(int) + g_moves.astype(int)
 
 
 def simulate(fwd_s, bwd_s, p2p_s, microbatches: int, schedule: str = "gpipe") -> tuple[np.ndarray, np.ndarray]:
@@ -146,25 +150,25 @@ def simulate(fwd_s, bwd_s, p2p_s, microbatches: int, schedule: str = "gpipe") ->
     fwd_s, bwd_s: (p, *batch) seconds of one microbatch's forward and backward on each stage;
     p2p_s: (p - 1, *batch) seconds of one transfer across each boundary (a 1-D vector broadcasts
     over the batch). Each tick a stage runs its forward (if any), then its backward, which
-    recomputes the forward from the stashed input (so it costs forward + backward); then every
-    boundary moves one activation buffer down and one gradient buffer up, two ppermutes one after
-    the other, whether or not they carry a microbatch. A ppermute is a collective, so every tick
-    lasts as long as its slowest stage plus the slowest boundary's two transfers.
+    recomputes the forward from the stashed input (so it costs forward + backward); then the
+    activations move down if any stage sent one, and the gradients up if any stage sent one, one
+    ppermute after the other. A ppermute is a collective, so every tick lasts as long as its
+    slowest stage plus its transfers over the slowest boundary.
     Returns ((p, *batch), (*batch)).
     """
     fwd_s, bwd_s = np.asarray(fwd_s, dtype=float), np.asarray(bwd_s, dtype=float)
     p, batch = fwd_s.shape[0], fwd_s.shape[1:]
-    forward, backward, last = _ticks(schedule, p, microbatches)
+    forward, backward, last, transfers = _ticks(schedule, p, microbatches)
     shape = (p,) + (1,) * len(batch)
-    hop = 0.0
+    hop = np.zeros(batch)
     if p > 1:
         p2p = np.asarray(p2p_s, dtype=float)
         p2p = np.broadcast_to(p2p.reshape(p2p.shape + (1,) * (len(batch) + 1 - p2p.ndim)), (p - 1,) + batch)
-        hop = 2 * p2p.max(axis=0)
+        hop = p2p.max(axis=0)
     end, stage_end = np.zeros(batch), np.zeros((p,) + batch)
     for t in range(forward.shape[0]):
         work = forward[t].reshape(shape) * fwd_s + backward[t].reshape(shape) * (fwd_s + bwd_s)
-        end = end + work.max(axis=0) + hop
+        end = end + work.max(axis=0) + transfers[t] * hop
         stage_end[last == t] = end
     return stage_end, end
 
@@ -283,11 +287,11 @@ class CostModel:
         """(batch,) what the ticks cannot beat, without walking them: no tick is shorter than any
         one stage's work in it, so the schedule lasts at least the busiest stage's m microbatches
         (a separate forward, except on the last stage, and a backward that recomputes it) plus
-        every tick's transfers; then the slowest sync and update. Infinite where a stage does not
+        every transfer the ticks make; then the slowest sync and update. Infinite where a stage does not
         fit in memory."""
         t = self.stage_terms(splits)
-        ticks = _ticks(self.schedule, self.num_stages, self.microbatches)[0].shape[0]
-        hops = ticks * 2 * self._p2p.max() if self.num_stages > 1 else 0.0
+        transfers = _ticks(self.schedule, self.num_stages, self.microbatches)[3].sum()
+        hops = transfers * self._p2p.max() if self.num_stages > 1 else 0.0
         bound = self._all_microbatches(t).max(axis=1) + hops + (t["sync"] + t["update"]).max(axis=1)
         return np.where(t["fits"], bound, np.inf)
 

@@ -17,9 +17,11 @@ scan (reduce-scattered where ZeRO-1 shards them): one reduction per step, not pe
 The embedding runs on the first stage and the head and loss on the last, each under `lax.cond`:
 other stages skip that work (and bubble ticks skip theirs), so they idle rather than compute
 garbage. What it costs: embedding and head parameters are replicated on every stage (memory), the
-tied embedding's gradient is summed over `stage` once per step, and every tick moves one
-activation buffer each way whether or not it carries a microbatch. The last stage's forward is
-folded into its backward, which recomputes it anyway.
+tied embedding's gradient is summed over `stage` once per step, and a tick in which some stage
+sends moves a buffer across every boundary (idle ones send zeros). A tick in which none does
+skips that transfer (GPipe's forward ticks move no gradients, its backward ticks no
+activations): the skip is decided per tick, the same on every stage, so the collective stays
+matched. The last stage's forward is folded into its backward, which recomputes it anyway.
 """
 
 from __future__ import annotations
@@ -135,8 +137,9 @@ class Pipeline:
             loss = _when(is_last, lambda: model.head_loss(shared, x, tokens[:, 1:]), lambda: jnp.zeros((), jnp.float32))
             return x, loss
 
-        def tick(carry, row):
+        def tick(carry, xs):
             stash, gstash, x_in, g_in, grads, loss_sum = carry
+            row, (x_moves, g_moves) = xs
             fwd, bwd, x_arrival, g_arrival = (r[s] for r in row)
             stash = lax.cond(x_arrival >= 0, lambda: stash.at[x_arrival % table.x_slots].set(x_in), lambda: stash)
             gstash = lax.cond(g_arrival >= 0, lambda: gstash.at[g_arrival % table.g_slots].set(g_in), lambda: gstash)
@@ -155,16 +158,19 @@ class Pipeline:
                 return grads, loss_sum + loss * scale, g_x
 
             grads, loss_sum, g_out = lax.cond(bwd >= 0, backward, lambda g, l: (g, l, act), grads, loss_sum)
-            if p > 1:
-                x_in = lax.ppermute(x_out, "stage", [(i, i + 1) for i in range(p - 1)])
-                g_in = lax.ppermute(g_out, "stage", [(i + 1, i) for i in range(p - 1)])
+            if p > 1:  # each transfer only in ticks where some stage sends (the same on every stage)
+                x_in = lax.cond(x_moves, lambda: lax.ppermute(x_out, "stage", [(i, i + 1) for i in range(p - 1)]),
+                                lambda: act)
+                g_in = lax.cond(g_moves, lambda: lax.ppermute(g_out, "stage", [(i + 1, i) for i in range(p - 1)]),
+                                lambda: act)
             return (stash, gstash, x_in, g_in, grads, loss_sum), None
 
         zeros = jax.tree.map(jnp.zeros_like, (blocks, shared))
         carry = (jnp.zeros((table.x_slots,) + act.shape, act.dtype), jnp.zeros((table.g_slots,) + act.shape, act.dtype),
                  act, act, zeros, jnp.zeros((), jnp.float32))
         rows = tuple(jnp.asarray(r) for r in (table.fwd, table.bwd, table.x_arrivals(), table.g_arrivals()))
-        (_, _, _, _, (g_blocks, g_shared), loss_sum), _ = lax.scan(tick, carry, rows)
+        moves = tuple(jnp.asarray(m) for m in schedules.transfers(table.fwd, table.bwd))
+        (_, _, _, _, (g_blocks, g_shared), loss_sum), _ = lax.scan(tick, carry, (rows, moves))
         # The one gradient reduction of the step, over `data` (reduce-scatter for ZeRO-1 leaves,
         # all-reduce otherwise); the shared embedding and head, used on the first and last stage,
         # are summed over `stage` first. Block leaves here lack the leading stage axis: dim - 1.

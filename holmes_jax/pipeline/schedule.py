@@ -2,7 +2,7 @@
 
 A table says, for every tick and stage, which microbatch the stage runs forward and which
 backward (-1: none). Within a tick a stage runs its forward first, then its backward; activations
-move one stage down and gradients one stage up between ticks. Tables come from a greedy
+move one stage down and gradients one stage up between ticks (`transfers`: in which ticks any do). Tables come from a greedy
 simulation of each stage's op order:
 
 - `gpipe`: every forward, then every backward (in microbatch order);
@@ -97,6 +97,13 @@ def ticks(schedule: str, stages: int, microbatches: int) -> tuple[np.ndarray, np
         if t > 4 * (m + p) + 4:
             raise AssertionError(f"{schedule} schedule for p={p}, m={m} does not terminate")
     return np.asarray(fwd_rows), np.asarray(bwd_rows)
+
+
+def transfers(fwd: np.ndarray, bwd: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(ticks,) whether any activation moves down after each tick (a stage other than the last ran
+    a forward), and whether any gradient moves up (a stage other than the first ran a backward).
+    The same on every stage, so the runtime can skip a tick's idle transfer."""
+    return (fwd[:, :-1] >= 0).any(axis=1), (bwd[:, 1:] >= 0).any(axis=1)
 
 
 def _ready(kind: str, i: int, s: int, p: int, t: int, done: dict) -> bool:
