@@ -1,13 +1,20 @@
 """Profiles that size the partition from measurements instead of typed-in ratios.
 
 - Layer costs: XLA's flop count of one transformer block (`cost_analysis`) and its measured
-  forward and forward+backward time on the real device, for one microbatch.
-- The optimizer step: one block's parameters through the run's optimizer (AdamW, clipping),
-  timed on the real device, as seconds per parameter.
+  forward and forward+backward time on the real device, for one microbatch, per layer.
+- The optimizer step: the parameters of one stage's blocks through the run's optimizer (AdamW,
+  clipping), timed on the real device, as seconds per parameter.
 - Links: bandwidth and latency of each stage's data-parallel group (a `psum` over `data` on that
   stage's devices) and of each stage boundary (a `ppermute` from stage s to s + 1), each timed at
   two message sizes so latency and bandwidth separate: t = latency + bytes / bandwidth (for the
   ring all-reduce the bytes are 2(n - 1)/n of the buffer).
+
+Compute is timed as the step runs it, not at its best: over a whole stage's stack of layers (a
+one-layer stack compiles to faster straight-line code than the layer loop a stage runs), on all
+processes at once, each repeat started together, the median repeat kept. Stages compute in
+lockstep, and processes that share CPU cores (as on the emulated testbed) slow each other down;
+a lone best-case run hides that. Links are timed at their best, all groups at once: the cost
+model itself charges the sharing of a link (a cluster's uplink).
 
 `python -m holmes_jax.pipeline.profile --out profile.json [--gin.NAME=VALUE ...]` writes the JSON
 that `python -m holmes_jax.plan --profile` and `ParallelConfig.profile` read.
@@ -67,6 +74,8 @@ class Profile:
 
 
 def _best_time(fn, *args, repeats: int) -> float:
+    """Fastest seconds of `fn(*args)`: what a link can do, free of the scheduling noise that slows
+    a collective's wait on shared cores (the cost model charges contention for the link itself)."""
     jax.block_until_ready(fn(*args))  # compile and warm up
     best = float("inf")
     for _ in range(repeats):
@@ -76,22 +85,52 @@ def _best_time(fn, *args, repeats: int) -> float:
     return best
 
 
-def profile_layer(model, micro_batch: int, seq_len: int, device, repeats: int = 5) -> tuple[float, float, float]:
-    """(XLA forward flops, forward seconds, backward seconds) of one block on `device`."""
-    params = jax.device_put(jax.tree.map(lambda x: x[:1], model.init(0)["blocks"]), device)
+def _lockstep_time(fn, *args, repeats: int, min_repeat_s: float = 0.1) -> float:
+    """Median seconds of `fn(*args)`, every process starting each repeat together. A repeat runs
+    `fn` back to back for at least `min_repeat_s` (the same count on every process), so the
+    processes overlap for most of it, as the stages do through a pipeline step."""
+    from jax.experimental import multihost_utils
+
+    jax.block_until_ready(fn(*args))  # compile and warm up
+    t = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    calls = int(np.ceil(min_repeat_s / max(time.perf_counter() - t, 1e-6)))
+    if jax.process_count() > 1:
+        calls = int(multihost_utils.broadcast_one_to_all(np.int32(calls)))
+    times = []
+    for r in range(repeats):
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices(f"holmes_jax.profile repeat {r}")
+        t = time.perf_counter()
+        for _ in range(calls):  # one at a time: CPU collectives in flight together can deadlock
+            jax.block_until_ready(fn(*args))
+        times.append((time.perf_counter() - t) / calls)
+    return float(np.median(times))
+
+
+def _stage_blocks(model, layers: int, device):
+    return jax.device_put(jax.tree.map(lambda x: x[:layers], model.init(0)["blocks"]), device)
+
+
+def profile_layer(model, micro_batch: int, seq_len: int, device, layers: int = 1,
+                  repeats: int = 5) -> tuple[float, float, float]:
+    """(XLA forward flops, forward seconds, backward seconds) per block on `device`, timed over a
+    stack of `layers` blocks (a stage's)."""
+    params = _stage_blocks(model, layers, device)
     dtype = jnp.dtype(model.cfg.compute_dtype)
     x = jax.device_put(jnp.ones((micro_batch, seq_len, model.cfg.hidden), dtype), device)
     fwd = jax.jit(model.blocks)
     step = jax.jit(jax.grad(lambda p, x: jnp.sum(model.blocks(p, x).astype(jnp.float32)), argnums=(0, 1)))
-    flops = float(fwd.lower(params, x).compile().cost_analysis()["flops"])
-    t_fwd = _best_time(fwd, params, x, repeats=repeats)
-    t_both = _best_time(step, params, x, repeats=repeats)
+    one = jax.tree.map(lambda x: x[:1], params)
+    flops = float(fwd.lower(one, x).compile().cost_analysis()["flops"])
+    t_fwd = _lockstep_time(fwd, params, x, repeats=repeats) / layers
+    t_both = _lockstep_time(step, params, x, repeats=repeats) / layers
     return flops, t_fwd, max(t_both - t_fwd, 0.0)
 
 
-def profile_update(model, tx, device, repeats: int = 5) -> float:
-    """Seconds per parameter of one optimizer step (update and apply) over one block on `device`."""
-    params = jax.device_put(jax.tree.map(lambda x: x[:1], model.init(0)["blocks"]), device)
+def profile_update(model, tx, device, layers: int = 1, repeats: int = 5) -> float:
+    """Seconds per parameter of one optimizer step (update and apply) over `layers` blocks on `device`."""
+    params = _stage_blocks(model, layers, device)
     grads = jax.tree.map(lambda x: jnp.full_like(x, 1e-3), params)
     state = jax.device_put(tx.init(params), device)
 
@@ -101,7 +140,7 @@ def profile_update(model, tx, device, repeats: int = 5) -> float:
         return optax.apply_updates(params, updates), state
 
     count = sum(x.size for x in jax.tree.leaves(params))
-    return _best_time(update, params, grads, state, repeats=repeats) / count
+    return _lockstep_time(update, params, grads, state, repeats=repeats) / count
 
 
 def _fit(sizes: list[int], times: list[float], factor: float) -> Link:
@@ -111,27 +150,34 @@ def _fit(sizes: list[int], times: list[float], factor: float) -> Link:
     return Link(gbps=8.0 / per_byte / 1e9, latency_s=max(t0 - factor * s0 * per_byte, 0.0))
 
 
-def profile_data_group(devices, sizes=(1 << 16, 1 << 22), repeats: int = 5) -> Link | None:
-    n = len(devices)
+def _whole_mesh(fn, mesh: Mesh, size: int):
+    """`fn` over every device of `mesh`, each holding a `size`-byte buffer."""
+    spec = P(*mesh.axis_names)
+    x = jax.device_put(jnp.ones(tuple(mesh.shape.values()) + (size // 4,), jnp.float32), NamedSharding(mesh, spec))
+    return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec)), x
+
+
+def profile_data_groups(mesh: Mesh, sizes=(1 << 16, 1 << 22), repeats: int = 5) -> list[Link | None]:
+    """Each stage's data-parallel group, from a `psum` over `data` that every group runs at once
+    (as the step's gradient sync does); a process times its own groups. Per stage: this
+    process's measurement where it holds a device of that stage, else None (see `_share_links`)."""
+    n, stages = mesh.shape["data"], mesh.shape["stage"]
     if n < 2:
-        return None
-    mesh = Mesh(np.asarray(devices), ("data",))
-    reduce = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, "data"), mesh=mesh, in_specs=P("data"), out_specs=P("data")))
+        return [None] * stages
     times = []
     for size in sizes:
-        x = jax.device_put(jnp.ones((n, size // 4), jnp.float32), NamedSharding(mesh, P("data")))
+        reduce, x = _whole_mesh(lambda x: jax.lax.psum(x, "data"), mesh, size)
         times.append(_best_time(reduce, x, repeats=repeats))
-    return _fit(list(sizes), times, 2 * (n - 1) / n)
+    link = _fit(list(sizes), times, 2 * (n - 1) / n)
+    return [link if any(d.process_index == jax.process_index() for d in mesh.devices[s].flat) else None
+            for s in range(stages)]
 
 
 def profile_stage_boundary(mesh: Mesh, stage: int, sizes=(1 << 16, 1 << 22), repeats: int = 5) -> Link:
     """A `ppermute` of each data/tensor position's buffer from `stage` to `stage + 1`."""
-    shift = jax.jit(jax.shard_map(lambda x: jax.lax.ppermute(x, "stage", [(stage, stage + 1)]), mesh=mesh,
-                                  in_specs=P(*mesh.axis_names), out_specs=P(*mesh.axis_names)))
     times = []
     for size in sizes:
-        shape = tuple(mesh.shape.values()) + (size // 4,)
-        x = jax.device_put(jnp.ones(shape, jnp.float32), NamedSharding(mesh, P(*mesh.axis_names)))
+        shift, x = _whole_mesh(lambda x: jax.lax.ppermute(x, "stage", [(stage, stage + 1)]), mesh, size)
         times.append(_best_time(shift, x, repeats=repeats))
     return _fit(list(sizes), times, 1.0)
 
@@ -149,17 +195,15 @@ def _share_links(links: list, group_sizes: list[int]) -> list:
     return merged
 
 
-def profile(model, tx, mesh: Mesh, micro_batch: int, seq_len: int, repeats: int = 5) -> Profile:
-    """Profiles the layer and the optimizer `tx` on this process's first device and every link of
-    `mesh` (stage, data, tensor)."""
-    flops, t_fwd, t_bwd = profile_layer(model, micro_batch, seq_len, mesh.local_devices[0], repeats)
-    update = profile_update(model, tx, mesh.local_devices[0], repeats)
+def profile(model, tx, mesh: Mesh, micro_batch: int, seq_len: int, stage_layers: int = 1,
+            repeats: int = 5) -> Profile:
+    """Profiles the layer and the optimizer `tx` (over a stage of `stage_layers` blocks) on this
+    process's first device, and every link of `mesh` (stage, data, tensor)."""
+    device = mesh.local_devices[0]
+    flops, t_fwd, t_bwd = profile_layer(model, micro_batch, seq_len, device, stage_layers, repeats)
+    update = profile_update(model, tx, device, stage_layers, repeats)
     grid = mesh.devices
-    data_links = []
-    for s in range(grid.shape[0]):
-        group = list(grid[s, :, 0])  # the data group of tensor rank 0 stands for its stage
-        mine = any(d.process_index == jax.process_index() for d in group)
-        data_links.append(profile_data_group(group, repeats=repeats) if mine else None)
+    data_links = profile_data_groups(mesh, repeats=repeats)
     if jax.process_count() > 1:  # each process measured its own stages' groups: share them
         data_links = _share_links(data_links, group_sizes=[grid.shape[1]] * grid.shape[0])
     stage_links = tuple(profile_stage_boundary(mesh, s, repeats=repeats) for s in range(grid.shape[0] - 1))
@@ -184,11 +228,13 @@ def main(argv: list[str]) -> int:
     # Before any backend starts: jax.distributed for several processes (as train does), the CPU device count.
     distributed.initialize(cfgs.parallel.cpu_devices)
     devices = train.ordered_devices()
-    mesh = train.make_plan(cfgs, devices).build_mesh(devices)
+    run_plan = train.make_plan(cfgs, devices)
+    mesh = run_plan.build_mesh(devices)
     dp = mesh.shape["data"]
     micro_batch = cfgs.data.global_batch // (dp * cfgs.parallel.microbatches)
     tx, _ = train.make_optimizer(cfgs.train)
-    result = profile(gpt.GPT(cfgs.model), tx, mesh, micro_batch, cfgs.data.seq_len, args.repeats)
+    result = profile(gpt.GPT(cfgs.model), tx, mesh, micro_batch, cfgs.data.seq_len, max(run_plan.stage_layers),
+                     args.repeats)
     if jax.process_index() == 0:
         Path(args.out).write_text(result.to_json())
         print(result.to_json())
