@@ -3,7 +3,7 @@ side by side on the emulated heterogeneous-NIC testbed (holmes_jax.emulate; root
 
 Testbed: 2 clusters of 2 hosts (network namespaces), one process per host with 1 CPU device:
 "ib" hosts' NICs shaped to 2000 Mbit/s, "roce" hosts' to 1000 Mbit/s, each cluster's uplink to
-100 Mbit/s (shared by its 2 hosts: 50 Mbit/s each when both send). Configurations, each a real
+200 Mbit/s (shared by its 2 hosts: 100 Mbit/s each when both send). Configurations, each a real
 `python -m holmes_jax.train` run of STEPS steps (pp 2, dp 2, GPipe, 4 microbatches):
 
   (a) homogeneous fast network (every NIC and the uplinks at 2000 Mbit/s), Holmes placement
@@ -11,17 +11,21 @@ Testbed: 2 clusters of 2 hosts (network namespaces), one process per host with 1
   (c) heterogeneous, Holmes placement (stage 0 on ib, stage 1 on roce), uniform partition
   (d) heterogeneous, Holmes placement, auto partition from a profile measured in the cluster
 
-The model (8 layers, hidden 192) is sized by DESIGN.md section 6: a stage's gradients (4 layers x
-0.44 M parameters x 4 B = 7.1 MB) take about 1.1 s to sync over a 50 Mbit/s share of the uplink
-(ring of 2: S/W), while one activation hop (micro batch 1 x seq 64 x hidden 192 x 4 B = 49 KB)
-takes about 8 ms; inside the ib cluster the same sync takes about 30 ms.
+The model (8 layers, hidden 192) and the uplink are sized by DESIGN.md section 6: a stage's
+gradients (4 layers x 0.44 M parameters x 4 B = 7.1 MB) take about 0.57 s to sync over a
+100 Mbit/s share of the uplink (ZeRO-1 reduce-scatter + all-gather over a ring of 2: S/W), while
+the pipeline's hops across it (micro batch 1 x seq 64 x hidden 192 x 4 B = 49 KB from each of the
+2 hosts at once, 8 per step: GPipe moves activations in its 4 forward ticks and gradients in its
+4 backward ticks) take about 4 ms each, 31 ms a step; inside the ib cluster the sync takes about
+30 ms. Both targets pull the uplink's rate apart: at 100 Mbit/s the hops alone cost (d) 16% of
+(a)'s step, at 300 Mbit/s the naive sync no longer doubles it.
 
 Predictions: the plan's step time, from the topology TOML written here (NIC Gb/s = the shaped
 rates, efficiency = measured TCP throughput / shaped rate, the inter-cluster link per host = the
-uplink's share) and the profile measured inside the emulated cluster
-(`python -m holmes_jax.pipeline.profile`, all 4 processes at once, so CPU sharing is in the layer
-times). (c) and (d) use the whole profile (their layout is the profiled one); (a) and (b) use its
-layer times only, links from the topology.
+uplink's share) and a profile measured on each testbed (`python -m holmes_jax.pipeline.profile`,
+all 4 processes at once, so CPU sharing is in the layer times). (a), (c) and (d) use their
+testbed's whole profile (their layout is the profiled one); (b) uses the heterogeneous profile's
+layer times only, links from the topology (its data groups are not the profiled ones).
 
 Run (root): python bench/hetero_nic.py     Last line: one JSON object of the figures.
 """
@@ -41,7 +45,7 @@ from pathlib import Path
 from holmes_jax import emulate
 
 CLUSTERS = [("ib", "infiniband", 2), ("roce", "roce", 2)]
-IB_MBIT, ROCE_MBIT, INTER_MBIT = 2000.0, 1000.0, 100.0
+IB_MBIT, ROCE_MBIT, INTER_MBIT = 2000.0, 1000.0, 200.0
 STEPS = 16
 WARMUP_STEPS = 4  # not timed: the first steps run slower (allocations, TCP windows opening)
 MODEL = {"preset": "tiny", "num_layers": 8, "hidden": 192, "num_heads": 4, "ffn_hidden": 768}
@@ -85,6 +89,25 @@ def run(ec: emulate.EmulatedCluster, module_args: list[str], pin: bool) -> int:
     return ec.run(cmd, devices_per_process=1, timeout_s=RUN_TIMEOUT_S)
 
 
+def measure_profile(ec: emulate.EmulatedCluster, path: Path, workdir: Path, topology: Path, pin: bool):
+    """The profile of the Holmes layout, measured by all processes in `ec`; None if that failed."""
+    from holmes_jax.pipeline.profile import Profile
+
+    t = time.perf_counter()
+    rc = run(ec, ["holmes_jax.pipeline.profile", "--out", str(path), "--repeats", "5",
+                  *gin_args(workdir, topology, "holmes", "uniform", None)], pin)
+    if rc:
+        print(f"hetero_nic: the profile run ({path.name}) failed with status {rc}", file=sys.stderr)
+        return None
+    prof = Profile.load(path)
+    print(f"hetero_nic: {path.name} in {time.perf_counter() - t:.0f} s: layer fwd {prof.layer_fwd_s * 1e3:.2f} ms, "
+          f"bwd {prof.layer_bwd_s * 1e3:.2f} ms; data groups "
+          + ", ".join(f"{l.gbps * 1e3:.0f} Mbit/s + {l.latency_s * 1e3:.2f} ms" if l else "-" for l in prof.data_links)
+          + "; boundary " + ", ".join(f"{l.gbps * 1e3:.0f} Mbit/s + {l.latency_s * 1e3:.2f} ms" for l in prof.stage_links),
+          flush=True)
+    return prof
+
+
 def measured_step(workdir: Path) -> float:
     rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
     timed = [r["step_time_s"] for r in rows[WARMUP_STEPS:]]
@@ -98,7 +121,6 @@ def main() -> int:
         return 1
     from holmes_jax import metrics
     from holmes_jax.config import ModelConfig, ParallelConfig
-    from holmes_jax.pipeline.profile import Profile
     from holmes_jax.plan import plan
 
     # A SIGTERM unwinds through the with-blocks below, so the namespaces are torn down.
@@ -135,20 +157,11 @@ def main() -> int:
             hetero = tmp / "hetero.toml"
             hetero.write_text(topology_toml(IB_MBIT, ROCE_MBIT, INTER_MBIT, eff, tflops))
             profile_path = tmp / "profile.json"
-            t = time.perf_counter()
-            rc = run(ec, ["holmes_jax.pipeline.profile", "--out", str(profile_path), "--repeats", "5",
-                          *gin_args(tmp / "profile-run", hetero, "holmes", "uniform", None)], pin)
-            if rc:
-                print(f"hetero_nic: the profile run failed with status {rc}", file=sys.stderr)
+            prof = measure_profile(ec, profile_path, tmp / "profile-run", hetero, pin)
+            if not prof:
                 return 1
-            prof = Profile.load(profile_path)
             layers_only = tmp / "profile-layers.json"
             layers_only.write_text(dataclasses.replace(prof, data_links=(), stage_links=()).to_json())
-            print(f"hetero_nic: profile in {time.perf_counter() - t:.0f} s: layer fwd {prof.layer_fwd_s * 1e3:.2f} ms, "
-                  f"bwd {prof.layer_bwd_s * 1e3:.2f} ms; data groups "
-                  + ", ".join(f"{l.gbps * 1e3:.0f}" if l else "-" for l in prof.data_links)
-                  + " Mbit/s; boundary " + ", ".join(f"{l.gbps * 1e3:.0f}" for l in prof.stage_links) + " Mbit/s",
-                  flush=True)
             configs = {"b": ("naive", "uniform", layers_only), "c": ("holmes", "uniform", profile_path),
                        "d": ("holmes", "auto", profile_path)}
             for key, (placement, partition, profile) in configs.items():
@@ -162,16 +175,19 @@ def main() -> int:
                 out[key] = (measured_step(workdir), predicted, layers, placement, partition)
                 print(f"hetero_nic: ({key}) done in {time.perf_counter() - t:.0f} s", flush=True)
 
-        # Homogeneous fast testbed: (a).
+        # Homogeneous fast testbed: its own profile, then (a).
         fast = {"infiniband": IB_MBIT, "roce": IB_MBIT}
         with emulate.EmulatedCluster(CLUSTERS, fast, IB_MBIT) as ec:
             homo = tmp / "homogeneous.toml"
             homo.write_text(topology_toml(IB_MBIT, IB_MBIT, IB_MBIT, {"intra": eff["intra"], "inter": eff["intra"]},
                                           tflops))
-            predicted, layers = predict(homo, "holmes", "uniform", layers_only)
+            fast_profile = tmp / "profile-homogeneous.json"
+            if not measure_profile(ec, fast_profile, tmp / "profile-homogeneous-run", homo, pin):
+                return 1
+            predicted, layers = predict(homo, "holmes", "uniform", fast_profile)
             workdir = tmp / "run-a"
             t = time.perf_counter()
-            rc = run(ec, ["holmes_jax.train", *gin_args(workdir, homo, "holmes", "uniform", layers_only)], pin)
+            rc = run(ec, ["holmes_jax.train", *gin_args(workdir, homo, "holmes", "uniform", fast_profile)], pin)
             if rc:
                 print(f"hetero_nic: run (a) failed with status {rc}", file=sys.stderr)
                 return 1
