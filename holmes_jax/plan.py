@@ -221,7 +221,8 @@ def _cost_model(cfg: ModelConfig, pl: Placement, global_batch: int, seq_len: int
         layers, device_flops, update, dp_links, boundaries = _with_profile(
             prof, cfg, costs, micro_batch, seq_len, pl, topo, dp_links, boundaries, notes if notes is not None else [])
     work = cost.Work(costs.embed, layers, costs.head, costs.activation_bytes,
-                     tp_allreduces_bwd=4 if cfg.remat else 2, layer_stash_bytes=_stash_bytes(cfg, costs, tp, seq_len))
+                     tp_allreduces_bwd=4 if cfg.remat else 2, layer_stash_bytes=_stash_bytes(cfg, costs, tp, seq_len),
+                     sync_collectives=costs.param_leaves)
     stages = [cost.Stage(device_flops[s], tp, link(pl.tensor_routes[s]), dp, dp_links[s],
                          pl.device_memory[s], update[s]) for s in range(pp)]
     flops = megatron_flops(global_batch, seq_len, cfg.num_layers, cfg.hidden, cfg.vocab_size, cfg.remat)

@@ -96,6 +96,19 @@ def test_uneven_stages_sync_and_update_their_padding():
     assert uneven.stage_update_s == pytest.approx((3.0, 3.0))
 
 
+def test_each_parameter_leaf_syncs_on_its_own_and_pays_the_latencies():
+    def model(leaves):
+        layer = cost.Part(params=1e9, fwd_flops=1e12, bwd_flops=2e12)
+        work = cost.Work(cost.Part(0, 0, 0), (layer,) * 4, cost.Part(0, 0, 0), boundary_bytes=1e8,
+                         sync_collectives=leaves)
+        stages = [cost.Stage(1e12, 1, LINK, 2, LINK) for _ in range(2)]
+        return cost.CostModel(work, stages, [LINK], 4, "gpipe", zero1=False, step_flops=1e15, samples=64)
+
+    one, ten = model(1).predict([2, 2]), model(10).predict([2, 2])
+    # a ring all-reduce over 2 ranks: 2 latencies per leaf, the bytes once
+    assert ten.stage_sync_s[0] - one.stage_sync_s[0] == pytest.approx(9 * 2 * LINK.latency_s)
+
+
 def test_zero1_updates_a_share():
     assert _model(zero1=True, update=1e-9).predict([2, 2]).stage_update_s == pytest.approx((1.0, 1.0))
 

@@ -29,6 +29,7 @@ def test_analytic_costs_count_the_real_parameters(options):
     assert costs.params == gpt.count_params(params)
     assert len(costs.layers) == cfg.num_layers
     assert costs.layers[0].params * cfg.num_layers == gpt.count_params(params["blocks"])
+    assert costs.param_leaves == len(jax.tree.leaves(params))
     # The forward of a layer: 2 FLOPs per matmul weight per token plus attention's two s×s products.
     h, f = cfg.hidden, cfg.ffn_hidden
     mlp = 3 if cfg.mlp == "swiglu" else 2

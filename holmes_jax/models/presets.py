@@ -53,6 +53,7 @@ class ModelCosts:
     layers: tuple[PartCost, ...]
     head: PartCost  # final norm, output projection and loss
     activation_bytes: int  # one microbatch's hidden states at a stage boundary
+    param_leaves: int = 1  # parameter arrays (a stage's layers are stacked: one array per block leaf)
 
     @property
     def params(self) -> int:
@@ -85,4 +86,8 @@ def model_costs(cfg: ModelConfig, micro_batch: int, seq_len: int) -> ModelCosts:
     final_norm = 2 * h if cfg.norm == "layernorm" else h
     head = PartCost(final_norm + (0 if cfg.tie_embeddings else v * h), head_fwd, 2.0 * head_fwd)
     act_bytes = tokens * h * (2 if cfg.compute_dtype == "bfloat16" else 4)
-    return ModelCosts(embed, (layer,) * cfg.num_layers, head, act_bytes)
+    norm_leaves = 2 if cfg.norm == "layernorm" else 1  # scale (and bias)
+    block_leaves = 2 * norm_leaves + 4 + (3 if cfg.mlp == "swiglu" else 2)  # norms, q k v o, the MLP's kernels
+    embed_leaves = 1 + (cfg.positions == "learned")
+    head_leaves = norm_leaves + (0 if cfg.tie_embeddings else 1)
+    return ModelCosts(embed, (layer,) * cfg.num_layers, head, act_bytes, block_leaves + embed_leaves + head_leaves)

@@ -16,8 +16,8 @@ One training step as the pipeline runtime runs it (DESIGN.md section 6; pipeline
 3. After the last tick each stage syncs its gradients over its data-parallel ring: a ring
    all-reduce, 2(n-1)/n * S/W + 2(n-1) latencies, or with ZeRO-1 a reduce-scatter of the gradients
    and an all-gather of the updated parameters (the same bytes when both are float32), on the
-   ring's slowest link; then the optimizer step, at the device's measured seconds per parameter
-   (ZeRO-1: its 1/dp share).
+   ring's slowest link, one per parameter leaf (so the latencies are paid once per leaf); then
+   the optimizer step, at the device's measured seconds per parameter (ZeRO-1: its 1/dp share).
 4. The step ends when the last stage finishes its update.
 5. Memory per device: weights, gradients and Adam state (ZeRO-1 shards the latter over data),
    plus each layer's stash for every microbatch in flight (GPipe: all m; 1F1B: p - s on stage s).
@@ -63,19 +63,20 @@ class Link:
         return self.latency_s + nbytes / self.bytes_per_s
 
 
-def reduce_scatter_s(nbytes, n, link: Link):
-    """A ring reduce-scatter (or all-gather) of `nbytes` over `n` ranks: (n-1)/n * S/W + (n-1) latencies.
-    Arguments may be arrays."""
+def reduce_scatter_s(nbytes, n, link: Link, collectives: int = 1):
+    """Ring reduce-scatters (or all-gathers) of `nbytes` in all over `n` ranks, split into
+    `collectives` separate ones: (n-1)/n * S/W + (n-1) latencies each. Arguments may be arrays."""
     n = np.asarray(n, dtype=float)
-    return np.where(n > 1, (n - 1) / np.maximum(n, 1) * nbytes / link.bytes_per_s + (n - 1) * link.latency_s, 0.0)
+    return np.where(n > 1, (n - 1) / np.maximum(n, 1) * nbytes / link.bytes_per_s
+                    + collectives * (n - 1) * link.latency_s, 0.0)
 
 
 all_gather_s = reduce_scatter_s
 
 
-def allreduce_s(nbytes, n, link: Link):
-    """A ring all-reduce: a reduce-scatter then an all-gather, 2(n-1)/n * S/W + 2(n-1) latencies."""
-    return 2 * reduce_scatter_s(nbytes, n, link)
+def allreduce_s(nbytes, n, link: Link, collectives: int = 1):
+    """Ring all-reduces: a reduce-scatter then an all-gather, 2(n-1)/n * S/W + 2(n-1) latencies each."""
+    return 2 * reduce_scatter_s(nbytes, n, link, collectives)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +93,7 @@ class Work:
     grad_bytes_per_param: float = 4.0  # float32 gradients
     param_bytes_per_param: float = 4.0  # float32 master weights (what ZeRO-1 all-gathers)
     optimizer_bytes_per_param: float = 8.0  # Adam's two float32 moments (ZeRO-1 shards them over data)
+    sync_collectives: int = 1  # per sync: the runtime reduces (and ZeRO-1 gathers) each parameter leaf on its own
 
 
 @dataclasses.dataclass(frozen=True)
@@ -252,11 +254,12 @@ class CostModel:
         padding = n.max(axis=1, keepdims=True) - n
         params = (total("params") + padding * self._mean_layer_params) / self._tp
         w = self.work
+        k = w.sync_collectives
         if self.zero1:
-            sync = (reduce_scatter_s(params * w.grad_bytes_per_param, self._dp, self._dp_link)
-                    + all_gather_s(params * w.param_bytes_per_param, self._dp, self._dp_link))
+            sync = (reduce_scatter_s(params * w.grad_bytes_per_param, self._dp, self._dp_link, k)
+                    + all_gather_s(params * w.param_bytes_per_param, self._dp, self._dp_link, k))
         else:
-            sync = allreduce_s(params * w.grad_bytes_per_param, self._dp, self._dp_link)
+            sync = allreduce_s(params * w.grad_bytes_per_param, self._dp, self._dp_link, k)
         optimizer = w.optimizer_bytes_per_param / (self._dp if self.zero1 else 1)
         memory = (params * (w.param_bytes_per_param + w.grad_bytes_per_param + optimizer)
                   + self._in_flight * n * w.layer_stash_bytes)

@@ -9,12 +9,12 @@
   two message sizes so latency and bandwidth separate: t = latency + bytes / bandwidth (for the
   ring all-reduce the bytes are 2(n - 1)/n of the buffer).
 
-Compute is timed as the step runs it, not at its best: over a whole stage's stack of layers (a
-one-layer stack compiles to faster straight-line code than the layer loop a stage runs), on all
-processes at once, each repeat started together, the median repeat kept. Stages compute in
-lockstep, and processes that share CPU cores (as on the emulated testbed) slow each other down;
-a lone best-case run hides that. Links are timed at their best, all groups at once: the cost
-model itself charges the sharing of a link (a cluster's uplink).
+Everything is timed as the step runs it, not at its best: compute over a whole stage's stack of
+layers (a one-layer stack compiles to faster straight-line code than the layer loop a stage
+runs), every data group's sync at once, and each measurement on all processes at once, each
+repeat started together, the median repeat kept. Stages compute and sync in lockstep, and
+processes that share CPU cores (as on the emulated testbed) or a link slow each other down; a
+lone best-case run hides that.
 
 `python -m holmes_jax.pipeline.profile --out profile.json [--gin.NAME=VALUE ...]` writes the JSON
 that `python -m holmes_jax.plan --profile` and `ParallelConfig.profile` read.
@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from holmes_jax.config import ConfigError
@@ -73,24 +74,10 @@ class Profile:
             raise ConfigError(f"--profile {path}: not a readable holmes_jax profile ({e})") from None
 
 
-def _best_time(fn, *args, repeats: int) -> float:
-    """Fastest seconds of `fn(*args)`: what a link can do, free of the scheduling noise that slows
-    a collective's wait on shared cores (the cost model charges contention for the link itself)."""
-    jax.block_until_ready(fn(*args))  # compile and warm up
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        best = min(best, time.perf_counter() - t)
-    return best
-
-
 def _lockstep_time(fn, *args, repeats: int, min_repeat_s: float = 0.1) -> float:
     """Median seconds of `fn(*args)`, every process starting each repeat together. A repeat runs
     `fn` back to back for at least `min_repeat_s` (the same count on every process), so the
     processes overlap for most of it, as the stages do through a pipeline step."""
-    from jax.experimental import multihost_utils
-
     jax.block_until_ready(fn(*args))  # compile and warm up
     t = time.perf_counter()
     jax.block_until_ready(fn(*args))
@@ -167,7 +154,7 @@ def profile_data_groups(mesh: Mesh, sizes=(1 << 16, 1 << 22), repeats: int = 5) 
     times = []
     for size in sizes:
         reduce, x = _whole_mesh(lambda x: jax.lax.psum(x, "data"), mesh, size)
-        times.append(_best_time(reduce, x, repeats=repeats))
+        times.append(_lockstep_time(reduce, x, repeats=repeats))
     link = _fit(list(sizes), times, 2 * (n - 1) / n)
     return [link if any(d.process_index == jax.process_index() for d in mesh.devices[s].flat) else None
             for s in range(stages)]
@@ -178,30 +165,36 @@ def profile_stage_boundary(mesh: Mesh, stage: int, sizes=(1 << 16, 1 << 22), rep
     times = []
     for size in sizes:
         shift, x = _whole_mesh(lambda x: jax.lax.ppermute(x, "stage", [(stage, stage + 1)]), mesh, size)
-        times.append(_best_time(shift, x, repeats=repeats))
+        times.append(_lockstep_time(shift, x, repeats=repeats))
     return _fit(list(sizes), times, 1.0)
 
 
-def _share_links(links: list, group_sizes: list[int]) -> list:
-    """Every process's measured links merged (a stage's group is measured by its own processes)."""
-    from jax.experimental import multihost_utils
+def _median_over_processes(values: np.ndarray) -> np.ndarray:
+    """The median of every process's `values` (NaN: not measured there), element by element."""
+    if jax.process_count() == 1:
+        return values
+    every = np.asarray(multihost_utils.process_allgather(np.asarray(values, np.float32)), np.float64)
+    return np.nanmedian(every, axis=0)
 
+
+def _share_links(links: list, group_sizes: list[int]) -> list:
+    """Every process's measured links merged: per stage, the median over the processes that
+    measured it (a stage's group is measured by its own processes)."""
     mine = np.array([[l.gbps, l.latency_s] if l else [np.nan, np.nan] for l in links], dtype=np.float64)
-    every = np.asarray(multihost_utils.process_allgather(mine))  # (processes, stages, 2)
-    merged = []
-    for s, n in enumerate(group_sizes):
-        rows = every[:, s][~np.isnan(every[:, s, 0])]
-        merged.append(Link(float(rows[0, 0]), float(rows[0, 1])) if n > 1 and len(rows) else None)
-    return merged
+    every = _median_over_processes(mine)
+    return [Link(float(every[s, 0]), float(every[s, 1])) if n > 1 and not np.isnan(every[s, 0]) else None
+            for s, n in enumerate(group_sizes)]
 
 
 def profile(model, tx, mesh: Mesh, micro_batch: int, seq_len: int, stage_layers: int = 1,
             repeats: int = 5) -> Profile:
-    """Profiles the layer and the optimizer `tx` (over a stage of `stage_layers` blocks) on this
-    process's first device, and every link of `mesh` (stage, data, tensor)."""
+    """Profiles the layer and the optimizer `tx` (over a stage of `stage_layers` blocks) on each
+    process's first device (the median over processes), and every link of `mesh` (stage, data,
+    tensor)."""
     device = mesh.local_devices[0]
     flops, t_fwd, t_bwd = profile_layer(model, micro_batch, seq_len, device, stage_layers, repeats)
     update = profile_update(model, tx, device, stage_layers, repeats)
+    t_fwd, t_bwd, update = (float(v) for v in _median_over_processes(np.array([t_fwd, t_bwd, update])))
     grid = mesh.devices
     data_links = profile_data_groups(mesh, repeats=repeats)
     if jax.process_count() > 1:  # each process measured its own stages' groups: share them
