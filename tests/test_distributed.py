@@ -140,6 +140,20 @@ def test_four_processes_pp2_match_one_process(tmp_path, one_process_losses):
     assert losses == pytest.approx(one_process_losses, abs=1e-5)
 
 
+@pytest.mark.slow
+def test_two_processes_profile_every_stage_and_agree_on_it(tmp_path):
+    # Stage 0's data group lives in process 0, stage 1's in process 1: each measures its own and
+    # the medians are shared, so process 0 writes a profile with both.
+    out = tmp_path / "profile.json"
+    _launch(2, 2, "-m", "holmes_jax.pipeline.profile", "--out", str(out), "--repeats", "2", *TRAIN_ARGS)
+    from holmes_jax.pipeline.profile import Profile
+
+    prof = Profile.load(out)
+    assert prof.layer_fwd_s > 0 and prof.layer_bwd_s > 0 and prof.update_s_per_param > 0
+    assert len(prof.data_links) == 2 and all(link is not None and link.gbps > 0 for link in prof.data_links)
+    assert len(prof.stage_links) == 1 and prof.stage_links[0].gbps > 0
+
+
 def test_bad_distributed_environment_exits_2():
     env = dict(_env(), HOLMES_NUM_PROCESSES="two", HOLMES_PROCESS_ID="0")
     r = subprocess.run([sys.executable, "-m", "holmes_jax.train", "--gin.TrainConfig.steps=1"], capture_output=True,
