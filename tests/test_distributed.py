@@ -121,8 +121,8 @@ def one_process_losses(tmp_path_factory):
     return [row["loss"] for row in read_metrics(workdir)]
 
 
-def _train(tmp_path, n: int, devices: int) -> list[float]:
-    r = _launch(n, devices, "-m", "holmes_jax.train", *TRAIN_ARGS, f"--gin.TrainConfig.workdir={tmp_path}")
+def _train(tmp_path, n: int, devices: int, *args: str) -> list[float]:
+    r = _launch(n, devices, "-m", "holmes_jax.train", *TRAIN_ARGS, *args, f"--gin.TrainConfig.workdir={tmp_path}")
     assert "[rank 0] done: step 3" in r.stdout
     assert not [line for line in r.stdout.splitlines() if line.startswith("[rank 1] step")]  # process 0 alone reports
     assert (tmp_path / "checkpoints" / "3").is_dir()
@@ -131,6 +131,14 @@ def _train(tmp_path, n: int, devices: int) -> list[float]:
 
 def test_two_processes_pp2_match_one_process(tmp_path, one_process_losses):
     losses = _train(tmp_path, 2, 2)  # stage 0 on process 0, stage 1 on process 1, dp = 2 in each
+    assert losses == pytest.approx(one_process_losses, abs=1e-5)
+
+
+def test_two_processes_1f1b_match_one_process(tmp_path, one_process_losses):
+    # 1F1B over 4 microbatches has ticks that move activations, gradients, both or neither
+    # between the processes (a tick skips a transfer no stage sends); the mean over the global
+    # batch is the reference's.
+    losses = _train(tmp_path, 2, 2, "--gin.ParallelConfig.schedule=1f1b", "--gin.ParallelConfig.microbatches=4")
     assert losses == pytest.approx(one_process_losses, abs=1e-5)
 
 
