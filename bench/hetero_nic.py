@@ -108,10 +108,17 @@ def measure_profile(ec: emulate.EmulatedCluster, path: Path, workdir: Path, topo
     return prof
 
 
-def measured_step(workdir: Path) -> float:
+def train(ec: emulate.EmulatedCluster, key: str, workdir: Path, topology: Path, placement: str, partition: str,
+          profile: Path, pin: bool) -> float | None:
+    """Configuration `key` trained in `ec`: its median step time after the warm-up; None if it failed."""
+    t = time.perf_counter()
+    rc = run(ec, ["holmes_jax.train", *gin_args(workdir, topology, placement, partition, profile)], pin)
+    if rc:
+        print(f"hetero_nic: run ({key}) failed with status {rc}", file=sys.stderr)
+        return None
+    print(f"hetero_nic: ({key}) done in {time.perf_counter() - t:.0f} s", flush=True)
     rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-    timed = [r["step_time_s"] for r in rows[WARMUP_STEPS:]]
-    return float(statistics.median(timed))
+    return float(statistics.median(r["step_time_s"] for r in rows[WARMUP_STEPS:]))
 
 
 def main() -> int:
@@ -166,14 +173,10 @@ def main() -> int:
                        "d": ("holmes", "auto", profile_path)}
             for key, (placement, partition, profile) in configs.items():
                 predicted, layers = predict(hetero, placement, partition, profile)
-                workdir = tmp / f"run-{key}"
-                t = time.perf_counter()
-                rc = run(ec, ["holmes_jax.train", *gin_args(workdir, hetero, placement, partition, profile)], pin)
-                if rc:
-                    print(f"hetero_nic: run ({key}) failed with status {rc}", file=sys.stderr)
+                measured = train(ec, key, tmp / f"run-{key}", hetero, placement, partition, profile, pin)
+                if measured is None:
                     return 1
-                out[key] = (measured_step(workdir), predicted, layers, placement, partition)
-                print(f"hetero_nic: ({key}) done in {time.perf_counter() - t:.0f} s", flush=True)
+                out[key] = (measured, predicted, layers)
 
         # Homogeneous fast testbed: its own profile, then (a).
         fast = {"infiniband": IB_MBIT, "roce": IB_MBIT}
@@ -185,14 +188,10 @@ def main() -> int:
             if not measure_profile(ec, fast_profile, tmp / "profile-homogeneous-run", homo, pin):
                 return 1
             predicted, layers = predict(homo, "holmes", "uniform", fast_profile)
-            workdir = tmp / "run-a"
-            t = time.perf_counter()
-            rc = run(ec, ["holmes_jax.train", *gin_args(workdir, homo, "holmes", "uniform", fast_profile)], pin)
-            if rc:
-                print(f"hetero_nic: run (a) failed with status {rc}", file=sys.stderr)
+            measured = train(ec, "a", tmp / "run-a", homo, "holmes", "uniform", fast_profile, pin)
+            if measured is None:
                 return 1
-            out["a"] = (measured_step(workdir), predicted, layers, "holmes", "uniform")
-            print(f"hetero_nic: (a) done in {time.perf_counter() - t:.0f} s", flush=True)
+            out["a"] = (measured, predicted, layers)
 
     names = {"a": "a_homogeneous_s", "b": "b_naive_s", "c": "c_holmes_uniform_s", "d": "d_holmes_auto_s"}
     what = {"a": "homogeneous 2000 Mbit/s", "b": "hetero, naive", "c": "hetero, holmes, uniform",
@@ -201,7 +200,7 @@ def main() -> int:
     print()
     print(f"{'config':<32} {'layers':<8} {'measured':>10} {'tokens/s':>10} {'predicted':>10} {'pred/meas':>9}")
     for k in "abcd":
-        meas, pred, layers, _, _ = out[k]
+        meas, pred, layers = out[k]
         print(f"({k}) {what[k]:<28} {','.join(map(str, layers)):<8} {meas * 1e3:>8.0f} ms {tokens / meas:>10.0f} "
               f"{pred * 1e3:>7.0f} ms {pred / meas:>9.2f}")
     m = {k: out[k][0] for k in "abcd"}
