@@ -95,39 +95,34 @@ def _lockstep_time(fn, *args, repeats: int, min_repeat_s: float = 0.1) -> float:
     return float(np.median(times))
 
 
-def _stage_blocks(model, layers: int, device):
-    return jax.device_put(jax.tree.map(lambda x: x[:layers], model.init(0)["blocks"]), device)
-
-
-def profile_layer(model, micro_batch: int, seq_len: int, device, layers: int = 1,
-                  repeats: int = 5) -> tuple[float, float, float]:
-    """(XLA forward flops, forward seconds, backward seconds) per block on `device`, timed over a
-    stack of `layers` blocks (a stage's)."""
-    params = _stage_blocks(model, layers, device)
+def profile_layer(model, blocks, micro_batch: int, seq_len: int, repeats: int = 5) -> tuple[float, float, float]:
+    """(XLA forward flops, forward seconds, backward seconds) per block, timed over `blocks` (a
+    stage's stack, on one device)."""
+    device = jax.tree.leaves(blocks)[0].device
+    layers = jax.tree.leaves(blocks)[0].shape[0]
     dtype = jnp.dtype(model.cfg.compute_dtype)
     x = jax.device_put(jnp.ones((micro_batch, seq_len, model.cfg.hidden), dtype), device)
     fwd = jax.jit(model.blocks)
     step = jax.jit(jax.grad(lambda p, x: jnp.sum(model.blocks(p, x).astype(jnp.float32)), argnums=(0, 1)))
-    one = jax.tree.map(lambda x: x[:1], params)
+    one = jax.tree.map(lambda x: x[:1], blocks)
     flops = float(fwd.lower(one, x).compile().cost_analysis()["flops"])
-    t_fwd = _lockstep_time(fwd, params, x, repeats=repeats) / layers
-    t_both = _lockstep_time(step, params, x, repeats=repeats) / layers
+    t_fwd = _lockstep_time(fwd, blocks, x, repeats=repeats) / layers
+    t_both = _lockstep_time(step, blocks, x, repeats=repeats) / layers
     return flops, t_fwd, max(t_both - t_fwd, 0.0)
 
 
-def profile_update(model, tx, device, layers: int = 1, repeats: int = 5) -> float:
-    """Seconds per parameter of one optimizer step (update and apply) over `layers` blocks on `device`."""
-    params = _stage_blocks(model, layers, device)
-    grads = jax.tree.map(lambda x: jnp.full_like(x, 1e-3), params)
-    state = jax.device_put(tx.init(params), device)
+def profile_update(tx, blocks, repeats: int = 5) -> float:
+    """Seconds per parameter of one optimizer step (update and apply) over `blocks`."""
+    grads = jax.tree.map(lambda x: jnp.full_like(x, 1e-3), blocks)
+    state = tx.init(blocks)
 
     @jax.jit
     def update(params, grads, state):
         updates, state = tx.update(grads, state, params)
         return optax.apply_updates(params, updates), state
 
-    count = sum(x.size for x in jax.tree.leaves(params))
-    return _lockstep_time(update, params, grads, state, repeats=repeats) / count
+    count = sum(x.size for x in jax.tree.leaves(blocks))
+    return _lockstep_time(update, blocks, grads, state, repeats=repeats) / count
 
 
 def _fit(sizes: list[int], times: list[float], factor: float) -> Link:
@@ -192,16 +187,16 @@ def profile(model, tx, mesh: Mesh, micro_batch: int, seq_len: int, stage_layers:
     process's first device (the median over processes), and every link of `mesh` (stage, data,
     tensor)."""
     device = mesh.local_devices[0]
-    flops, t_fwd, t_bwd = profile_layer(model, micro_batch, seq_len, device, stage_layers, repeats)
-    update = profile_update(model, tx, device, stage_layers, repeats)
+    blocks = jax.device_put(jax.tree.map(lambda x: x[:stage_layers], model.init(0)["blocks"]), device)
+    flops, t_fwd, t_bwd = profile_layer(model, blocks, micro_batch, seq_len, repeats)
+    update = profile_update(tx, blocks, repeats)
     t_fwd, t_bwd, update = (float(v) for v in _median_over_processes(np.array([t_fwd, t_bwd, update])))
-    grid = mesh.devices
-    data_links = profile_data_groups(mesh, repeats=repeats)
-    if jax.process_count() > 1:  # each process measured its own stages' groups: share them
-        data_links = _share_links(data_links, group_sizes=[grid.shape[1]] * grid.shape[0])
-    stage_links = tuple(profile_stage_boundary(mesh, s, repeats=repeats) for s in range(grid.shape[0] - 1))
-    return Profile(mesh.local_devices[0].device_kind, micro_batch, seq_len, flops, t_fwd, t_bwd,
-                   tuple(data_links), stage_links, update)
+    stages = mesh.shape["stage"]
+    # each process measured its own stages' groups: share them
+    data_links = _share_links(profile_data_groups(mesh, repeats=repeats), [mesh.shape["data"]] * stages)
+    stage_links = tuple(profile_stage_boundary(mesh, s, repeats=repeats) for s in range(stages - 1))
+    return Profile(device.device_kind, micro_batch, seq_len, flops, t_fwd, t_bwd, tuple(data_links), stage_links,
+                   update)
 
 
 def main(argv: list[str]) -> int:
