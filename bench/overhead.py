@@ -19,7 +19,6 @@ import jax
 jax.config.update("jax_num_cpu_devices", 8)
 
 import numpy as np  # noqa: E402
-import optax  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 from holmes_jax import data, train  # noqa: E402
@@ -35,8 +34,8 @@ def minimal_step(cfgs: train.Configs, devices):
     @jax.jit
     def step(params, opt_state, batch):
         loss, grads = jax.value_and_grad(model.loss)(params, batch)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+        params, opt_state, _ = train.apply_gradients(tx, cfgs.train.grad_clip, params, opt_state, grads)
+        return params, opt_state, loss
 
     params = jax.device_put(model.init(cfgs.train.seed), replicated)
     return step, params, tx.init(params), batch_sharding

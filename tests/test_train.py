@@ -43,7 +43,7 @@ def test_parameters_and_optimizer_state_carry_their_shardings(tmp_path, zero1):
     assert params["blocks"]["q"]["kernel"].sharding.spec == P("stage", None, None, "tensor")
     assert params["blocks"]["down"]["kernel"].sharding.spec == P("stage", None, "tensor", None)
     assert params["embed"]["tokens"]["embedding"].sharding.spec == P()
-    adam = state["opt_state"][1][0]
+    adam = state["opt_state"][0]
     mu_q, nu_down = adam.mu["blocks"]["q"]["kernel"], adam.nu["blocks"]["down"]["kernel"]
     if zero1:  # moments split over `data` on top of the parameter's own `tensor` split
         assert mu_q.sharding.spec == P("stage", "data", None, "tensor")
