@@ -4,18 +4,15 @@ import pytest
 
 from holmes_jax import train
 from holmes_jax.config import ConfigError
-from holmes_jax.models import gpt, presets
+from holmes_jax.models import presets
 from holmes_jax.pipeline import profile
 from helpers import small_configs
 
 
 def test_profile_measures_layers_and_links_and_round_trips(tmp_path):
     cfgs = small_configs(tmp_path, "--gin.ParallelConfig.pp=2")
-    devices = train.ordered_devices()
-    mesh = train.make_plan(cfgs, devices).build_mesh(devices)
-    tx, _ = train.make_optimizer(cfgs.train)
-    result = profile.profile(gpt.GPT(cfgs.model), tx, mesh, micro_batch=4, seq_len=32, stage_layers=2, repeats=2)
-    analytic = presets.model_costs(cfgs.model, 4, 32).layers[0].fwd_flops
+    result = profile.profile(train.build(cfgs), repeats=2)
+    analytic = presets.model_costs(cfgs.model, result.micro_batch, result.seq_len).layers[0].fwd_flops
     assert result.layer_fwd_flops == pytest.approx(analytic, rel=0.15)  # XLA also counts softmax and norms
     assert result.layer_fwd_s > 0 and result.layer_bwd_s > 0 and result.achieved_tflops > 0
     assert 0 < result.update_s_per_param < result.layer_fwd_s / 1000  # AdamW touches a parameter a few times

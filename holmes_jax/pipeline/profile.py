@@ -2,12 +2,13 @@
 
 - Layer costs: XLA's flop count of one transformer block (`cost_analysis`) and its measured
   forward and forward+backward time on the real device, for one microbatch, per layer.
-- The optimizer step: the parameters of one stage's blocks through the run's optimizer (AdamW,
-  clipping), timed on the real device, as seconds per parameter.
-- Links: bandwidth and latency of each stage's data-parallel group (a `psum` over `data` on that
-  stage's devices) and of each stage boundary (a `ppermute` from stage s to s + 1), each timed at
-  two message sizes so latency and bandwidth separate: t = latency + bytes / bandwidth (for the
-  ring all-reduce the bytes are 2(n - 1)/n of the buffer).
+- The optimizer step as the run takes it (clipping, AdamW), over the whole mesh with the run's
+  shardings (ZeRO-1: each device its share), as seconds per parameter a device updates.
+- Links: bandwidth and latency of each stage's data-parallel group (the sync the step runs over
+  `data` on that stage's devices: a `psum`, or with ZeRO-1 a reduce-scatter and an all-gather)
+  and of each stage boundary (a `ppermute` from stage s to s + 1), each timed at two message
+  sizes so latency and bandwidth separate: t = latency + bytes / bandwidth (for the ring
+  all-reduce, or the pair, the bytes are 2(n - 1)/n of the buffer).
 
 Everything is timed as the step runs it, not at its best: compute over a whole stage's stack of
 layers (a one-layer stack compiles to faster straight-line code than the layer loop a stage
@@ -30,7 +31,6 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -95,34 +95,69 @@ def _lockstep_time(fn, *args, repeats: int, min_repeat_s: float = 0.1) -> float:
     return float(np.median(times))
 
 
-def profile_layer(model, blocks, micro_batch: int, seq_len: int, repeats: int = 5) -> tuple[float, float, float]:
-    """(XLA forward flops, forward seconds, backward seconds) per block, timed over `blocks` (a
-    stage's stack, on one device)."""
-    device = jax.tree.leaves(blocks)[0].device
-    layers = jax.tree.leaves(blocks)[0].shape[0]
+def profile_layer(model, mesh: Mesh, layers: int, micro_batch: int, seq_len: int,
+                  repeats: int = 5) -> tuple[float, float, float]:
+    """(XLA forward flops, forward seconds, backward seconds) per block, timed over a stage's stack
+    of `layers` blocks on every device of `mesh` at once. Each call ends with a one-number `psum`
+    over `stage`, the sync a pipeline tick's ppermute makes: a tick lasts as long as the slower
+    stage of each pair, so that is what is timed (the psum's own time, measured alone, taken off)."""
+    blocks = jax.device_put(jax.tree.map(lambda x: x[:layers], model.init(0)["blocks"]), NamedSharding(mesh, P()))
+    spec = P(*mesh.axis_names)
     dtype = jnp.dtype(model.cfg.compute_dtype)
-    x = jax.device_put(jnp.ones((micro_batch, seq_len, model.cfg.hidden), dtype), device)
-    fwd = jax.jit(model.blocks)
-    step = jax.jit(jax.grad(lambda p, x: jnp.sum(model.blocks(p, x).astype(jnp.float32)), argnums=(0, 1)))
-    one = jax.tree.map(lambda x: x[:1], blocks)
-    flops = float(fwd.lower(one, x).compile().cost_analysis()["flops"])
-    t_fwd = _lockstep_time(fwd, blocks, x, repeats=repeats) / layers
-    t_both = _lockstep_time(step, blocks, x, repeats=repeats) / layers
-    return flops, t_fwd, max(t_both - t_fwd, 0.0)
+    x = jax.device_put(jnp.ones(tuple(mesh.shape.values()) + (micro_batch, seq_len, model.cfg.hidden), dtype),
+                       NamedSharding(mesh, spec))
+    lead, first = (None,) * len(mesh.axis_names), (0,) * len(mesh.axis_names)  # the mesh dims of a local block
+
+    def synced(y):  # y, after every stage of its pipeline has computed its own
+        return (y + 0 * jax.lax.psum(y.ravel()[0], "stage"))[lead]
+
+    def forward(b, x):
+        return synced(model.blocks(b, x[first]))
+
+    def backward(b, x):
+        loss = lambda b, x: jnp.sum(model.blocks(b, x).astype(jnp.float32))  # noqa: E731
+        g_blocks, g_x = jax.grad(loss, argnums=(0, 1))(b, x[first])
+        return synced(g_x), jax.tree.map(lambda g: g[lead], g_blocks)
+
+    def sync_only(b, x):
+        return synced(x[first])
+
+    def over_mesh(fn, out_specs):
+        return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P(), spec), out_specs=out_specs, check_vma=False))
+
+    one = jax.eval_shape(lambda: jax.tree.map(lambda v: v[:1], model.init(0)["blocks"]))
+    local_x = jax.ShapeDtypeStruct((micro_batch, seq_len, model.cfg.hidden), dtype)
+    flops = float(jax.jit(model.blocks).lower(one, local_x).compile().cost_analysis()["flops"])
+    t_sync = _lockstep_time(over_mesh(sync_only, spec), blocks, x, repeats=repeats)
+    t_fwd = _lockstep_time(over_mesh(forward, spec), blocks, x, repeats=repeats) - t_sync
+    t_both = _lockstep_time(over_mesh(backward, (spec, jax.tree.map(lambda _: spec, blocks))), blocks, x,
+                            repeats=repeats) - t_sync
+    return flops, max(t_fwd, 1e-9) / layers, max(t_both - t_fwd, 0.0) / layers
 
 
-def profile_update(tx, blocks, repeats: int = 5) -> float:
-    """Seconds per parameter of one optimizer step (update and apply) over `blocks`."""
-    grads = jax.tree.map(lambda x: jnp.full_like(x, 1e-3), blocks)
-    state = tx.init(blocks)
+def profile_update(setup, repeats: int = 5) -> float:
+    """Seconds per parameter a device updates in one optimizer step as the run takes it
+    (`train.apply_gradients`: clipping's global norm, AdamW, the padding mask), over the whole
+    mesh with gradients and optimizer state sharded as the run shards them (ZeRO-1: each device
+    its 1/dp share). The updated parameters stay sharded like the gradients: gathering them back
+    is the data link's part of the sync."""
+    from holmes_jax import train
 
-    @jax.jit
-    def update(params, grads, state):
-        updates, state = tx.update(grads, state, params)
-        return optax.apply_updates(params, updates), state
+    state = setup.init_state()
+    shardings = setup.state_shardings
+    grad_shardings = jax.tree.map(lambda spec: NamedSharding(setup.mesh, spec), setup.grad_specs,
+                                  is_leaf=lambda x: isinstance(x, P))
+    grads = jax.jit(lambda p: jax.tree.map(lambda x: jnp.full_like(x, 1e-3), p), out_shardings=grad_shardings)(
+        state["params"])
 
-    count = sum(x.size for x in jax.tree.leaves(blocks))
-    return _lockstep_time(update, blocks, grads, state, repeats=repeats) / count
+    def update(params, opt_state, grads):
+        return train.apply_gradients(setup.tx, setup.cfgs.train.grad_clip, params, opt_state, grads,
+                                     setup.pipeline.mask_updates)[:2]
+
+    step = jax.jit(update, in_shardings=(shardings["params"], shardings["opt_state"], grad_shardings),
+                   out_shardings=(grad_shardings, shardings["opt_state"]))
+    count = sum(x.addressable_shards[0].data.size for x in jax.tree.leaves(grads))  # on this process's first device
+    return _lockstep_time(step, state["params"], state["opt_state"], grads, repeats=repeats) / count
 
 
 def _fit(sizes: list[int], times: list[float], factor: float) -> Link:
@@ -139,16 +174,24 @@ def _whole_mesh(fn, mesh: Mesh, size: int):
     return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec)), x
 
 
-def profile_data_groups(mesh: Mesh, sizes=(1 << 16, 1 << 22), repeats: int = 5) -> list[Link | None]:
-    """Each stage's data-parallel group, from a `psum` over `data` that every group runs at once
-    (as the step's gradient sync does); a process times its own groups. Per stage: this
-    process's measurement where it holds a device of that stage, else None (see `_share_links`)."""
+def profile_data_groups(mesh: Mesh, zero1: bool, sizes=(1 << 16, 1 << 22), repeats: int = 5) -> list[Link | None]:
+    """Each stage's data-parallel group, from the sync the step runs over `data` (a `psum`, or
+    with ZeRO-1 a reduce-scatter and then an all-gather: the same bytes as a ring all-reduce),
+    every group at once; a process times its own groups. Per stage: this process's measurement
+    where it holds a device of that stage, else None (see `_share_links`)."""
     n, stages = mesh.shape["data"], mesh.shape["stage"]
     if n < 2:
         return [None] * stages
+
+    def sync(x):
+        if not zero1:
+            return jax.lax.psum(x, "data")
+        shard = jax.lax.psum_scatter(x, "data", scatter_dimension=x.ndim - 1, tiled=True)
+        return jax.lax.all_gather(shard, "data", axis=x.ndim - 1, tiled=True)
+
     times = []
     for size in sizes:
-        reduce, x = _whole_mesh(lambda x: jax.lax.psum(x, "data"), mesh, size)
+        reduce, x = _whole_mesh(sync, mesh, size)
         times.append(_lockstep_time(reduce, x, repeats=repeats))
     link = _fit(list(sizes), times, 2 * (n - 1) / n)
     return [link if any(d.process_index == jax.process_index() for d in mesh.devices[s].flat) else None
@@ -181,29 +224,29 @@ def _share_links(links: list, group_sizes: list[int]) -> list:
             for s, n in enumerate(group_sizes)]
 
 
-def profile(model, tx, mesh: Mesh, micro_batch: int, seq_len: int, stage_layers: int = 1,
-            repeats: int = 5) -> Profile:
-    """Profiles the layer and the optimizer `tx` (over a stage of `stage_layers` blocks) on each
-    process's first device (the median over processes), and every link of `mesh` (stage, data,
-    tensor)."""
-    device = mesh.local_devices[0]
-    blocks = jax.device_put(jax.tree.map(lambda x: x[:stage_layers], model.init(0)["blocks"]), device)
-    flops, t_fwd, t_bwd = profile_layer(model, blocks, micro_batch, seq_len, repeats)
-    update = profile_update(tx, blocks, repeats)
+def profile(setup, repeats: int = 5) -> Profile:
+    """Profiles the run that `setup` (a `train.Setup`) builds: the layer over a stage's stack of
+    blocks and the optimizer step, each over the whole mesh (medians over processes), and every
+    link of the mesh (stage, data)."""
+    mesh, model, cfgs = setup.mesh, setup.model, setup.cfgs
+    micro_batch = cfgs.data.global_batch // (mesh.shape["data"] * setup.plan.microbatches)
+    flops, t_fwd, t_bwd = profile_layer(model, mesh, max(setup.pipeline.stage_layers), micro_batch,
+                                        cfgs.data.seq_len, repeats)
+    update = profile_update(setup, repeats)
     t_fwd, t_bwd, update = (float(v) for v in _median_over_processes(np.array([t_fwd, t_bwd, update])))
     stages = mesh.shape["stage"]
     # each process measured its own stages' groups: share them
-    data_links = _share_links(profile_data_groups(mesh, repeats=repeats), [mesh.shape["data"]] * stages)
+    data_links = _share_links(profile_data_groups(mesh, cfgs.parallel.zero1, repeats=repeats),
+                              [mesh.shape["data"]] * stages)
     stage_links = tuple(profile_stage_boundary(mesh, s, repeats=repeats) for s in range(stages - 1))
-    return Profile(device.device_kind, micro_batch, seq_len, flops, t_fwd, t_bwd, tuple(data_links), stage_links,
-                   update)
+    return Profile(mesh.local_devices[0].device_kind, micro_batch, cfgs.data.seq_len, flops, t_fwd, t_bwd, tuple(data_links),
+                   stage_links, update)
 
 
 def main(argv: list[str]) -> int:
     import argparse
 
     from holmes_jax import train
-    from holmes_jax.models import gpt
 
     parser = argparse.ArgumentParser(prog="python -m holmes_jax.pipeline.profile", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -215,14 +258,7 @@ def main(argv: list[str]) -> int:
 
     # Before any backend starts: jax.distributed for several processes (as train does), the CPU device count.
     distributed.initialize(cfgs.parallel.cpu_devices)
-    devices = train.ordered_devices()
-    run_plan = train.make_plan(cfgs, devices)
-    mesh = run_plan.build_mesh(devices)
-    dp = mesh.shape["data"]
-    micro_batch = cfgs.data.global_batch // (dp * cfgs.parallel.microbatches)
-    tx, _ = train.make_optimizer(cfgs.train)
-    result = profile(gpt.GPT(cfgs.model), tx, mesh, micro_batch, cfgs.data.seq_len, max(run_plan.stage_layers),
-                     args.repeats)
+    result = profile(train.build(cfgs), args.repeats)
     if jax.process_index() == 0:
         Path(args.out).write_text(result.to_json())
         print(result.to_json())
