@@ -9,8 +9,9 @@ from holmes_jax.pipeline import profile
 from helpers import small_configs
 
 
-def test_profile_measures_layers_and_links_and_round_trips(tmp_path):
-    cfgs = small_configs(tmp_path, "--gin.ParallelConfig.pp=2")
+@pytest.mark.parametrize("zero1", [True, False])  # data groups timed with the sync the step runs
+def test_profile_measures_layers_and_links_and_round_trips(tmp_path, zero1):
+    cfgs = small_configs(tmp_path, "--gin.ParallelConfig.pp=2", f"--gin.ParallelConfig.zero1={zero1}")
     result = profile.profile(train.build(cfgs), repeats=2)
     analytic = presets.model_costs(cfgs.model, result.micro_batch, result.seq_len).layers[0].fwd_flops
     assert result.layer_fwd_flops == pytest.approx(analytic, rel=0.15)  # XLA also counts softmax and norms

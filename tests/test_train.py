@@ -116,3 +116,17 @@ def test_bad_input_exits_2_with_one_error_line_and_writes_nothing(tmp_path, args
     assert len(lines) == 1 and lines[0].startswith("error:") and names in lines[0], result.stderr
     assert "Traceback" not in result.stderr
     assert not workdir.exists()
+
+
+def test_clipping_scales_to_the_limit_and_reports_the_norm_before_it():
+    import optax
+
+    grads = {"a": np.full((3,), 4.0, np.float32), "b": np.full((2, 2), 3.0, np.float32)}
+    norm = float(np.sqrt(3 * 16 + 4 * 9))
+    clipped, reported = train.clip_gradients(grads, 1.0)
+    assert float(reported) == pytest.approx(norm)
+    assert float(optax.global_norm(clipped)) == pytest.approx(1.0)
+    expected, _ = optax.clip_by_global_norm(1.0).update(grads, optax.EmptyState())
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-6), clipped, expected)
+    unclipped, _ = train.clip_gradients(grads, 2 * norm)  # under the limit: unchanged
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-6), unclipped, grads)
