@@ -1,5 +1,3 @@
-import jax
-import numpy as np
 import pytest
 
 from holmes_jax import train
