@@ -1,7 +1,8 @@
 """Profiles that size the partition from measurements instead of typed-in ratios.
 
 - Layer costs: XLA's flop count of one transformer block (`cost_analysis`) and its measured
-  forward and forward+backward time on the real device, for one microbatch, per layer.
+  forward and forward+backward time on the real devices (all at once, each call synced over
+  `stage` as a pipeline tick is), for one microbatch, per layer.
 - The optimizer step as the run takes it (clipping, AdamW), over the whole mesh with the run's
   shardings (ZeRO-1: each device its share), as seconds per parameter a device updates.
 - Links: bandwidth and latency of each stage's data-parallel group (the sync the step runs over
@@ -239,8 +240,8 @@ def profile(setup, repeats: int = 5) -> Profile:
     data_links = _share_links(profile_data_groups(mesh, cfgs.parallel.zero1, repeats=repeats),
                               [mesh.shape["data"]] * stages)
     stage_links = tuple(profile_stage_boundary(mesh, s, repeats=repeats) for s in range(stages - 1))
-    return Profile(mesh.local_devices[0].device_kind, micro_batch, cfgs.data.seq_len, flops, t_fwd, t_bwd, tuple(data_links),
-                   stage_links, update)
+    return Profile(mesh.local_devices[0].device_kind, micro_batch, cfgs.data.seq_len, flops, t_fwd, t_bwd,
+                   tuple(data_links), stage_links, update)
 
 
 def main(argv: list[str]) -> int:
