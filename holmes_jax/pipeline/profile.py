@@ -96,6 +96,12 @@ def _lockstep_time(fn, *args, repeats: int, min_repeat_s: float = 0.1) -> float:
     return float(np.median(times))
 
 
+def _per_device(mesh: Mesh, shape: tuple, dtype=jnp.float32) -> jax.Array:
+    """Ones of `shape` on every device of `mesh`, the mesh's dims leading (split one per device)."""
+    return jax.device_put(jnp.ones(tuple(mesh.shape.values()) + tuple(shape), dtype),
+                          NamedSharding(mesh, P(*mesh.axis_names)))
+
+
 def profile_layer(model, mesh: Mesh, layers: int, micro_batch: int, seq_len: int,
                   repeats: int = 5) -> tuple[float, float, float]:
     """(XLA forward flops, forward seconds, backward seconds) per block, timed over a stage's stack
@@ -105,8 +111,7 @@ def profile_layer(model, mesh: Mesh, layers: int, micro_batch: int, seq_len: int
     blocks = jax.device_put(jax.tree.map(lambda x: x[:layers], model.init(0)["blocks"]), NamedSharding(mesh, P()))
     spec = P(*mesh.axis_names)
     dtype = jnp.dtype(model.cfg.compute_dtype)
-    x = jax.device_put(jnp.ones(tuple(mesh.shape.values()) + (micro_batch, seq_len, model.cfg.hidden), dtype),
-                       NamedSharding(mesh, spec))
+    x = _per_device(mesh, (micro_batch, seq_len, model.cfg.hidden), dtype)
     lead, first = (None,) * len(mesh.axis_names), (0,) * len(mesh.axis_names)  # the mesh dims of a local block
 
     def synced(y):  # y, after every stage of its pipeline has computed its own
@@ -171,8 +176,7 @@ def _fit(sizes: list[int], times: list[float], factor: float) -> Link:
 def _whole_mesh(fn, mesh: Mesh, size: int):
     """`fn` over every device of `mesh`, each holding a `size`-byte buffer."""
     spec = P(*mesh.axis_names)
-    x = jax.device_put(jnp.ones(tuple(mesh.shape.values()) + (size // 4,), jnp.float32), NamedSharding(mesh, spec))
-    return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec)), x
+    return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec)), _per_device(mesh, (size // 4,))
 
 
 def profile_data_groups(mesh: Mesh, zero1: bool, sizes=(1 << 16, 1 << 22), repeats: int = 5) -> list[Link | None]:
@@ -230,7 +234,7 @@ def profile(setup, repeats: int = 5) -> Profile:
     blocks and the optimizer step, each over the whole mesh (medians over processes), and every
     link of the mesh (stage, data)."""
     mesh, model, cfgs = setup.mesh, setup.model, setup.cfgs
-    micro_batch = cfgs.data.global_batch // (mesh.shape["data"] * setup.plan.microbatches)
+    micro_batch = setup.plan.micro_batch
     flops, t_fwd, t_bwd = profile_layer(model, mesh, max(setup.pipeline.stage_layers), micro_batch,
                                         cfgs.data.seq_len, repeats)
     update = profile_update(setup, repeats)
