@@ -11,7 +11,7 @@ Testbed: 2 clusters of 2 hosts (network namespaces), one process per host with 1
   (c) heterogeneous, Holmes placement (stage 0 on ib, stage 1 on roce), uniform partition
   (d) heterogeneous, Holmes placement, auto partition from a profile measured in the cluster
 
-The model (8 layers, hidden 192) and the uplink are sized by DESIGN.md section 6: a stage's
+The model (8 layers, hidden 192) and the uplink are sized with the ring all-reduce formula 2(n-1)/n * S/W: a stage's
 gradients (4 layers x 0.44 M parameters x 4 B = 7.1 MB) take about 0.57 s to sync over a
 100 Mbit/s share of the uplink (ZeRO-1 reduce-scatter + all-gather over a ring of 2: S/W), while
 the pipeline's hops across it (micro batch 1 x seq 64 x hidden 192 x 4 B = 49 KB from each of the
@@ -22,7 +22,7 @@ the pipeline's hops across it (micro batch 1 x seq 64 x hidden 192 x 4 B = 49 KB
 
 Predictions: the plan's step time, from the topology TOML written here (NIC Gb/s = the shaped
 rates, efficiency = measured TCP throughput / shaped rate, the inter-cluster link per host = the
-uplink's share) and a profile measured on each testbed (`python -m holmes_jax.pipeline.profile`,
+uplink's share) and a profile measured on each testbed (`python -m holmes_jax.profile`,
 all 4 processes at once, so CPU sharing is in the layer times). (a), (c) and (d) use their
 testbed's whole profile (their layout is the profiled one); (b) uses the heterogeneous profile's
 layer times only, links from the topology (its data groups are not the profiled ones).
@@ -91,10 +91,10 @@ def run(ec: emulate.EmulatedCluster, module_args: list[str], pin: bool) -> int:
 
 def measure_profile(ec: emulate.EmulatedCluster, path: Path, workdir: Path, topology: Path, pin: bool):
     """The profile of the Holmes layout, measured by all processes in `ec`; None if that failed."""
-    from holmes_jax.pipeline.profile import Profile
+    from holmes_jax.planning.measured import Profile
 
     t = time.perf_counter()
-    rc = run(ec, ["holmes_jax.pipeline.profile", "--out", str(path), "--repeats", "5",
+    rc = run(ec, ["holmes_jax.profile", "--out", str(path), "--repeats", "5",
                   *gin_args(workdir, topology, "holmes", "uniform", None)], pin)
     if rc:
         print(f"hetero_nic: the profile run ({path.name}) failed with status {rc}", file=sys.stderr)
@@ -128,7 +128,7 @@ def main() -> int:
         return 1
     from holmes_jax import metrics
     from holmes_jax.config import ModelConfig, ParallelConfig
-    from holmes_jax.plan import plan
+    from holmes_jax.planning import plan
 
     # A SIGTERM unwinds through the with-blocks below, so the namespaces are torn down.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))

@@ -21,20 +21,22 @@ jax.config.update("jax_num_cpu_devices", 8)
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
-from holmes_jax import data, train  # noqa: E402
+from holmes_jax import build, configure, data, optimizer  # noqa: E402
+from holmes_jax.mesh.devices import ordered_devices  # noqa: E402
+from holmes_jax.models import gpt  # noqa: E402
 
 
-def minimal_step(cfgs: train.Configs, devices):
+def minimal_step(cfgs: configure.Configs, devices):
     """What a user writes by hand: replicated params, batch split over devices, one jit."""
-    model = train.gpt.GPT(cfgs.model)
-    tx, _ = train.make_optimizer(cfgs.train)
+    model = gpt.GPT(cfgs.model)
+    tx, _ = optimizer.make_optimizer(cfgs.train)
     mesh = Mesh(np.asarray(devices), ("data",))
     replicated, batch_sharding = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
 
     @jax.jit
     def step(params, opt_state, batch):
         loss, grads = jax.value_and_grad(model.loss)(params, batch)
-        params, opt_state, _ = train.apply_gradients(tx, cfgs.train.grad_clip, params, opt_state, grads)
+        params, opt_state, _ = optimizer.apply_gradients(tx, cfgs.train.grad_clip, params, opt_state, grads)
         return params, opt_state, loss
 
     params = jax.device_put(model.init(cfgs.train.seed), replicated)
@@ -46,14 +48,14 @@ def main(argv):
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=5)
     args, gin_args = parser.parse_known_args(argv)
-    cfgs = train.load_configs(["--gin.ParallelConfig.pp=1", "--gin.ParallelConfig.dp=8", "--gin.ParallelConfig.microbatches=1",
+    cfgs = configure.load_configs(["--gin.ParallelConfig.pp=1", "--gin.ParallelConfig.dp=8", "--gin.ParallelConfig.microbatches=1",
                                *gin_args])
     tokens = data.load(cfgs.data)
-    devices = train.ordered_devices()
+    devices = ordered_devices()
     d, seed = cfgs.data, cfgs.train.seed
 
-    setup = train.build(cfgs, devices)
-    holmes = train.make_train_step(setup)
+    setup = build.build(cfgs, devices)
+    holmes = build.make_train_step(setup)
     state = setup.init_state()
     step, params, opt_state, batch_sharding = minimal_step(cfgs, devices)
 

@@ -7,7 +7,7 @@ the cost model, global batch 1024. TFLOPS per GPU by Megatron's formula with rec
 paper's own figures imply it (197 TFLOPS x 64 GPUs / 99.23 samples/s = 1.27e14 FLOPs a sample;
 the recompute formula gives 1.31e14, the other 0.99e14).
 
-Links are those of configs/topologies/*.toml and holmes_jax.mesh.topology's class defaults:
+Links are those of configs/topologies/*.toml and holmes_jax.planning.topology's class defaults:
 InfiniBand HDR 200 Gb/s per node at 90% efficiency, RoCE 100 Gb/s at 60%, Ethernet (TCP) 25 Gb/s
 at 80%; NVLink 2400 Gb/s per GPU at 80%; A100s reach 75% of their 312 TFLOP/s on a layer. In
 ib4_roce4 the two clusters reach each other only over the 25 Gb/s Ethernet.
@@ -20,9 +20,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from holmes_jax.planning import workload
 from holmes_jax.config import ModelConfig, ParallelConfig
-from holmes_jax.models import presets
-from holmes_jax.plan import plan
+from holmes_jax.planning import plan
 
 TOPOLOGIES = Path(__file__).resolve().parent.parent / "configs" / "topologies"
 MODEL = ModelConfig(preset="7.5b", compute_dtype="bfloat16", remat=True)
@@ -66,7 +66,7 @@ def main() -> None:
 
     # Where the time of one IB-stage microbatch goes: FLOPs at the device's speed vs tensor-parallel all-reduces.
     p = runs["ib"][1]
-    costs = presets.model_costs(p.model, p.micro_batch, p.seq_len)
+    costs = workload.model_costs(p.model, p.micro_batch, p.seq_len)
     flops = sum(layer.fwd_flops + layer.bwd_flops for layer in costs.layers[: p.stage_layers[0]])
     compute = flops / (p.tp * p.placement.device_flops[0])
     total = p.prediction.stage_fwd_s[0] + p.prediction.stage_bwd_s[0]

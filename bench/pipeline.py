@@ -27,14 +27,14 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 import numpy as np  # noqa: E402
 
-from holmes_jax import data, train  # noqa: E402
+from holmes_jax import build, configure, data  # noqa: E402
 
 MODEL = ["--gin.ModelConfig.num_layers=4", "--gin.ModelConfig.hidden=128", "--gin.ModelConfig.num_heads=4",
          "--gin.DataConfig.seq_len=64", "--gin.DataConfig.global_batch=128", "--gin.CheckpointConfig.enabled=False"]
 
 
-def _setup(pp: int, m: int, schedule: str, *extra: str) -> train.Setup:
-    return train.build(train.load_configs(MODEL + [f"--gin.ParallelConfig.pp={pp}", f"--gin.ParallelConfig.microbatches={m}",
+def _setup(pp: int, m: int, schedule: str, *extra: str) -> build.Setup:
+    return build.build(configure.load_configs(MODEL + [f"--gin.ParallelConfig.pp={pp}", f"--gin.ParallelConfig.microbatches={m}",
                                                    f"--gin.ParallelConfig.schedule={schedule}", *extra]))
 
 
@@ -44,14 +44,14 @@ def temp_bytes_fixed_microbatch(pp: int, m: int, schedule: str) -> int:
     setup = _setup(pp, m, schedule, "--gin.DataConfig.seq_len=256", f"--gin.DataConfig.global_batch={8 * dp * m}")
     state = jax.eval_shape(setup.init_state)
     batch = jax.ShapeDtypeStruct((m, 8 * dp, 257), np.int32, sharding=setup.batch_sharding)
-    return int(train.make_train_step(setup).lower(state, batch).compile().memory_analysis().temp_size_in_bytes)
+    return int(build.make_train_step(setup).lower(state, batch).compile().memory_analysis().temp_size_in_bytes)
 
 
 def prepare(pp: int, m: int, schedule: str, tokens):
     setup = _setup(pp, m, schedule)
     state = setup.init_state()
     batches = [setup.batch("train", k, tokens) for k in range(2)]
-    compiled = train.make_train_step(setup).lower(state, batches[0]).compile()
+    compiled = build.make_train_step(setup).lower(state, batches[0]).compile()
     state, out = compiled(state, batches[0])  # warm up
     jax.block_until_ready(out)
     return {"compiled": compiled, "state": state, "batches": batches}
@@ -71,7 +71,7 @@ def main(argv):
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--microbatches", default="4,8,16")
     args = parser.parse_args(argv)
-    tokens = data.load(train.load_configs(MODEL).data)
+    tokens = data.load(configure.load_configs(MODEL).data)
     ms = [int(x) for x in args.microbatches.split(",")]
     piped = [(pp, m, sched) for m in ms for pp in (2, 4) for sched in ("gpipe", "1f1b")]
     baselines = sorted({(1, m // pp, "gpipe") for pp, m, _ in piped})

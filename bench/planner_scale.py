@@ -15,9 +15,9 @@ import json
 import time
 
 from holmes_jax.config import ModelConfig
-from holmes_jax.mesh.topology import Cluster, Topology
-from holmes_jax.pipeline import cost
-from holmes_jax.plan import plan
+from holmes_jax.planning.topology import Cluster, Topology
+from holmes_jax.planning import cost
+from holmes_jax.planning import plan
 
 NODES = [2**k for k in range(3, 14)]  # 8 ... 8192
 LAYERS = (32, 64, 128)

@@ -1,15 +1,13 @@
 """holmes_jax: LLM training in pure JAX across GPU clusters whose NICs differ.
 
-`holmes_jax.plan(topology, model, parallel)` plans a mesh; the submodule is imported on first use
-so `python -m holmes_jax.plan` runs without a double import.
+`holmes_jax.plan(topology, model, parallel)` plans a mesh (holmes_jax.planning, no JAX needed).
 """
 
 __version__ = "0.1.0"
 
 
-def __getattr__(name):
-    if name == "plan":
-        import importlib
+def plan(topology, model, parallel=None, **options):
+    """Plans `model` on `topology`: see holmes_jax.planning.search.plan."""
+    from holmes_jax.planning.search import plan as plan_  # planning loads on first use
 
-        return importlib.import_module("holmes_jax.plan")
-    raise AttributeError(f"module 'holmes_jax' has no attribute {name!r}")
+    return plan_(topology, model, parallel, **options)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 from typing import Callable, NoReturn
 
@@ -11,6 +12,21 @@ from holmes_jax.config import ConfigError
 def fail(message: str) -> NoReturn:
     print(f"error: {message}", file=sys.stderr)
     raise SystemExit(2)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse for our commands: a bad flag is one `error:` line and status 2 (through `run`),
+    not argparse's usage dump."""
+
+    def error(self, message):
+        raise ConfigError(message)
+
+
+def positive_int(text: str) -> int:
+    """An argparse `type` for positive integer flags."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not allowed; allowed: a positive integer")
+    return int(text)
 
 
 def run(main: Callable[[list[str]], int | None], argv: list[str] | None = None) -> NoReturn:

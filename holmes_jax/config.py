@@ -18,16 +18,17 @@ class ConfigError(ValueError):
     """Bad user input: a config field, a topology entry, a flag or an infeasible plan."""
 
 
-def _check_choice(name: str, value: Any, allowed: tuple) -> None:
+def check_choice(name: str, value: Any, allowed: tuple) -> None:
     if value not in allowed:
         raise ConfigError(f"{name} = {value!r} is not allowed; choose one of {', '.join(map(repr, allowed))}")
 
 
-def _check_positive(name: str, value: Any, allow_none: bool = False) -> None:
+def check_positive(name: str, value: Any, allow_none: bool = False) -> None:
+    """The one positive-integer check: every config, flag and file field uses it."""
     if value is None and allow_none:
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{name} = {value!r} must be a positive integer")
+        raise ConfigError(f"{name} = {value!r} is not allowed; allowed: a positive integer")
 
 
 @gin.configurable
@@ -56,19 +57,19 @@ class ModelConfig:
     def validate(self) -> None:
         """Checks a resolved config (all fields set)."""
         for name in ("num_layers", "hidden", "num_heads", "ffn_hidden", "vocab_size", "max_seq_len"):
-            _check_positive(f"ModelConfig.{name}", getattr(self, name))
+            check_positive(f"ModelConfig.{name}", getattr(self, name))
         if self.hidden % self.num_heads:
             raise ConfigError(
                 f"ModelConfig.hidden = {self.hidden} must be divisible by ModelConfig.num_heads = {self.num_heads}"
             )
         if self.positions == "rotary" and self.head_dim % 2:
             raise ConfigError(f"rotary positions need an even head size; hidden / num_heads = {self.head_dim}")
-        _check_choice("ModelConfig.positions", self.positions, ("learned", "rotary"))
-        _check_choice("ModelConfig.norm", self.norm, ("layernorm", "rmsnorm"))
-        _check_choice("ModelConfig.mlp", self.mlp, ("gelu", "swiglu"))
-        _check_choice("ModelConfig.tie_embeddings", self.tie_embeddings, (True, False))
-        _check_choice("ModelConfig.compute_dtype", self.compute_dtype, ("float32", "bfloat16"))
-        _check_choice("ModelConfig.remat", self.remat, (True, False))
+        check_choice("ModelConfig.positions", self.positions, ("learned", "rotary"))
+        check_choice("ModelConfig.norm", self.norm, ("layernorm", "rmsnorm"))
+        check_choice("ModelConfig.mlp", self.mlp, ("gelu", "swiglu"))
+        check_choice("ModelConfig.tie_embeddings", self.tie_embeddings, (True, False))
+        check_choice("ModelConfig.compute_dtype", self.compute_dtype, ("float32", "bfloat16"))
+        check_choice("ModelConfig.remat", self.remat, (True, False))
 
 
 @gin.configurable
@@ -86,19 +87,19 @@ class ParallelConfig:
     zero1: bool = True  # shard optimizer state over `data`
     placement: str = "holmes"  # holmes | naive
     topology: str | None = None  # TOML file; None: an emulated topology of the local devices
-    profile: str | None = None  # measured profile JSON (holmes_jax.pipeline.profile); None: analytic costs
+    profile: str | None = None  # measured profile JSON (python -m holmes_jax.profile); None: analytic costs
     cpu_devices: int = 8  # devices the CPU backend exposes in one process
 
     def validate(self) -> None:
-        _check_positive("ParallelConfig.dp", self.dp, allow_none=True)
-        _check_positive("ParallelConfig.tp", self.tp)
-        _check_positive("ParallelConfig.pp", self.pp)
-        _check_positive("ParallelConfig.microbatches", self.microbatches)
-        _check_positive("ParallelConfig.cpu_devices", self.cpu_devices)
-        _check_choice("ParallelConfig.partition", self.partition, ("auto", "uniform", "params", "holmes-ratio"))
-        _check_choice("ParallelConfig.schedule", self.schedule, ("gpipe", "1f1b"))
-        _check_choice("ParallelConfig.placement", self.placement, ("holmes", "naive"))
-        _check_choice("ParallelConfig.zero1", self.zero1, (True, False))
+        check_positive("ParallelConfig.dp", self.dp, allow_none=True)
+        check_positive("ParallelConfig.tp", self.tp)
+        check_positive("ParallelConfig.pp", self.pp)
+        check_positive("ParallelConfig.microbatches", self.microbatches)
+        check_positive("ParallelConfig.cpu_devices", self.cpu_devices)
+        check_choice("ParallelConfig.partition", self.partition, ("auto", "uniform", "params", "holmes-ratio"))
+        check_choice("ParallelConfig.schedule", self.schedule, ("gpipe", "1f1b"))
+        check_choice("ParallelConfig.placement", self.placement, ("holmes", "naive"))
+        check_choice("ParallelConfig.zero1", self.zero1, (True, False))
         if self.profile is not None and (not isinstance(self.profile, str) or not self.profile):
             raise ConfigError(f"ParallelConfig.profile = {self.profile!r} is not allowed; "
                               f"allowed: None or the path of a profile JSON file")
@@ -126,10 +127,10 @@ class DataConfig:
     cache_dir: str | None = None  # None: ~/.cache/holmes_jax
 
     def validate(self) -> None:
-        _check_positive("DataConfig.seq_len", self.seq_len)
-        _check_positive("DataConfig.global_batch", self.global_batch)
-        _check_positive("DataConfig.vocab_size", self.vocab_size, allow_none=True)
-        _check_choice("DataConfig.token_dtype", self.token_dtype, ("uint16", "uint32"))
+        check_positive("DataConfig.seq_len", self.seq_len)
+        check_positive("DataConfig.global_batch", self.global_batch)
+        check_positive("DataConfig.vocab_size", self.vocab_size, allow_none=True)
+        check_choice("DataConfig.token_dtype", self.token_dtype, ("uint16", "uint32"))
         if not isinstance(self.val_fraction, (int, float)) or not 0 < self.val_fraction < 0.5:
             raise ConfigError(f"DataConfig.val_fraction = {self.val_fraction!r} must be a number in (0, 0.5)")
 
@@ -154,8 +155,8 @@ class TrainConfig:
 
     def validate(self) -> None:
         for name in ("steps", "log_every", "eval_every", "eval_batches"):
-            _check_positive(f"TrainConfig.{name}", getattr(self, name))
-        _check_positive("TrainConfig.stop_after", self.stop_after, allow_none=True)
+            check_positive(f"TrainConfig.{name}", getattr(self, name))
+        check_positive("TrainConfig.stop_after", self.stop_after, allow_none=True)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ConfigError(f"TrainConfig.seed = {self.seed!r} must be a non-negative integer")
         if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
@@ -180,6 +181,6 @@ class CheckpointConfig:
     keep: int = 3  # newest checkpoints kept
 
     def validate(self) -> None:
-        _check_choice("CheckpointConfig.enabled", self.enabled, (True, False))
-        _check_positive("CheckpointConfig.every", self.every)
-        _check_positive("CheckpointConfig.keep", self.keep)
+        check_choice("CheckpointConfig.enabled", self.enabled, (True, False))
+        check_positive("CheckpointConfig.every", self.every)
+        check_positive("CheckpointConfig.keep", self.keep)

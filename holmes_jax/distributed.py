@@ -25,7 +25,7 @@ import socket
 import jax
 import numpy as np
 
-from holmes_jax.config import ConfigError
+from holmes_jax.config import ConfigError, check_positive
 from holmes_jax.mesh import nic
 
 COORDINATOR, NUM_PROCESSES, PROCESS_ID, CPU_DEVICES = (
@@ -122,9 +122,7 @@ def initialize(cpu_devices_per_process: int | None = None) -> ProcessInfo:
     if CPU_DEVICES in os.environ:  # the launcher's --devices-per-process wins over the config
         cpu_devices_per_process = _int(os.environ, CPU_DEVICES, 1)
     if cpu_devices_per_process is not None:
-        if isinstance(cpu_devices_per_process, bool) or not isinstance(cpu_devices_per_process, int) \
-                or cpu_devices_per_process < 1:
-            raise ConfigError(f"cpu_devices_per_process = {cpu_devices_per_process!r} must be a positive integer")
+        check_positive("cpu_devices_per_process", cpu_devices_per_process)
         try:
             jax.config.update("jax_num_cpu_devices", cpu_devices_per_process)
         except RuntimeError:

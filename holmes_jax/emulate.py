@@ -49,7 +49,7 @@ from typing import Sequence
 
 from holmes_jax import cli, launch
 from holmes_jax.config import ConfigError
-from holmes_jax.mesh.topology import NIC_CLASSES
+from holmes_jax.planning.topology import NIC_CLASSES
 
 PREFIX = "hjx-"  # every namespace we make is hjx-<pid>-<n>-...; stale ones are found by the pid
 NETNS_ETC = Path("/etc/netns")
@@ -343,7 +343,7 @@ def parse_rates(text: str) -> dict[str, float]:
 
 def main(argv: list[str]) -> int:
     opts, cmd = launch.split_command(argv)
-    p = launch.Parser(prog="python -m holmes_jax.emulate", usage="python -m holmes_jax.emulate --clusters "
+    p = cli.Parser(prog="python -m holmes_jax.emulate", usage="python -m holmes_jax.emulate --clusters "
                        "NAME:NIC:HOSTS,... [options] -- CMD ...", description="Runs CMD on an emulated cluster (root).")
     p.add_argument("--clusters", required=True, help="e.g. ib:infiniband:2,roce:roce:2")
     p.add_argument("--intra-mbit", help=f"NIC rates, e.g. roce=1000 (default {INTRA_MBIT})")

@@ -21,8 +21,8 @@ import time
 from typing import Callable, Sequence
 
 from holmes_jax import cli
-from holmes_jax.config import ConfigError
-from holmes_jax.mesh.topology import NIC_CLASSES
+from holmes_jax.config import ConfigError, check_positive
+from holmes_jax.planning.topology import NIC_CLASSES
 
 TIMED_OUT = 124  # the status `timeout(1)` uses
 
@@ -51,8 +51,7 @@ def _check(cmd, n, devices_per_process, port, nic_classes) -> None:
     if not cmd:
         raise ConfigError("no command to run; give it after --, e.g. -- python -m holmes_jax.train")
     for name, value in (("-n", n), ("--devices-per-process", devices_per_process)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ConfigError(f"{name} = {value!r} is not allowed; allowed: a positive integer")
+        check_positive(name, value, allow_none=True)
     if port is not None and not 0 < port < 65536:
         raise ConfigError(f"--port = {port} is not allowed; allowed: 1 .. 65535")
     if nic_classes is not None:
@@ -155,11 +154,6 @@ def launch(cmd: Sequence[str], n: int, devices_per_process: int | None = None, p
     return code
 
 
-class Parser(argparse.ArgumentParser):
-    def error(self, message):  # one `error:` line and status 2 (cli.run), not argparse's usage dump
-        raise ConfigError(message)
-
-
 def _key_value(text: str) -> tuple[str, str]:
     key, eq, value = text.partition("=")
     if not eq or not key:
@@ -168,7 +162,7 @@ def _key_value(text: str) -> tuple[str, str]:
 
 
 def parser(prog: str = "python -m holmes_jax.launch") -> argparse.ArgumentParser:
-    p = Parser(prog=prog, description="Runs CMD as N local processes of one JAX job.",
+    p = cli.Parser(prog=prog, description="Runs CMD as N local processes of one JAX job.",
                 usage=f"{prog} -n N [options] -- CMD ...")
     p.add_argument("-n", type=int, required=True, help="number of processes")
     p.add_argument("--devices-per-process", type=int, help="CPU devices each process exposes")

@@ -8,12 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-from holmes_jax import train
+from holmes_jax import configure
 
 REPO = Path(__file__).resolve().parent.parent
 
 
-def small_configs(tmp_path, *bindings: str) -> train.Configs:
+def small_configs(tmp_path, *bindings: str) -> configure.Configs:
     """Configs for a quick run in `tmp_path`, with gin `bindings` ('--gin.X=Y') on top: one stage,
     one microbatch unless the bindings say otherwise."""
     base = [
@@ -24,7 +24,7 @@ def small_configs(tmp_path, *bindings: str) -> train.Configs:
         f"--gin.TrainConfig.workdir={tmp_path}", "--gin.TrainConfig.learning_rate=0.01",
         "--gin.TrainConfig.warmup_steps=1",
     ]
-    return train.load_configs(base + list(bindings))
+    return configure.load_configs(base + list(bindings))
 
 
 def read_metrics(workdir) -> list[dict]:

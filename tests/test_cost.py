@@ -3,7 +3,7 @@ import itertools
 import numpy as np
 import pytest
 
-from holmes_jax.pipeline import cost
+from holmes_jax.planning import cost
 
 LINK = cost.Link(bytes_per_s=1e9, latency_s=1e-5)
 

@@ -153,8 +153,8 @@ def test_two_processes_profile_every_stage_and_agree_on_it(tmp_path):
     # Stage 0's data group lives in process 0, stage 1's in process 1: each measures its own and
     # the medians are shared, so process 0 writes a profile with both.
     out = tmp_path / "profile.json"
-    _launch(2, 2, "-m", "holmes_jax.pipeline.profile", "--out", str(out), "--repeats", "2", *TRAIN_ARGS)
-    from holmes_jax.pipeline.profile import Profile
+    _launch(2, 2, "-m", "holmes_jax.profile", "--out", str(out), "--repeats", "2", *TRAIN_ARGS)
+    from holmes_jax.planning.measured import Profile
 
     prof = Profile.load(out)
     assert prof.layer_fwd_s > 0 and prof.layer_bwd_s > 0 and prof.update_s_per_param > 0

@@ -3,6 +3,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from holmes_jax.planning import workload
 from holmes_jax.config import ConfigError, ModelConfig
 from holmes_jax.models import gpt, presets
 
@@ -25,7 +26,7 @@ def test_preset_parameter_counts_match_their_names(name, billions):
 def test_analytic_costs_count_the_real_parameters(options):
     cfg = presets.resolve(ModelConfig(preset="tiny", **options))
     params = _abstract_params(cfg)
-    costs = presets.model_costs(cfg, micro_batch=2, seq_len=64)
+    costs = workload.model_costs(cfg, micro_batch=2, seq_len=64)
     assert costs.params == gpt.count_params(params)
     assert len(costs.layers) == cfg.num_layers
     assert costs.layers[0].params * cfg.num_layers == gpt.count_params(params["blocks"])

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from holmes_jax.config import ConfigError, ModelConfig, ParallelConfig
-from holmes_jax.pipeline import cost, partition
-from holmes_jax.plan import plan
+from holmes_jax.planning import cost, partition
+from holmes_jax.planning import plan
 
 TOPOLOGIES = Path(__file__).resolve().parent.parent / "configs" / "topologies"
 

@@ -4,7 +4,7 @@ import jax
 import numpy as np
 import pytest
 
-from holmes_jax import data, train
+from holmes_jax import build, data, train
 from helpers import read_metrics, small_configs
 
 SIX_LAYERS = ["--gin.ModelConfig.num_layers=6", "--gin.ParallelConfig.microbatches=4", "--gin.DataConfig.global_batch=32"]
@@ -12,7 +12,7 @@ SIX_LAYERS = ["--gin.ModelConfig.num_layers=6", "--gin.ParallelConfig.microbatch
 
 def _loss_and_canonical_grads(tmp_path, *bindings):
     cfgs = small_configs(tmp_path, *SIX_LAYERS, *bindings)
-    setup = train.build(cfgs)
+    setup = build.build(cfgs)
     state = setup.init_state()
     batch = setup.batch("train", 0, data.load(cfgs.data))
     loss, grads = jax.jit(lambda p, b: setup.pipeline.loss_and_grads(p, b, setup.grad_specs))(state["params"], batch)
@@ -53,9 +53,9 @@ def test_twenty_steps_match_one_stage_and_padding_never_moves(tmp_path):
     assert ref[-1]["loss"] < ref[0]["loss"] - 0.5
 
     # Padding: stage 1 holds one real layer and two padded slots, which stay exactly zero.
-    setup = train.build(cfgs)
+    setup = build.build(cfgs)
     state = setup.init_state()
-    step = train.make_train_step(setup)
+    step = build.make_train_step(setup)
     tokens = data.load(cfgs.data)
     for k in range(3):
         state, _ = step(state, setup.batch("train", k, tokens))
@@ -100,10 +100,10 @@ def _called_computations(hlo: str) -> dict[str, set[str]]:
 def test_gradients_are_reduced_over_data_once_per_step_not_per_microbatch(tmp_path):
     cfgs = small_configs(tmp_path, "--gin.ModelConfig.num_layers=4", "--gin.ParallelConfig.pp=2",
                          "--gin.ParallelConfig.microbatches=4")
-    setup = train.build(cfgs)
+    setup = build.build(cfgs)
     state = setup.init_state()
     batch = setup.batch("train", 0, data.load(cfgs.data))
-    hlo = train.make_train_step(setup).lower(state, batch).compile().as_text()
+    hlo = build.make_train_step(setup).lower(state, batch).compile().as_text()
     calls = _called_computations(hlo)
     loop_bodies = set(re.findall(r"body=%?([\w.\-]+)", hlo))
     inside, todo = set(), list(loop_bodies)

@@ -1,17 +1,17 @@
 import pytest
 
-from holmes_jax import train
+from holmes_jax.planning import workload
+from holmes_jax import build
 from holmes_jax.config import ConfigError
-from holmes_jax.models import presets
-from holmes_jax.pipeline import profile
+from holmes_jax import profile
 from helpers import small_configs
 
 
 @pytest.mark.parametrize("zero1", [True, False])  # data groups timed with the sync the step runs
 def test_profile_measures_layers_and_links_and_round_trips(tmp_path, zero1):
     cfgs = small_configs(tmp_path, "--gin.ParallelConfig.pp=2", f"--gin.ParallelConfig.zero1={zero1}")
-    result = profile.profile(train.build(cfgs), repeats=2)
-    analytic = presets.model_costs(cfgs.model, result.micro_batch, result.seq_len).layers[0].fwd_flops
+    result = profile.profile(build.build(cfgs), repeats=2)
+    analytic = workload.model_costs(cfgs.model, result.micro_batch, result.seq_len).layers[0].fwd_flops
     assert result.layer_fwd_flops == pytest.approx(analytic, rel=0.15)  # XLA also counts softmax and norms
     assert result.layer_fwd_s > 0 and result.layer_bwd_s > 0 and result.achieved_tflops > 0
     assert 0 < result.update_s_per_param < result.layer_fwd_s / 1000  # AdamW touches a parameter a few times

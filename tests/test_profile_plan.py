@@ -8,20 +8,23 @@ from pathlib import Path
 
 import pytest
 
+from holmes_jax.planning import workload
 from holmes_jax import cli
 from holmes_jax.config import ConfigError, ModelConfig, ParallelConfig
 from holmes_jax.models import presets
-from holmes_jax.pipeline.profile import Link, Profile
-from holmes_jax.plan import main, plan
+from holmes_jax.planning.measured import Profile
+from holmes_jax.planning.topology import Link
+from holmes_jax.planning import plan
+from holmes_jax.planning.cli import main
 
 TOPOLOGY = str(Path(__file__).resolve().parent.parent / "configs" / "topologies" / "cpu_2x4.toml")
 MODEL = ModelConfig(preset="tiny", num_layers=8)
 BATCH, SEQ = 16, 32  # dp 4, 4 microbatches: micro batch 1
-FAST, SLOW = Link(gbps=10.0, latency_s=1e-5), Link(gbps=0.01, latency_s=1e-5)
+FAST, SLOW = Link(10.0 * 1e9 / 8, 1e-5), Link(0.01 * 1e9 / 8, 1e-5)
 
 
 def _profile(data_links=(FAST, FAST), stage_links=(FAST,), micro_batch=1, seq_len=SEQ) -> Profile:
-    flops = presets.model_costs(presets.resolve(MODEL), micro_batch, seq_len).layers[0].fwd_flops
+    flops = workload.model_costs(presets.resolve(MODEL), micro_batch, seq_len).layers[0].fwd_flops
     return Profile("cpu", micro_batch, seq_len, flops, layer_fwd_s=1e-3, layer_bwd_s=2e-3,
                    data_links=tuple(data_links), stage_links=tuple(stage_links))
 
@@ -47,7 +50,7 @@ def test_layer_times_scale_to_the_plans_shape():
     at_half = _profile(seq_len=SEQ // 2)
     p = _plan(at_half, partition="uniform")
     cfg = presets.resolve(MODEL)
-    scale = presets.model_costs(cfg, 1, SEQ).layers[0].fwd_flops / presets.model_costs(cfg, 1, SEQ // 2).layers[0].fwd_flops
+    scale = workload.model_costs(cfg, 1, SEQ).layers[0].fwd_flops / workload.model_costs(cfg, 1, SEQ // 2).layers[0].fwd_flops
     assert p.prediction.stage_fwd_s[0] == pytest.approx(4e-3 * scale, rel=0.02)
     assert any("scaled by analytic FLOPs" in n for n in p.notes)
 
@@ -108,7 +111,7 @@ def test_a_profile_of_another_model_or_bad_numbers_is_refused():
     with pytest.raises(ConfigError, match="layer_fwd_s"):
         _plan(dataclasses.replace(_profile(), layer_fwd_s=0.0))
     with pytest.raises(ConfigError, match=r"stage_links\[0\]"):
-        _plan(_profile(stage_links=(Link(gbps=-1.0, latency_s=0.0),)))
+        _plan(_profile(stage_links=(Link(-1.0 * 1e9 / 8, 0.0),)))
 
 
 def _cli(*args):
@@ -134,7 +137,7 @@ def test_cli_bad_profile_file_is_exit_2(tmp_path, content):
 
 def test_cli_profile_changes_the_json(tmp_path):
     cfg4 = dataclasses.replace(MODEL, num_layers=4)
-    flops = presets.model_costs(presets.resolve(cfg4), 1, SEQ).layers[0].fwd_flops
+    flops = workload.model_costs(presets.resolve(cfg4), 1, SEQ).layers[0].fwd_flops
     prof = Profile("cpu", 1, SEQ, flops, 1e-3, 2e-3, (FAST, SLOW), (FAST,))
     path = tmp_path / "p.json"
     path.write_text(prof.to_json())

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from holmes_jax.pipeline import schedule
+from holmes_jax.planning import schedule
 
 
 def _check_dependencies(t: schedule.Table):
@@ -47,7 +47,3 @@ def test_transfers_happen_exactly_where_some_arrival_follows(name):
     assert not x_moves[-1] and not g_moves[-1]
     if name == "gpipe":  # forwards, then backwards: never both in one tick
         assert not (x_moves & g_moves).any()
-
-
-def test_theory_ratio():
-    assert schedule.theory_ratio(4, 8) == pytest.approx(11 / 8)

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from holmes_jax.config import ConfigError
-from holmes_jax.mesh import topology as T
+from holmes_jax.planning import topology as T
 
 TOPOLOGIES = Path(__file__).resolve().parent.parent / "configs" / "topologies"
 
@@ -30,13 +30,17 @@ def test_ib4_roce4_is_the_papers_testbed():
 
 def test_link_between_devices_same_node_same_cluster_across():
     topo = T.load(TOPOLOGIES / "ib4_roce4.toml")
-    assert topo.link(0, 7).name == "intra-node" and topo.link(0, 7).gbps == 2400
-    assert topo.link(0, 8) == topo.clusters[0].nic_link  # two IB nodes
-    assert topo.link(40, 63) == topo.clusters[1].nic_link  # two RoCE nodes
-    assert topo.link(31, 32) == topo.inter_cluster  # last IB device, first RoCE device
+
+    def link(a, b):  # what joins devices a and b
+        return topo.link_table[int(topo.link_kind(a, b))][topo.device_cluster[a]]
+
+    assert link(0, 7).name == "intra-node" and link(0, 7).gbps == 2400
+    assert link(0, 8) == topo.clusters[0].nic_link  # two IB nodes
+    assert link(40, 63) == topo.clusters[1].nic_link  # two RoCE nodes
+    assert link(31, 32) == topo.inter_cluster  # last IB device, first RoCE device
     ib = T.NIC_DEFAULTS["infiniband"]
-    assert topo.bandwidth(0, 8) == pytest.approx(200e9 / 8 * ib.efficiency)
-    assert topo.link(3, 60).latency_s == pytest.approx(T.NIC_DEFAULTS["ethernet"].latency_us * 1e-6)
+    assert link(0, 8).bytes_per_s == pytest.approx(200e9 / 8 * ib.efficiency)
+    assert link(3, 60).latency_s == pytest.approx(T.NIC_DEFAULTS["ethernet"].latency_us * 1e-6)
 
 
 def test_class_defaults_fill_missing_fields_and_rdma_beats_tcp():

@@ -3,14 +3,14 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from holmes_jax import train
+from holmes_jax import build, optimizer, train
 from helpers import read_metrics, run_module, small_configs
 
 
 def _step_losses(cfgs, devices):
     """Losses of three steps on one fixed batch (the warm-up's first learning rate is 0)."""
-    setup = train.build(cfgs, devices)
-    step = train.make_train_step(setup)
+    setup = build.build(cfgs, devices)
+    step = build.make_train_step(setup)
     from holmes_jax import data
 
     tokens = data.load(cfgs.data)
@@ -37,7 +37,7 @@ def test_same_batch_same_loss_on_every_mesh(tmp_path):
 def test_parameters_and_optimizer_state_carry_their_shardings(tmp_path, zero1):
     cfgs = small_configs(tmp_path, "--gin.ParallelConfig.dp=2", "--gin.ParallelConfig.tp=4",
                          f"--gin.ParallelConfig.zero1={zero1}")
-    state = train.build(cfgs).init_state()
+    state = build.build(cfgs).init_state()
     params = state["params"]
     # Block leaves are staged: (stage, layer, ...).
     assert params["blocks"]["q"]["kernel"].sharding.spec == P("stage", None, None, "tensor")
@@ -74,12 +74,12 @@ def test_stop_and_resume_gives_the_uninterrupted_losses(tmp_path):
 def test_checkpoint_restores_onto_a_different_mesh(tmp_path):
     cfgs = small_configs(tmp_path, "--gin.ParallelConfig.dp=8", "--gin.TrainConfig.steps=2")
     train.run(cfgs, quiet=True)
-    saved = train.build(cfgs)
+    saved = build.build(cfgs)
     from holmes_jax.checkpoint import Checkpointer
 
     ckpt = Checkpointer(tmp_path / "checkpoints", cfgs.checkpoint)
     on_data8 = ckpt.restore(2, saved.abstract_canonical())
-    other = train.build(small_configs(tmp_path, "--gin.ParallelConfig.dp=2", "--gin.ParallelConfig.tp=4"))
+    other = build.build(small_configs(tmp_path, "--gin.ParallelConfig.dp=2", "--gin.ParallelConfig.tp=4"))
     on_tp4 = ckpt.restore(2, other.abstract_canonical())
     ckpt.close()
     assert on_tp4["params"]["blocks"]["q"]["kernel"].sharding.spec == P(None, None, "tensor")  # canonical layout
@@ -123,10 +123,10 @@ def test_clipping_scales_to_the_limit_and_reports_the_norm_before_it():
 
     grads = {"a": np.full((3,), 4.0, np.float32), "b": np.full((2, 2), 3.0, np.float32)}
     norm = float(np.sqrt(3 * 16 + 4 * 9))
-    clipped, reported = train.clip_gradients(grads, 1.0)
+    clipped, reported = optimizer.clip_gradients(grads, 1.0)
     assert float(reported) == pytest.approx(norm)
     assert float(optax.global_norm(clipped)) == pytest.approx(1.0)
     expected, _ = optax.clip_by_global_norm(1.0).update(grads, optax.EmptyState())
     jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-6), clipped, expected)
-    unclipped, _ = train.clip_gradients(grads, 2 * norm)  # under the limit: unchanged
+    unclipped, _ = optimizer.clip_gradients(grads, 2 * norm)  # under the limit: unchanged
     jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-6), unclipped, grads)

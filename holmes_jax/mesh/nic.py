@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 
 from holmes_jax.config import ConfigError
-from holmes_jax.mesh.topology import NIC_CLASSES
+from holmes_jax.planning.topology import NIC_CLASSES
 
 ENV = "HOLMES_NIC_CLASS"
 

@@ -1,4 +1,4 @@
-"""Named model sizes and the per-layer cost table the planner and the metrics use.
+"""Named model sizes (plain data: no JAX, so planning can resolve them).
 
 The large presets follow Megatron's GPT shapes used by the Holmes paper (vocabulary padded to
 51200, sequence 2048, learned positions, LayerNorm, GELU, tied embeddings); their parameter
@@ -36,58 +36,3 @@ def resolve(cfg: ModelConfig) -> ModelConfig:
     resolved = dataclasses.replace(cfg, **filled)
     resolved.validate()
     return resolved
-
-
-@dataclasses.dataclass(frozen=True)
-class PartCost:
-    """One piece of the model: parameters and FLOPs of one microbatch's forward and backward."""
-
-    params: int
-    fwd_flops: float
-    bwd_flops: float
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelCosts:
-    embed: PartCost
-    layers: tuple[PartCost, ...]
-    head: PartCost  # final norm, output projection and loss
-    activation_bytes: int  # one microbatch's hidden states at a stage boundary
-    param_leaves: int = 1  # parameter arrays (a stage's layers are stacked: one array per block leaf)
-
-    @property
-    def params(self) -> int:
-        return self.embed.params + sum(p.params for p in self.layers) + self.head.params
-
-
-def layer_params(cfg: ModelConfig) -> int:
-    h, f = cfg.hidden, cfg.ffn_hidden
-    mlp = (3 if cfg.mlp == "swiglu" else 2) * h * f
-    norms = 2 * (2 * h if cfg.norm == "layernorm" else h)
-    return 4 * h * h + mlp + norms
-
-
-def model_costs(cfg: ModelConfig, micro_batch: int, seq_len: int) -> ModelCosts:
-    """Analytic costs of a resolved config for one microbatch of `micro_batch` sequences.
-
-    FLOPs count multiply-adds as 2 and the backward pass as twice the forward; with `remat` the
-    backward also repeats the forward (what Megatron's 96 vs 72 coefficient expresses).
-    """
-    h, f, v = cfg.hidden, cfg.ffn_hidden, cfg.vocab_size
-    tokens = micro_batch * seq_len
-    matmul_params = 4 * h * h + (3 if cfg.mlp == "swiglu" else 2) * h * f
-    layer_fwd = 2.0 * tokens * matmul_params + 4.0 * micro_batch * seq_len * seq_len * h
-    layer_bwd = 2.0 * layer_fwd + (layer_fwd if cfg.remat else 0.0)
-    layer = PartCost(layer_params(cfg), layer_fwd, layer_bwd)
-
-    embed_params = v * h + (cfg.max_seq_len * h if cfg.positions == "learned" else 0)
-    embed = PartCost(embed_params, 0.0, 0.0)  # a gather: no matmul FLOPs
-    head_fwd = 2.0 * tokens * h * v
-    final_norm = 2 * h if cfg.norm == "layernorm" else h
-    head = PartCost(final_norm + (0 if cfg.tie_embeddings else v * h), head_fwd, 2.0 * head_fwd)
-    act_bytes = tokens * h * (2 if cfg.compute_dtype == "bfloat16" else 4)
-    norm_leaves = 2 if cfg.norm == "layernorm" else 1  # scale (and bias)
-    block_leaves = 2 * norm_leaves + 4 + (3 if cfg.mlp == "swiglu" else 2)  # norms, q k v o, the MLP's kernels
-    embed_leaves = 1 + (cfg.positions == "learned")
-    head_leaves = norm_leaves + (0 if cfg.tie_embeddings else 1)
-    return ModelCosts(embed, (layer,) * cfg.num_layers, head, act_bytes, block_leaves + embed_leaves + head_leaves)

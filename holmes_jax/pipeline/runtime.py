@@ -35,7 +35,7 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
 from holmes_jax.models.gpt import GPT
-from holmes_jax.pipeline import schedule as schedules
+from holmes_jax.planning import schedule as schedules
 
 
 def _is_block_leaf(path) -> bool:

@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from holmes_jax.config import ConfigError
-from holmes_jax.pipeline.cost import CostModel
+from holmes_jax.planning.cost import CostModel
 
 METHODS = ("auto", "uniform", "params", "holmes-ratio")
 EXHAUSTIVE_LIMIT = 3000  # contiguous splits auto tries one by one

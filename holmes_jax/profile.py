@@ -18,14 +18,13 @@ repeat started together, the median repeat kept. Stages compute and sync in lock
 processes that share CPU cores (as on the emulated testbed) or a link slow each other down; a
 lone best-case run hides that.
 
-`python -m holmes_jax.pipeline.profile --out profile.json [--gin.NAME=VALUE ...]` writes the JSON
+`python -m holmes_jax.profile --out profile.json [--gin.NAME=VALUE ...]` writes the JSON
 that `python -m holmes_jax.plan --profile` and `ParallelConfig.profile` read.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
+import argparse
 import time
 from pathlib import Path
 
@@ -35,44 +34,9 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from holmes_jax.config import ConfigError
-
-
-@dataclasses.dataclass(frozen=True)
-class Link:
-    gbps: float
-    latency_s: float
-
-
-@dataclasses.dataclass(frozen=True)
-class Profile:
-    device_kind: str
-    micro_batch: int
-    seq_len: int
-    layer_fwd_flops: float  # XLA's count for one block, one microbatch
-    layer_fwd_s: float
-    layer_bwd_s: float
-    data_links: tuple[Link | None, ...]  # per stage; None when the stage has one replica
-    stage_links: tuple[Link, ...]  # per boundary s -> s + 1
-    update_s_per_param: float = 0.0  # the optimizer step (older profiles lack it: not timed)
-
-    @property
-    def achieved_tflops(self) -> float:
-        """What one device sustains on a block's forward (its efficiency folded in)."""
-        return self.layer_fwd_flops / self.layer_fwd_s / 1e12
-
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), indent=2)
-
-    @classmethod
-    def load(cls, path: str | Path) -> "Profile":
-        try:
-            raw = json.loads(Path(path).read_text())
-            raw["data_links"] = tuple(Link(**l) if l else None for l in raw["data_links"])
-            raw["stage_links"] = tuple(Link(**l) for l in raw["stage_links"])
-            return cls(**raw)
-        except (OSError, ValueError, TypeError, KeyError) as e:
-            raise ConfigError(f"--profile {path}: not a readable holmes_jax profile ({e})") from None
+from holmes_jax import build, cli, configure, distributed, optimizer
+from holmes_jax.planning.measured import Profile
+from holmes_jax.planning.topology import Link
 
 
 def _lockstep_time(fn, *args, repeats: int, min_repeat_s: float = 0.1) -> float:
@@ -143,12 +107,10 @@ def profile_layer(model, mesh: Mesh, layers: int, micro_batch: int, seq_len: int
 
 def profile_update(setup, repeats: int = 5) -> float:
     """Seconds per parameter a device updates in one optimizer step as the run takes it
-    (`train.apply_gradients`: clipping's global norm, AdamW, the padding mask), over the whole
+    (`optimizer.apply_gradients`: clipping's global norm, AdamW, the padding mask), over the whole
     mesh with gradients and optimizer state sharded as the run shards them (ZeRO-1: each device
     its 1/dp share). The updated parameters stay sharded like the gradients: gathering them back
     is the data link's part of the sync."""
-    from holmes_jax import train
-
     state = setup.init_state()
     shardings = setup.state_shardings
     grad_shardings = jax.tree.map(lambda spec: NamedSharding(setup.mesh, spec), setup.grad_specs,
@@ -157,7 +119,7 @@ def profile_update(setup, repeats: int = 5) -> float:
         state["params"])
 
     def update(params, opt_state, grads):
-        return train.apply_gradients(setup.tx, setup.cfgs.train.grad_clip, params, opt_state, grads,
+        return optimizer.apply_gradients(setup.tx, setup.cfgs.train.grad_clip, params, opt_state, grads,
                                      setup.pipeline.mask_updates)[:2]
 
     step = jax.jit(update, in_shardings=(shardings["params"], shardings["opt_state"], grad_shardings),
@@ -170,7 +132,7 @@ def _fit(sizes: list[int], times: list[float], factor: float) -> Link:
     """t = latency + factor * bytes / bandwidth, from two sizes."""
     (s0, s1), (t0, t1) = sizes, times
     per_byte = max((t1 - t0) / (factor * (s1 - s0)), 1e-15)
-    return Link(gbps=8.0 / per_byte / 1e9, latency_s=max(t0 - factor * s0 * per_byte, 0.0))
+    return Link(1.0 / per_byte, max(t0 - factor * s0 * per_byte, 0.0))
 
 
 def _whole_mesh(fn, mesh: Mesh, size: int):
@@ -223,14 +185,14 @@ def _median_over_processes(values: np.ndarray) -> np.ndarray:
 def _share_links(links: list, group_sizes: list[int]) -> list:
     """Every process's measured links merged: per stage, the median over the processes that
     measured it (a stage's group is measured by its own processes)."""
-    mine = np.array([[l.gbps, l.latency_s] if l else [np.nan, np.nan] for l in links], dtype=np.float64)
+    mine = np.array([[l.bytes_per_s, l.latency_s] if l else [np.nan, np.nan] for l in links], dtype=np.float64)
     every = _median_over_processes(mine)
     return [Link(float(every[s, 0]), float(every[s, 1])) if n > 1 and not np.isnan(every[s, 0]) else None
             for s, n in enumerate(group_sizes)]
 
 
 def profile(setup, repeats: int = 5) -> Profile:
-    """Profiles the run that `setup` (a `train.Setup`) builds: the layer over a stage's stack of
+    """Profiles the run that `setup` (a `build.Setup`) builds: the layer over a stage's stack of
     blocks and the optimizer step, each over the whole mesh (medians over processes), and every
     link of the mesh (stage, data)."""
     mesh, model, cfgs = setup.mesh, setup.model, setup.cfgs
@@ -249,21 +211,15 @@ def profile(setup, repeats: int = 5) -> Profile:
 
 
 def main(argv: list[str]) -> int:
-    import argparse
-
-    from holmes_jax import train
-
-    parser = argparse.ArgumentParser(prog="python -m holmes_jax.pipeline.profile", description=__doc__,
+    parser = cli.Parser(prog="python -m holmes_jax.profile", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="where to write the profile JSON")
     parser.add_argument("--repeats", type=int, default=5)
     args, gin_args = parser.parse_known_args(argv)
-    cfgs = train.load_configs(gin_args)
-    from holmes_jax import distributed
-
+    cfgs = configure.load_configs(gin_args)
     # Before any backend starts: jax.distributed for several processes (as train does), the CPU device count.
     distributed.initialize(cfgs.parallel.cpu_devices)
-    result = profile(train.build(cfgs), args.repeats)
+    result = profile(build.build(cfgs), args.repeats)
     if jax.process_index() == 0:
         Path(args.out).write_text(result.to_json())
         print(result.to_json())
@@ -271,6 +227,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    from holmes_jax import cli
-
     cli.run(main)

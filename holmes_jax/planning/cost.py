@@ -1,6 +1,6 @@
 """Step-time prediction from plain numbers: FLOPs, parameter counts, device speeds, link speeds.
 
-One training step as the pipeline runtime runs it (DESIGN.md section 6; pipeline.runtime):
+One training step as the pipeline runtime runs it (holmes_jax.pipeline.runtime):
 
 1. The schedule's tick table (GPipe or 1F1B) is walked in lockstep. In a tick each stage runs its
    forward of one microbatch (if the table says so), then its backward, which recomputes the
@@ -33,34 +33,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import NamedTuple, Protocol, Sequence
+from typing import Sequence
 
 import numpy as np
 
-from holmes_jax.pipeline import schedule as schedules
+from holmes_jax.planning import schedule as schedules
+from holmes_jax.planning.topology import Link
+from holmes_jax.planning.workload import Part
 
 SCHEDULES = schedules.SCHEDULES
-
-
-class Part(NamedTuple):
-    params: float
-    fwd_flops: float  # one microbatch, the whole part (before tensor parallelism)
-    bwd_flops: float
-
-
-class PartLike(Protocol):  # Part, or anything with these numbers (e.g. models.presets.PartCost)
-    params: float
-    fwd_flops: float
-    bwd_flops: float
-
-
-@dataclasses.dataclass(frozen=True)
-class Link:
-    bytes_per_s: float
-    latency_s: float
-
-    def time(self, nbytes):
-        return self.latency_s + nbytes / self.bytes_per_s
 
 
 def reduce_scatter_s(nbytes, n, link: Link, collectives: int = 1):
@@ -83,9 +64,9 @@ def allreduce_s(nbytes, n, link: Link, collectives: int = 1):
 class Work:
     """What one microbatch costs on one whole model replica."""
 
-    embed: PartLike
-    layers: Sequence[PartLike]
-    head: PartLike  # final norm, output projection and loss
+    embed: Part
+    layers: Sequence[Part]
+    head: Part  # final norm, output projection and loss
     boundary_bytes: float  # activations of one microbatch at a stage boundary, each way
     tp_allreduces_fwd: int = 2  # per layer (Megatron: after attention and after the MLP)
     tp_allreduces_bwd: int = 2  # per layer; 4 with activation recompute (the repeated forward's two)

@@ -142,8 +142,3 @@ def _no_clash(live, stage: int, k: int, ticks: int) -> bool:
         if len(slots) != len(set(slots)):
             return False
     return True
-
-
-def theory_ratio(stages: int, microbatches: int) -> float:
-    """Step time with the bubble over step time without: (m + p - 1) / m."""
-    return (microbatches + stages - 1) / microbatches

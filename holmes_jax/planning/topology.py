@@ -1,8 +1,9 @@
-"""Clusters, nodes, NIC classes and links; TOML topology files (DESIGN.md section 4).
+"""Clusters, nodes, NIC classes and links; TOML topology files (schema: README, "Topology files").
 
 Devices are numbered cluster by cluster in file order, node by node, device by device. The
-planner's device grid holds these numbers, and `Topology.link(a, b)` says what joins two of them:
-the node's NVLink-class link, the cluster's NIC, or the inter-cluster link.
+planner's device grid holds these numbers, and `Topology.link_kind(a, b)` says what joins two of
+them (the node's NVLink-class link, the cluster's NIC, or the inter-cluster link); `link_table`
+holds each kind's `Fabric` per sending cluster.
 
 Default link figures (per node for NICs; override per cluster). `efficiency` is the fraction of
 line rate that NCCL-style collectives reach on the link:
@@ -26,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from holmes_jax.config import ConfigError
+from holmes_jax.config import ConfigError, check_positive
 
 NIC_CLASSES = ("infiniband", "roce", "ethernet")
 
@@ -35,7 +36,9 @@ INTRA_NODE, CLUSTER, INTER_CLUSTER = 0, 1, 2
 
 
 @dataclasses.dataclass(frozen=True)
-class Link:
+class Fabric:
+    """A kind of link as a topology describes it: a NIC class, the inter-cluster link, or intra-node."""
+
     name: str  # a NIC class or "intra-node"
     gbps: float  # line rate
     latency_us: float  # per message, i.e. per step of a ring collective
@@ -50,20 +53,33 @@ class Link:
         return self.latency_us * 1e-6
 
 
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """What a transfer gets: the one link the cost model, the placement's routes and a measured
+    profile share. Figures may be arrays (the cost model prices all stages at once)."""
+
+    bytes_per_s: float  # effective, after efficiency and NIC sharing
+    latency_s: float  # per message
+    via: str = "measured"  # "intra-node", a NIC class, "inter-cluster <class>", or "measured"
+    shared_by: int = 1  # concurrent transfers sharing the NIC (already divided into bytes_per_s)
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes_per_s * 8 / 1e9
+
+    def time(self, nbytes):
+        return self.latency_s + nbytes / self.bytes_per_s
+
+
 NIC_DEFAULTS = {
-    "infiniband": Link("infiniband", 200.0, 3.0, 0.90),
-    "roce": Link("roce", 100.0, 8.0, 0.60),
-    "ethernet": Link("ethernet", 25.0, 50.0, 0.80),
+    "infiniband": Fabric("infiniband", 200.0, 3.0, 0.90),
+    "roce": Fabric("roce", 100.0, 8.0, 0.60),
+    "ethernet": Fabric("ethernet", 25.0, 50.0, 0.80),
 }
-INTRA_NODE_DEFAULT = Link("intra-node", 2400.0, 2.0, 0.80)
+INTRA_NODE_DEFAULT = Fabric("intra-node", 2400.0, 2.0, 0.80)
 DEVICE_TFLOPS_DEFAULT = 312.0
 DEVICE_EFFICIENCY_DEFAULT = 0.75
 DEVICE_MEMORY_GB_DEFAULT = 80.0
-
-
-def _positive_int(where: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{where} = {value!r} is not allowed; allowed: a positive integer")
 
 
 def _number(where: str, value, low: float, high: float | None = None, low_open: bool = True) -> None:
@@ -79,21 +95,21 @@ _NIC_FIELDS = ("nic", "nic_gbps", "nic_latency_us", "nic_efficiency")  # as [[cl
 
 
 def nic_link(nic: str, gbps: float | None = None, latency_us: float | None = None,
-             efficiency: float | None = None, where: str = "", fields: tuple = _LINK_FIELDS) -> Link:
+             efficiency: float | None = None, where: str = "", fields: tuple = _LINK_FIELDS) -> Fabric:
     """The link of NIC class `nic`, class defaults for the figures left out. Error messages name
     the field as `where` + its entry in `fields` (nic, gbps, latency_us, efficiency)."""
     if nic not in NIC_CLASSES:
         raise ConfigError(f"{where}{fields[0]} = {nic!r} is not allowed; "
                           f"choose one of {', '.join(map(repr, NIC_CLASSES))}")
     default = NIC_DEFAULTS[nic]
-    link = Link(nic, default.gbps if gbps is None else gbps,
+    link = Fabric(nic, default.gbps if gbps is None else gbps,
                 default.latency_us if latency_us is None else latency_us,
                 default.efficiency if efficiency is None else efficiency)
     _check_link(link, where, fields)
     return link
 
 
-def _check_link(link: Link, where: str, fields: tuple = _LINK_FIELDS) -> None:
+def _check_link(link: Fabric, where: str, fields: tuple = _LINK_FIELDS) -> None:
     _number(f"{where}{fields[1]}", link.gbps, 0)
     _number(f"{where}{fields[2]}", link.latency_us, 0, low_open=False)
     _number(f"{where}{fields[3]}", link.efficiency, 0, 1)
@@ -120,20 +136,20 @@ class Cluster:
             raise ConfigError(f"cluster name = {self.name!r} is not allowed; allowed: a non-empty string")
         where = f"cluster {self.name!r}: "
         _ = self.nic_link  # builds the NIC's link, which checks its fields
-        _positive_int(f"{where}nodes", self.nodes)
-        _positive_int(f"{where}devices_per_node", self.devices_per_node)
+        check_positive(f"{where}nodes", self.nodes)
+        check_positive(f"{where}devices_per_node", self.devices_per_node)
         _number(f"{where}device_tflops", self.device_tflops, 0)
         _number(f"{where}device_efficiency", self.device_efficiency, 0, 1)
         _number(f"{where}intra_node_gbps", self.intra_node_gbps, 0)
         _number(f"{where}device_memory_gb", self.device_memory_gb, 0)
 
     @property
-    def nic_link(self) -> Link:
+    def nic_link(self) -> Fabric:
         return nic_link(self.nic, self.nic_gbps, self.nic_latency_us, self.nic_efficiency,
                         where=f"cluster {self.name!r}: ", fields=_NIC_FIELDS)
 
     @property
-    def intra_link(self) -> Link:
+    def intra_link(self) -> Fabric:
         return dataclasses.replace(INTRA_NODE_DEFAULT, gbps=self.intra_node_gbps)
 
     @property
@@ -149,7 +165,7 @@ class Cluster:
 @dataclasses.dataclass(frozen=True)
 class Topology:
     clusters: tuple[Cluster, ...]
-    inter_cluster: Link = NIC_DEFAULTS["ethernet"]  # per node, between nodes of different clusters
+    inter_cluster: Fabric = NIC_DEFAULTS["ethernet"]  # per node, between nodes of different clusters
     name: str = "topology"
 
     def __post_init__(self):
@@ -196,19 +212,10 @@ class Topology:
         return np.where(node[a] == node[b], INTRA_NODE, np.where(cluster[a] == cluster[b], CLUSTER, INTER_CLUSTER))
 
     @functools.cached_property
-    def link_table(self) -> tuple[tuple[Link, ...], ...]:
-        """[kind][cluster index of the sending device] -> Link."""
+    def link_table(self) -> tuple[tuple[Fabric, ...], ...]:
+        """[kind][cluster index of the sending device] -> Fabric."""
         inter = (self.inter_cluster,) * len(self.clusters)
         return tuple(c.intra_link for c in self.clusters), tuple(c.nic_link for c in self.clusters), inter
-
-    def link(self, a: int, b: int) -> Link:
-        """What joins devices `a` and `b`: inside a node its NVLink-class link, inside a cluster the
-        cluster's NIC, across clusters the inter-cluster link."""
-        return self.link_table[int(self.link_kind(a, b))][self.device_cluster[a]]
-
-    def bandwidth(self, a: int, b: int) -> float:
-        """Bytes/s a collective reaches between devices `a` and `b` (one transfer, NIC not shared)."""
-        return self.link(a, b).bytes_per_s
 
     def to_dict(self) -> dict:
         """The TOML schema's form; `from_dict(t.to_dict())` gives `t` back."""
@@ -234,7 +241,7 @@ def _known_keys(where: str, table, allowed: tuple, required: tuple = ()) -> None
 
 
 def from_dict(data: dict, name: str = "topology") -> Topology:
-    """A Topology from the TOML schema of DESIGN.md section 4, every field checked."""
+    """A Topology from the TOML schema (README, "Topology files"), every field checked."""
     _known_keys("topology", data, _TOP_KEYS, required=("cluster",))
     if not isinstance(data["cluster"], list):
         raise ConfigError("topology cluster is not allowed as a single table; allowed: [[cluster]] tables")

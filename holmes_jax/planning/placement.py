@@ -1,4 +1,4 @@
-"""The device grid of a mesh (stage, data, tensor) over a topology, and that mesh on real devices.
+"""The device grid of a mesh (stage, data, tensor) over a topology, as topology device numbers.
 
 `place` returns a (pp, dp, tp) array of topology device numbers. Two placements:
 
@@ -15,33 +15,21 @@
   clusters (node 0 of each cluster, then node 1, ...), as sorting host names does when IB and
   RoCE hosts are numbered alternately. Data groups then mix NIC classes and cross the slow link.
 
-`Route`s say what the concurrent transfers of a collective go over: a ring's hops leaving one node
-on one fabric share that node's NIC.
+Routes (`Link`s with `via` and `shared_by`) say what the concurrent transfers of a collective go
+over: a ring's hops leaving one node on one fabric share that node's NIC.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 
 import numpy as np
 
-from holmes_jax.config import ConfigError
-from holmes_jax.mesh import nic
-from holmes_jax.mesh.topology import CLUSTER, INTRA_NODE, Cluster, Topology
+from holmes_jax.config import ConfigError, check_positive
+from holmes_jax.planning.topology import CLUSTER, INTRA_NODE, Link, Topology
 
 AXES = ("stage", "data", "tensor")
 PLACEMENTS = ("holmes", "naive")
-
-
-@dataclasses.dataclass(frozen=True)
-class Route:
-    """The slowest of a set of concurrent transfers."""
-
-    via: str  # "intra-node", a NIC class, or "inter-cluster <class>"
-    bytes_per_s: float  # what that transfer gets once its NIC is shared
-    latency_s: float  # the largest latency among the transfers
-    shared_by: int  # transfers sharing that transfer's NIC
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,9 +42,9 @@ class Placement:
     mixed_stages: tuple[int, ...]  # stages spanning more than one cluster
     device_flops: tuple[float, ...]  # per stage: achievable FLOP/s of its slowest device
     device_memory: tuple[float, ...]  # per stage: bytes of its smallest device
-    tensor_routes: tuple[Route, ...]  # per stage: its tensor groups' all-reduce ring
-    data_routes: tuple[Route, ...]  # per stage: its data groups' gradient ring
-    boundary_routes: tuple[Route, ...]  # stage s -> s + 1: activations (gradients come back the same way)
+    tensor_routes: tuple[Link, ...]  # per stage: its tensor groups' all-reduce ring
+    data_routes: tuple[Link, ...]  # per stage: its data groups' gradient ring
+    boundary_routes: tuple[Link, ...]  # stage s -> s + 1: activations (gradients come back the same way)
 
 
 def divisors(n: int) -> list[int]:
@@ -77,7 +65,7 @@ def scheduler_order(topology: Topology) -> np.ndarray:
     return np.concatenate([topology.node_devices[n] for n in nodes])
 
 
-def route(topology: Topology, src, dst) -> Route:
+def route(topology: Topology, src, dst) -> Link:
     """The bottleneck of transfers src[i] -> dst[i] all running at once."""
     src, dst = np.ravel(src), np.ravel(dst)
     kind, sender = topology.link_kind(src, dst), topology.device_cluster[src]
@@ -93,7 +81,7 @@ def route(topology: Topology, src, dst) -> Route:
     worst = int(np.argmin(rate / share))
     k, link = int(kind[worst]), table[kind[worst]][sender[worst]]
     via = "intra-node" if k == INTRA_NODE else link.name if k == CLUSTER else f"inter-cluster {link.name}"
-    return Route(via, float(rate[worst] / share[worst]), float(latency.max()), int(share[worst]))
+    return Link(float(rate[worst] / share[worst]), float(latency.max()), via, int(share[worst]))
 
 
 def place(topology: Topology, tp: int, pp: int, dp: int | None = None, method: str = "holmes",
@@ -102,8 +90,7 @@ def place(topology: Topology, tp: int, pp: int, dp: int | None = None, method: s
     if method not in PLACEMENTS:
         raise ConfigError(f"placement = {method!r} is not allowed; choose one of {', '.join(map(repr, PLACEMENTS))}")
     for name, value in (("tp", tp), ("pp", pp), ("dp", dp)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ConfigError(f"{name} = {value!r} is not allowed; allowed: a positive integer")
+        check_positive(name, value, allow_none=True)
     for c in topology.clusters:
         if c.devices_per_node % tp:
             raise ConfigError(
@@ -145,87 +132,3 @@ def place(topology: Topology, tp: int, pp: int, dp: int | None = None, method: s
         data_routes=tuple(route(topology, grid[s], np.roll(grid[s], -1, axis=0)) for s in range(pp)),
         boundary_routes=tuple(route(topology, grid[s], grid[s + 1]) for s in range(pp - 1)),
     )
-
-
-# ----------------------------------------------------------------------------- real devices
-
-
-def _by_process(devices) -> dict[int, list]:
-    if devices is None:
-        import jax
-
-        devices = jax.devices()
-    groups = collections.defaultdict(list)
-    for d in sorted(devices, key=lambda d: (d.process_index, d.id)):  # ids are not positions across processes
-        groups[d.process_index].append(d)
-    return dict(sorted(groups.items()))
-
-
-def device_array(grid, topology: Topology, devices=None, process_nics=None) -> np.ndarray:
-    """The real devices at the grid's places.
-
-    One process: its devices, in (process_index, id) order, are the topology's devices in order.
-    Several: each process is one node; the i-th process (by index) reporting NIC class X runs the
-    i-th node of class X in topology order. `process_nics`: each process's NIC class (or `Nic`), in
-    process order; None: exchanged between processes (only when the topology has several classes).
-    """
-    by_process = _by_process(devices)
-    if len(by_process) == 1:
-        placed = next(iter(by_process.values()))
-        if len(placed) != topology.num_devices:
-            raise ConfigError(f"topology {topology.name!r} has {topology.num_devices} devices but this process has "
-                              f"{len(placed)}; allowed: a topology of exactly the devices present")
-    else:
-        placed = _match_processes(topology, by_process, process_nics)
-    return np.array(placed, dtype=object)[np.asarray(grid)]
-
-
-def _match_processes(topology: Topology, by_process: dict, process_nics) -> list:
-    classes = sorted({c.nic for c in topology.clusters})
-    if process_nics is None:  # with one class there is nothing to match on, so no collective
-        process_nics = classes * len(by_process) if len(classes) == 1 else nic.exchange(nic.detect())
-    process_nics = [getattr(x, "nic_class", x) for x in process_nics]
-    if len(process_nics) != len(by_process):
-        raise ConfigError(f"{len(process_nics)} NIC classes given for {len(by_process)} processes")
-    placed = [None] * topology.num_devices
-    for nic_class in sorted(set(process_nics) | set(classes)):
-        nodes = [n for n in range(topology.num_nodes) if topology.clusters[topology.node_cluster[n]].nic == nic_class]
-        procs = [p for p, c in zip(by_process, process_nics) if c == nic_class]
-        if len(procs) != len(nodes):
-            raise ConfigError(
-                f"NIC class {nic_class!r} is reported by {len(procs)} process(es) but topology {topology.name!r} has "
-                f"{len(nodes)} {nic_class} node(s); allowed: one process per node, on a host of that node's NIC class")
-        for node, proc in zip(nodes, procs):
-            want = topology.node_devices[node]
-            if len(by_process[proc]) != len(want):
-                raise ConfigError(f"process {proc} has {len(by_process[proc])} devices but node {node} of topology "
-                                  f"{topology.name!r} has {len(want)}; allowed: {len(want)} devices per process")
-            for index, device in zip(want, by_process[proc]):
-                placed[index] = device
-    return placed
-
-
-def build_mesh(plan_or_grid, topology: Topology | None = None, devices=None, process_nics=None):
-    """A jax Mesh over axes (stage, data, tensor) from a Plan (or a grid and its topology)."""
-    from jax.sharding import Mesh
-
-    grid = getattr(plan_or_grid, "grid", plan_or_grid)
-    topology = topology or plan_or_grid.topology
-    return Mesh(device_array(grid, topology, devices, process_nics), AXES)
-
-
-def local_topology(devices=None, nic_class: str | None = None, device_tflops: float | None = None) -> Topology:
-    """An emulated topology of the devices present: one cluster "local", one node per process.
-
-    NIC class: `nic_class`, else what process 0 detects (so every process builds the same
-    topology), which is "ethernet" on hosts without RDMA ports.
-    """
-    by_process = _by_process(devices)
-    sizes = {len(d) for d in by_process.values()}
-    if len(sizes) != 1:
-        raise ConfigError(f"processes have {sorted(sizes)} devices each; allowed: the same count on every process")
-    found = nic.Nic(nic_class, None) if nic_class else nic.exchange(nic.detect())[0]
-    extra = {} if device_tflops is None else {"device_tflops": device_tflops}
-    cluster = Cluster("local", found.nic_class, nodes=len(by_process), devices_per_node=sizes.pop(),
-                      nic_gbps=found.gbps, **extra)
-    return Topology((cluster,), name="local")

@@ -1,0 +1,130 @@
+"""Everything a run builds before its first step: the plan, the mesh, the model, the pipeline, the
+optimizer, the shardings of the train state, and the jitted train and eval steps."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from holmes_jax import data, metrics, planning
+from holmes_jax.configure import Configs
+from holmes_jax.mesh.devices import build_mesh, local_topology, ordered_devices
+from holmes_jax.models import gpt
+from holmes_jax.optimizer import apply_gradients, make_optimizer
+from holmes_jax.pipeline.runtime import Pipeline
+from holmes_jax.planning import Plan
+from holmes_jax.sharding import gradient_specs, state_shardings
+
+
+def peak_tflops(devices) -> tuple[float, str]:
+    """Dense peak TFLOP/s of one device and where the figure comes from (measured once on CPU)."""
+    kind = devices[0].device_kind
+    peak = metrics.device_peak_tflops(kind)
+    if peak is not None:
+        return peak, f"{kind} dense bf16 peak"
+    peak = _measured_peak(tuple(devices))
+    return peak, f"measured float32 matmul peak of {kind} ({peak:.3g} TFLOPS/device)"
+
+
+@functools.lru_cache(maxsize=None)
+def _measured_peak(devices: tuple) -> float:
+    return metrics.measure_matmul_peak_tflops(list(devices))
+
+
+def make_plan(cfgs: Configs, devices) -> Plan:
+    """The Plan for this run: the topology file's, or one emulated from the devices present."""
+    par = cfgs.parallel
+    if par.topology:
+        topo = planning.load_topology(par.topology)
+    else:
+        topo = local_topology(devices, device_tflops=peak_tflops(devices)[0])
+    return planning.plan(topo, cfgs.model, par, global_batch=cfgs.data.global_batch, seq_len=cfgs.data.seq_len)
+
+
+@dataclasses.dataclass
+class Setup:
+    """Everything a run builds before its first step. The train state holds block parameters (and
+    their optimizer moments) in the pipeline's staged layout; checkpoints hold the canonical one."""
+
+    cfgs: Configs
+    plan: Plan
+    mesh: Mesh
+    model: gpt.GPT
+    pipeline: Pipeline
+    tx: optax.GradientTransformation
+    schedule: optax.Schedule
+    state_shardings: dict
+    canonical_shardings: dict
+    grad_specs: dict  # staged layout
+    batch_sharding: NamedSharding  # (microbatches, micro_batch, seq + 1), split over `data`
+
+    def _canonical_state(self) -> dict:
+        params = self.model.init(self.cfgs.train.seed)
+        return {"params": params, "opt_state": self.tx.init(params), "step": jnp.zeros((), jnp.int32)}
+
+    def init_state(self) -> dict:
+        return jax.jit(lambda: self.pipeline.to_staged(self._canonical_state()), out_shardings=self.state_shardings)()
+
+    def canonical(self, state: dict) -> dict:
+        """What a checkpoint stores: real layers only, in model order."""
+        return jax.jit(self.pipeline.to_canonical, out_shardings=self.canonical_shardings)(state)
+
+    def staged(self, canonical: dict) -> dict:
+        return jax.jit(self.pipeline.to_staged, out_shardings=self.state_shardings)(canonical)
+
+    def abstract_canonical(self) -> dict:
+        shapes = jax.eval_shape(self._canonical_state)
+        return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes,
+                            self.canonical_shardings)
+
+    def batch(self, split: str, step: int, token_data: data.TokenData) -> jax.Array:
+        """The global batch of `step`; on several processes each builds only its own shards."""
+        d = self.cfgs.data
+        tokens = token_data.batch(split, self.cfgs.train.seed, step, d.global_batch, d.seq_len)
+        m = self.plan.microbatches
+        tokens = tokens.reshape(m, d.global_batch // m, d.seq_len + 1)
+        return jax.make_array_from_callback(tokens.shape, self.batch_sharding, lambda index: tokens[index])
+
+
+def build(cfgs: Configs, devices=None) -> Setup:
+    devices = ordered_devices(devices)
+    the_plan = make_plan(cfgs, devices)
+    mesh = build_mesh(the_plan, devices=devices)
+    par = cfgs.parallel
+    model = gpt.GPT(cfgs.model)
+    pipeline = Pipeline(model, mesh, the_plan.stage_layers, the_plan.microbatches, the_plan.schedule)
+    tx, schedule = make_optimizer(cfgs.train)
+    canonical = jax.eval_shape(lambda: model.init(0))
+    staged = jax.eval_shape(pipeline.to_staged, canonical)
+    return Setup(cfgs, the_plan, mesh, model, pipeline, tx, schedule,
+                 state_shardings(mesh, tx, staged, "stage", par.zero1),
+                 state_shardings(mesh, tx, canonical, None, par.zero1),
+                 gradient_specs(staged, "stage", mesh.shape["data"], par.zero1),
+                 NamedSharding(mesh, P(None, "data", None)))
+
+
+def make_train_step(setup: Setup):
+    """The jitted step: the pipeline's loss and gradients over all microbatches, one AdamW update."""
+    tx, pipeline = setup.tx, setup.pipeline
+
+    def step(state, batch):
+        loss, grads = pipeline.loss_and_grads(state["params"], batch, setup.grad_specs)
+        params, opt_state, norm = apply_gradients(tx, setup.cfgs.train.grad_clip, state["params"], state["opt_state"],
+                                                  grads, pipeline.mask_updates)
+        new_state = {"params": params, "opt_state": opt_state, "step": state["step"] + 1}
+        return new_state, {"loss": loss, "grad_norm": norm}
+
+    return jax.jit(step, in_shardings=(setup.state_shardings, setup.batch_sharding),
+                   out_shardings=(setup.state_shardings, None), donate_argnums=0)
+
+
+def make_eval_step(setup: Setup):
+    """Validation loss of a batch through the same pipeline program. It also runs the backward
+    (its gradients are dropped): simpler than a second forward-only schedule, and evaluation is rare."""
+    return jax.jit(lambda params, batch: setup.pipeline.loss_and_grads(params, batch, setup.grad_specs)[0],
+                   in_shardings=(setup.state_shardings["params"], setup.batch_sharding))

@@ -1,0 +1,59 @@
+"""`python -m holmes_jax.plan`: the command line of `holmes_jax.planning.plan`."""
+
+from __future__ import annotations
+
+import argparse
+
+from holmes_jax import cli
+from holmes_jax.config import ModelConfig, ParallelConfig
+from holmes_jax.models import presets
+from holmes_jax.planning import partition
+from holmes_jax.planning.cost import SCHEDULES
+from holmes_jax.planning.placement import PLACEMENTS
+from holmes_jax.planning.search import DEFAULT_GLOBAL_BATCH, SEARCHABLE, plan
+
+
+def _layer_list(text: str) -> tuple[int, ...]:
+    parts = text.split(",")
+    if not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"{text!r} is not allowed; allowed: positive layer counts like 26,22")
+    return tuple(int(p) for p in parts)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = cli.Parser(prog="python -m holmes_jax.plan",
+                description="Plan a mesh (stage, data, tensor), layers per stage and a schedule for a model on a "
+                            "topology; print the plan and its predicted step time. Sizes left out are chosen by "
+                            "the cost model.")
+    p.add_argument("--topology", required=True, help="topology TOML file (see configs/topologies)")
+    p.add_argument("--model", required=True, help=f"preset: {', '.join(presets.PRESETS)}")
+    for name in ("tp", "pp", "dp", "microbatches"):
+        p.add_argument(f"--{name}", type=cli.positive_int, help="default: chosen by the cost model")
+    p.add_argument("--global-batch", type=cli.positive_int, default=DEFAULT_GLOBAL_BATCH, help="sequences per step")
+    p.add_argument("--seq-len", type=cli.positive_int, help="default: the model's max_seq_len")
+    p.add_argument("--partition", choices=partition.METHODS, default="auto")
+    p.add_argument("--stage-layers", type=_layer_list, help="layers per stage, e.g. 26,22 (wins over --partition)")
+    p.add_argument("--placement", choices=PLACEMENTS, default="holmes")
+    p.add_argument("--schedule", choices=SCHEDULES, help="default: chosen by the cost model")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="activation dtype")
+    p.add_argument("--remat", action="store_true", help="the model recomputes activations in the backward pass")
+    p.add_argument("--allow-mixed", action="store_true", help="let a stage span clusters instead of refusing")
+    p.add_argument("--profile", help="measured profile JSON (python -m holmes_jax.profile) for layer "
+                                     "times and link figures instead of the topology's defaults")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    given = {name: getattr(args, name) for name in SEARCHABLE}
+    pp = given["pp"] or (len(args.stage_layers) if args.stage_layers else 1)
+    parallel = ParallelConfig(tp=given["tp"] or 1, pp=pp, dp=given["dp"], microbatches=given["microbatches"] or 1,
+                              stage_layers=args.stage_layers, partition=args.partition,
+                              schedule=given["schedule"] or "gpipe", placement=args.placement)
+    model = ModelConfig(preset=args.model, compute_dtype=args.dtype, remat=args.remat)
+    result = plan(args.topology, model, parallel, global_batch=args.global_batch, seq_len=args.seq_len,
+                  auto=[name for name, value in given.items() if value is None], allow_mixed=args.allow_mixed,
+                  profile=args.profile)
+    print(result.to_json() if args.json else result.explain())
+    return 0

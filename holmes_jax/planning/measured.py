@@ -1,0 +1,53 @@
+"""A measured profile as planning reads it: per-layer times, the optimizer step, and the links of
+a real run's mesh. `python -m holmes_jax.profile` measures one; this record needs no JAX."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from holmes_jax.config import ConfigError
+from holmes_jax.planning.topology import Link
+
+
+def _link_json(link: Link | None) -> dict | None:
+    return None if link is None else {"gbps": link.gbps, "latency_s": link.latency_s}
+
+
+def _json_link(raw: dict | None) -> Link | None:
+    return None if not raw else Link(raw["gbps"] * 1e9 / 8, raw["latency_s"])
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+    device_kind: str
+    micro_batch: int
+    seq_len: int
+    layer_fwd_flops: float  # XLA's count for one block, one microbatch
+    layer_fwd_s: float
+    layer_bwd_s: float
+    data_links: tuple[Link | None, ...]  # per stage; None when the stage has one replica
+    stage_links: tuple[Link, ...]  # per boundary s -> s + 1
+    update_s_per_param: float = 0.0  # the optimizer step (older profiles lack it: not timed)
+
+    @property
+    def achieved_tflops(self) -> float:
+        """What one device sustains on a block's forward (its efficiency folded in)."""
+        return self.layer_fwd_flops / self.layer_fwd_s / 1e12
+
+    def to_json(self) -> str:
+        raw = dataclasses.asdict(self)
+        raw["data_links"] = [_link_json(l) for l in self.data_links]
+        raw["stage_links"] = [_link_json(l) for l in self.stage_links]
+        return json.dumps(raw, indent=2)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Profile":
+        try:
+            raw = json.loads(Path(path).read_text())
+            raw["data_links"] = tuple(_json_link(l) for l in raw["data_links"])
+            raw["stage_links"] = tuple(_json_link(l) for l in raw["stage_links"])
+            return cls(**raw)
+        except (OSError, ValueError, TypeError, KeyError) as e:
+            raise ConfigError(f"--profile {path}: not a readable holmes_jax profile ({e})") from None

@@ -1,0 +1,326 @@
+"""The search behind `holmes_jax.plan(topology, model, parallel)`: topology + model -> Plan.
+
+Sizes left to the planner (tp, pp,
+dp, microbatches, schedule) are searched: every layout that fits the topology, the model, the
+batch and device memory is screened with a cheap split (the time-balanced one for `auto`),
+simulated in the order of its lower bound until no bound can win, and the best few get the full
+partition search. Predictions come from holmes_jax.planning.cost; TFLOPS use Megatron's formula
+(holmes_jax.planning.workload.megatron_flops), the recompute variant when the model recomputes
+activations.
+
+With a measured profile (`profile=`, `--profile FILE`, `ParallelConfig.profile`; written by
+`python -m holmes_jax.profile`) the cost model uses measured numbers instead of the
+topology's defaults (see `_with_profile`):
+
+- Layers: the profile's forward and backward seconds of one block. When the plan's micro batch or
+  sequence differ from the profile's, they are scaled by the analytic layer FLOPs of the two shapes
+  (attention's s^2 term included). Embedding and head keep their analytic FLOPs, run at the
+  forward's measured rate. The measurement is of the profile's device (topology device 0); other
+  clusters' stages are scaled by their `device_tflops * device_efficiency` relative to it.
+- The optimizer step: the profile's seconds per parameter (without a profile it is not timed).
+- Links: the profile's data-group all-reduce and stage-boundary figures, matched to the plan's
+  stages by index, replace the topology's where measured. They are ignored (with a note) when the
+  plan's pp differs from the profile's. Measure a profile on the layout it will plan (placement,
+  dp); a profile with no links (`data_links = []`, `stage_links = []`) sizes layers only.
+
+Every such choice is listed in `Plan.notes` (printed by `explain()`, in the JSON as `notes`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import os
+from typing import Iterable, Mapping
+
+import numpy as np
+
+from holmes_jax.config import ConfigError, ModelConfig, ParallelConfig, check_positive
+from holmes_jax.models import presets
+from holmes_jax.planning import cost, partition, placement, workload
+from holmes_jax.planning.cost import SCHEDULES, CostModel
+from holmes_jax.planning.measured import Profile
+from holmes_jax.planning.placement import Placement
+from holmes_jax.planning.contract import Plan
+from holmes_jax.planning.topology import Link, Topology, load
+
+SEARCHABLE = ("tp", "pp", "dp", "microbatches", "schedule")
+DEFAULT_GLOBAL_BATCH = 512  # sequences: with seq 2048, 1M tokens a step, GPT-3-sized batches
+FULL_SEARCH = 3  # screened layouts that get the full partition search
+# Microbatch counts the search tries: from pp (fewer leave most of the pipeline idle and save no
+# memory) to 32 per stage (past that the bubble is under 3% while each microbatch adds fixed
+# latencies), at most 512 (keeps the schedule simulation quick).
+MAX_MICROBATCHES_PER_STAGE, MAX_MICROBATCHES = 32, 512
+
+def _cost_model(cfg: ModelConfig, pl: Placement, global_batch: int, seq_len: int, microbatches: int,
+                schedule: str, zero1: bool, prof=None, topo: Topology | None = None) -> tuple[CostModel, tuple[str, ...]]:
+    """The cost model of one layout, and notes on how a measured profile entered it."""
+    pp, dp, tp = pl.grid.shape
+    micro_batch = workload.micro_batch(global_batch, dp, microbatches)
+    notes: list[str] = []
+    costs = workload.model_costs(cfg, micro_batch, seq_len)
+
+    layers, device_flops = costs.layers, list(pl.device_flops)
+    update = [0.0] * pp  # the optimizer step is only timed by a profile
+    dp_links, boundaries = list(pl.data_routes), list(pl.boundary_routes)
+    if prof is not None:
+        layers, device_flops, update, dp_links, boundaries = _with_profile(
+            prof, cfg, costs, micro_batch, seq_len, pl, topo, dp_links, boundaries, notes)
+    work = cost.Work(costs.embed, layers, costs.head, costs.activation_bytes,
+                     tp_allreduces_bwd=4 if cfg.remat else 2, layer_stash_bytes=_stash_bytes(cfg, costs, tp, seq_len),
+                     sync_collectives=costs.param_leaves)
+    stages = [cost.Stage(device_flops[s], tp, pl.tensor_routes[s], dp, dp_links[s],
+                         pl.device_memory[s], update[s]) for s in range(pp)]
+    flops = workload.megatron_flops(global_batch, seq_len, cfg.num_layers, cfg.hidden, cfg.vocab_size, cfg.remat)
+    return CostModel(work, stages, boundaries, microbatches, schedule, zero1,
+                     step_flops=flops, samples=global_batch), tuple(notes)
+
+
+def _load_profile(profile, cfg: ModelConfig):
+    """A checked Profile from a Profile, a JSON path or None."""
+    if profile is None:
+        return None
+    prof = Profile.load(profile) if isinstance(profile, (str, os.PathLike)) else profile
+    if not isinstance(prof, Profile):
+        raise ConfigError(f"profile = {profile!r} is not allowed; allowed: a profile JSON path or a Profile")
+    where = f"profile {str(profile)!r}" if isinstance(profile, (str, os.PathLike)) else "profile"
+    for name in ("micro_batch", "seq_len"):
+        check_positive(f"{where}: {name}", getattr(prof, name))
+    for name, low in (("layer_fwd_flops", 0.0), ("layer_fwd_s", 0.0)):
+        value = getattr(prof, name)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > low:
+            raise ConfigError(f"{where}: {name} = {value!r} is not allowed; allowed: a positive number")
+    if not isinstance(prof.layer_bwd_s, (int, float)) or isinstance(prof.layer_bwd_s, bool) or prof.layer_bwd_s < 0:
+        raise ConfigError(f"{where}: layer_bwd_s = {prof.layer_bwd_s!r} is not allowed; allowed: a number >= 0")
+    for kind, links in (("data_links", prof.data_links), ("stage_links", prof.stage_links)):
+        for i, l in enumerate(links):
+            if l is None:
+                continue
+            if not (isinstance(l.gbps, (int, float)) and l.gbps > 0 and isinstance(l.latency_s, (int, float))
+                    and l.latency_s >= 0):
+                raise ConfigError(f"{where}: {kind}[{i}] = {l!r} is not allowed; allowed: gbps > 0, latency_s >= 0")
+    # A profile of another model: XLA's count of its block is far from this model's analytic one.
+    analytic = workload.model_costs(cfg, prof.micro_batch, prof.seq_len).layers[0].fwd_flops
+    if not 0.5 <= prof.layer_fwd_flops / analytic <= 2.0:
+        raise ConfigError(f"{where}: its layer has {prof.layer_fwd_flops:.4g} forward FLOPs at micro batch "
+                          f"{prof.micro_batch}, seq {prof.seq_len}, but model {cfg.preset!r} (hidden {cfg.hidden}, "
+                          f"ffn {cfg.ffn_hidden}) has {analytic:.4g}; allowed: a profile of this model")
+    return prof
+
+
+def _with_profile(prof, cfg: ModelConfig, costs: workload.ModelCosts, micro_batch: int, seq_len: int,
+                  pl: Placement, topo: Topology, dp_links: list, boundaries: list, notes: list[str]):
+    # `notes` collects how the profile was used (Plan.notes).
+    """(layers, device FLOP/s per stage, optimizer seconds per parameter per stage, data links,
+    boundary links) with the profile's measurements.
+
+    The cost model divides FLOPs by a device rate, so measured seconds enter as a rate: the
+    analytic forward FLOPs of a layer at the profile's shape over its measured forward seconds.
+    Each layer's backward FLOPs become its forward FLOPs times the measured backward/forward ratio,
+    so forward and backward each take their measured time (scaled by FLOPs to the plan's shape).
+    """
+    pp, dp, _ = pl.grid.shape
+    ref = workload.model_costs(cfg, prof.micro_batch, prof.seq_len).layers[0].fwd_flops
+    rate = ref / prof.layer_fwd_s  # analytic FLOP/s the profiled device reached
+    ratio = prof.layer_bwd_s / prof.layer_fwd_s
+    layers = tuple(workload.Part(l.params, l.fwd_flops, l.fwd_flops * ratio) for l in costs.layers)
+    own = topo.clusters[int(topo.device_cluster[0])].device_flops  # the profile ran on device 0
+    device_flops = [rate * f / own for f in pl.device_flops]
+    update = [prof.update_s_per_param * own / f for f in pl.device_flops]  # other devices: by their speed
+    shape = f"micro batch {prof.micro_batch} x seq {prof.seq_len}"
+    if (prof.micro_batch, prof.seq_len) != (micro_batch, seq_len):
+        scale = costs.layers[0].fwd_flops / ref
+        notes.append(f"profile: layer times measured at {shape}, scaled by analytic FLOPs x{scale:.3g} to this "
+                     f"plan's micro batch {micro_batch} x seq {seq_len}")
+    else:
+        notes.append(f"profile: layer times measured at {shape} (this plan's): forward "
+                     f"{prof.layer_fwd_s * 1e3:.3g} ms, backward {prof.layer_bwd_s * 1e3:.3g} ms")
+    if any(f != own for f in pl.device_flops):
+        notes.append("profile: stages on other device types scaled by their device_tflops * device_efficiency")
+    if len(prof.data_links) == pp:
+        used = []
+        for s, l in enumerate(prof.data_links):
+            if l is not None and dp > 1:
+                # The profile fits one fixed cost per all-reduce; the cost model counts 2(n - 1) hops.
+                dp_links[s] = Link(l.bytes_per_s, l.latency_s / (2 * (dp - 1)))
+                used.append(s)
+        if used:
+            notes.append(f"profile: measured data-group links for stage(s) {', '.join(map(str, used))}")
+    elif prof.data_links:
+        notes.append(f"profile: its {len(prof.data_links)} data-group links ignored (this plan has pp = {pp}); "
+                     f"topology figures used")
+    if pp > 1 and len(prof.stage_links) == pp - 1:
+        boundaries = [Link(l.bytes_per_s, l.latency_s) for l in prof.stage_links]
+        notes.append("profile: measured stage-boundary links")
+    elif prof.stage_links:
+        notes.append(f"profile: its {len(prof.stage_links)} stage-boundary links ignored (this plan has pp = {pp}); "
+                     f"topology figures used")
+    return layers, device_flops, update, dp_links, boundaries
+
+
+def _stash_bytes(cfg: ModelConfig, costs: workload.ModelCosts, tp: int, seq_len: int) -> float:
+    """Activations one layer keeps per in-flight microbatch on one device: its input with
+    recompute, else Korthikanti et al.'s s*b*h*(10 + 24/t + 5*a*s/(h*t)) bytes (16-bit
+    activations, tensor parallel without sequence parallelism), scaled to the compute dtype."""
+    if cfg.remat:
+        return costs.activation_bytes
+    a, h = cfg.num_heads, cfg.hidden
+    return costs.activation_bytes / 2 * (10 + 24 / tp + 5 * a * seq_len / (h * tp))
+
+
+def _stage_ratios(topology: Topology, pl: Placement, ratios: Mapping[str, float] | None) -> list[float]:
+    """holmes-ratio's weight per stage: `ratios[cluster name]`, by default the cluster's NIC Gb/s;
+    a stage spanning clusters takes the smallest."""
+    weights = []
+    for s in range(pl.grid.shape[0]):
+        clusters = [topology.clusters[c] for c in np.unique(topology.device_cluster[pl.grid[s]])]
+        if ratios is not None:
+            missing = [c.name for c in clusters if c.name not in ratios]
+            if missing:
+                raise ConfigError(f"ratios = {dict(ratios)} is not allowed; allowed: a weight for every cluster "
+                                  f"({', '.join(c.name for c in topology.clusters)}); missing {', '.join(missing)}")
+        weights.append(min(ratios[c.name] if ratios is not None else c.nic_link.gbps for c in clusters))
+    return weights
+
+
+def _layouts(topology: Topology, cfg: ModelConfig, par: ParallelConfig, free: set) -> Iterable[tuple]:
+    """(tp, pp, dp) candidates: the fixed values, and for free ones every divisor that could fit."""
+    n = topology.num_devices
+    node = math.gcd(*(c.devices_per_node for c in topology.clusters))
+    tps = ([t for t in placement.divisors(node) if cfg.num_heads % t == 0 and cfg.ffn_hidden % t == 0]
+           if "tp" in free else [par.tp])
+    dp = None if "dp" in free else par.dp
+    for tp in tps:
+        if "pp" not in free:
+            yield tp, par.pp, dp
+        elif dp is not None:
+            yield tp, max(n // (tp * dp), 1), dp
+        else:
+            yield from ((tp, pp, None) for pp in placement.divisors(n // tp) if pp <= cfg.num_layers)
+
+
+def _check_model(cfg: ModelConfig, tp: int, pp: int) -> None:
+    if cfg.num_heads % tp or cfg.ffn_hidden % tp:
+        raise ConfigError(f"tp = {tp} is not allowed: it must divide ModelConfig.num_heads = {cfg.num_heads} and "
+                          f"ModelConfig.ffn_hidden = {cfg.ffn_hidden}")
+    partition.check_stages(cfg.num_layers, pp)
+
+
+def _microbatch_options(par: ParallelConfig, free: set, global_batch: int, dp: int, pp: int) -> list[int]:
+    if global_batch % dp:
+        raise ConfigError(f"global_batch = {global_batch} is not allowed with dp = {dp}: every data replica needs "
+                          f"the same samples; allowed: a multiple of {dp}")
+    per_replica = global_batch // dp
+    if "microbatches" in free:
+        cap = min(MAX_MICROBATCHES_PER_STAGE * pp, MAX_MICROBATCHES)
+        allowed = [m for m in placement.divisors(per_replica) if m <= cap]
+        return [m for m in allowed if m >= pp] or allowed[-1:]
+    if per_replica % par.microbatches:
+        raise ConfigError(f"microbatches = {par.microbatches} is not allowed: each data replica's {per_replica} "
+                          f"samples must split evenly; allowed: a divisor of {per_replica}")
+    return [par.microbatches]
+
+
+def _topology(topology) -> Topology:
+    if isinstance(topology, Topology):
+        return topology
+    if isinstance(topology, (str, os.PathLike)):
+        return load(topology)
+    raise ConfigError(f"topology = {topology!r} is not allowed; allowed: a TOML file path or a Topology")
+
+
+def plan(topology, model, parallel: ParallelConfig | None = None, *, global_batch: int = DEFAULT_GLOBAL_BATCH,
+         seq_len: int | None = None, auto: Iterable[str] | None = None, allow_mixed: bool = False,
+         ratios: Mapping[str, float] | None = None, profile=None) -> Plan:
+    """Plans `model` (a preset name or ModelConfig) on `topology` (a TOML path or Topology).
+
+    `parallel` fixes tp, pp, dp (None: what is left), microbatches, the partition method or
+    stage_layers, the schedule, placement and zero1. `auto` names the sizes of SEARCHABLE that the
+    cost model chooses instead; default: all of them without `parallel`, none with it.
+    `allow_mixed`: let a holmes stage span clusters (reported) instead of refusing.
+    `ratios`: holmes-ratio's weight per cluster name (default: cluster NIC Gb/s).
+    `profile`: a measured Profile (or its JSON path); None: `parallel.profile`, else analytic costs
+    and topology links (see the module doc).
+    """
+    topo = _topology(topology)
+    cfg = presets.resolve(model if isinstance(model, ModelConfig) else ModelConfig(preset=model))
+    par = ParallelConfig() if parallel is None else parallel
+    par.validate()
+    free = set(SEARCHABLE if parallel is None else ()) if auto is None else set(auto)
+    if free - set(SEARCHABLE):
+        raise ConfigError(f"auto = {sorted(free)} is not allowed; allowed: any of {', '.join(SEARCHABLE)}")
+    if par.stage_layers is not None:
+        free.discard("pp")
+    seq_len = cfg.max_seq_len if seq_len is None else seq_len
+    for name, value in (("global_batch", global_batch), ("seq_len", seq_len)):
+        check_positive(name, value)
+    if seq_len > cfg.max_seq_len:
+        raise ConfigError(f"seq_len = {seq_len} is not allowed; "
+                          f"allowed: up to ModelConfig.max_seq_len = {cfg.max_seq_len}")
+    prof = _load_profile(par.profile if profile is None else profile, cfg)
+
+    candidates, errors = _candidates(topo, cfg, par, free, global_batch, seq_len, allow_mixed, ratios, prof)
+    if not candidates:
+        errors = list(dict.fromkeys(errors))
+        raise ConfigError(errors[0] if len(errors) == 1 else
+                          f"no layout fits ({len(errors)} kinds of misfit); first: {errors[0]}")
+    # Simulate in lower-bound order, stopping once no bound can beat the FULL_SEARCH-th best time.
+    timed = []
+    for c in sorted(candidates, key=lambda c: c.bound):
+        if len(timed) >= FULL_SEARCH and c.bound >= timed[FULL_SEARCH - 1][0]:
+            break
+        timed = sorted(timed + [(float(c.model.step_times([c.split])[0]), len(timed), c)], key=lambda t: t[:2])
+    best = None
+    for _, _, c in timed[:FULL_SEARCH]:
+        prediction = c.model.predict(partition.split(par.partition, c.model, c.weights, par.stage_layers))
+        if best is None or prediction.step_time_s < best[0].step_time_s:
+            best = prediction, c
+    prediction, c = best
+    partitions = {m: c.model.predict(partition.split(m, c.model, c.weights)) for m in partition.METHODS}
+    return Plan(topo, cfg, c.placement, prediction.stage_layers,
+                "explicit" if par.stage_layers is not None else par.partition, c.model.schedule, c.model.microbatches,
+                global_batch, seq_len, par.zero1, prediction, partitions, c.notes)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Candidate:
+    bound: float  # no schedule of this candidate beats it (CostModel.lower_bounds)
+    placement: Placement
+    model: CostModel
+    weights: list[float]  # holmes-ratio's per stage
+    split: tuple[int, ...]  # the screening split: time-balanced for auto, else the method's own
+    notes: tuple[str, ...]  # how a measured profile entered its cost model
+
+
+def _candidates(topo: Topology, cfg: ModelConfig, par: ParallelConfig, free: set, global_batch: int, seq_len: int,
+                allow_mixed: bool, ratios, prof=None) -> tuple[list[_Candidate], list[str]]:
+    """Every (layout, microbatches, schedule) that fits the topology, the model, the batch and
+    device memory; and why the others do not."""
+    found, errors = [], []
+    for tp, pp, dp in _layouts(topo, cfg, par, free):
+        try:
+            _check_model(cfg, tp, pp)
+            pl = placement.place(topo, tp, pp, dp, par.placement, allow_mixed)
+            options = _microbatch_options(par, free, global_batch, pl.grid.shape[1], pp)
+        except ConfigError as e:
+            errors.append(str(e))
+            continue
+        weights = _stage_ratios(topo, pl, ratios)
+        for m, schedule in itertools.product(options, SCHEDULES if "schedule" in free else [par.schedule]):
+            model, notes = _cost_model(cfg, pl, global_batch, seq_len, m, schedule, par.zero1, prof, topo)
+            if par.stage_layers is not None or par.partition != "auto":
+                split = partition.split(par.partition, model, weights, par.stage_layers)
+            else:
+                split = partition.time_balanced(model)
+            bound = float(model.lower_bounds([split])[0])
+            if bound == np.inf:
+                memory = model.stage_terms([split])["memory"][0]
+                s = int(np.argmax(memory - np.array(pl.device_memory)))
+                errors.append(f"tp = {tp}, pp = {pp}, microbatches = {m}, schedule {schedule} do not fit in device "
+                              f"memory: stage {s} needs {memory[s] / 1e9:.3g} GB, its devices have "
+                              f"{pl.device_memory[s] / 1e9:.3g} GB; allowed: layouts that fit (or a larger "
+                              f"device_memory_gb in the topology)")
+                continue
+            found.append(_Candidate(bound, pl, model, weights, split, notes))
+    return found, errors

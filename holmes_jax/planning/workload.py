@@ -1,0 +1,81 @@
+"""What a model costs, from its config alone: parameters and FLOPs per part, activation bytes,
+and Megatron's per-iteration FLOPs formula (what the Holmes paper's TFLOPS use)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+from holmes_jax.config import ModelConfig
+
+
+class Part(NamedTuple):
+    """One piece of the model: parameters and FLOPs of one microbatch's forward and backward
+    (the whole part, before tensor parallelism)."""
+
+    params: float
+    fwd_flops: float
+    bwd_flops: float
+
+
+def micro_batch(global_batch: int, dp: int, microbatches: int) -> int:
+    """Sequences in one microbatch on one data replica."""
+    return global_batch // (dp * microbatches)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelCosts:
+    embed: Part
+    layers: tuple[Part, ...]
+    head: Part  # final norm, output projection and loss
+    activation_bytes: int  # one microbatch's hidden states at a stage boundary
+    param_leaves: int = 1  # parameter arrays (a stage's layers are stacked: one array per block leaf)
+
+    @property
+    def params(self) -> int:
+        return self.embed.params + sum(p.params for p in self.layers) + self.head.params
+
+
+def layer_params(cfg: ModelConfig) -> int:
+    h, f = cfg.hidden, cfg.ffn_hidden
+    mlp = (3 if cfg.mlp == "swiglu" else 2) * h * f
+    norms = 2 * (2 * h if cfg.norm == "layernorm" else h)
+    return 4 * h * h + mlp + norms
+
+
+def model_costs(cfg: ModelConfig, micro_batch: int, seq_len: int) -> ModelCosts:
+    """Analytic costs of a resolved config for one microbatch of `micro_batch` sequences.
+
+    FLOPs count multiply-adds as 2 and the backward pass as twice the forward; with `remat` the
+    backward also repeats the forward (what Megatron's 96 vs 72 coefficient expresses).
+    """
+    h, f, v = cfg.hidden, cfg.ffn_hidden, cfg.vocab_size
+    tokens = micro_batch * seq_len
+    matmul_params = 4 * h * h + (3 if cfg.mlp == "swiglu" else 2) * h * f
+    layer_fwd = 2.0 * tokens * matmul_params + 4.0 * micro_batch * seq_len * seq_len * h
+    layer_bwd = 2.0 * layer_fwd + (layer_fwd if cfg.remat else 0.0)
+    layer = Part(layer_params(cfg), layer_fwd, layer_bwd)
+
+    embed_params = v * h + (cfg.max_seq_len * h if cfg.positions == "learned" else 0)
+    embed = Part(embed_params, 0.0, 0.0)  # a gather: no matmul FLOPs
+    head_fwd = 2.0 * tokens * h * v
+    final_norm = 2 * h if cfg.norm == "layernorm" else h
+    head = Part(final_norm + (0 if cfg.tie_embeddings else v * h), head_fwd, 2.0 * head_fwd)
+    act_bytes = tokens * h * (2 if cfg.compute_dtype == "bfloat16" else 4)
+    norm_leaves = 2 if cfg.norm == "layernorm" else 1  # scale (and bias)
+    block_leaves = 2 * norm_leaves + 4 + (3 if cfg.mlp == "swiglu" else 2)  # norms, q k v o, the MLP's kernels
+    embed_leaves = 1 + (cfg.positions == "learned")
+    head_leaves = norm_leaves + (0 if cfg.tie_embeddings else 1)
+    return ModelCosts(embed, (layer,) * cfg.num_layers, head, act_bytes, block_leaves + embed_leaves + head_leaves)
+
+
+def megatron_flops(batch: int, seq_len: int, num_layers: int, hidden: int, vocab: int, recompute: bool) -> float:
+    """FLOPs of one training iteration by Megatron's formula (what the Holmes paper's TFLOPS use).
+
+    With activation recompute: 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h));
+    without: 72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h)).
+    """
+    b, s, l, h, v = batch, seq_len, num_layers, hidden, vocab
+    if recompute:
+        return 96.0 * b * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
+    return 72.0 * b * s * l * h * h * (1 + s / (6 * h) + v / (12 * l * h))

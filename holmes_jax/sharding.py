@@ -1,0 +1,54 @@
+"""Where a run's arrays live on the mesh (stage, data, tensor): parameters as the model's
+tensor-parallel specs say (blocks split over `stage` in the staged layout), gradients and Adam
+moments additionally over `data` with ZeRO-1, counters replicated."""
+
+from __future__ import annotations
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from holmes_jax.models import gpt
+
+
+def _zero1_spec(spec: P, shape: tuple, dp: int) -> P:
+    """Adds `data` to the first unsplit axis of a leaf that `dp` divides (ZeRO stage 1)."""
+    dims = list(spec) + [None] * (len(shape) - len(spec))
+    for i, (name, size) in enumerate(zip(dims, shape)):
+        if name is None and size % dp == 0:
+            dims[i] = "data"
+            return P(*dims)
+    return spec
+
+
+def gradient_specs(params_shapes: dict, stage_axis: str | None, dp: int, zero1: bool) -> dict:
+    """Where gradients and optimizer moments live: the parameter's spec, split over `data` too
+    with ZeRO-1 (so the gradient is reduce-scattered and each replica updates its shard)."""
+    pspecs = gpt.param_specs(params_shapes, stage_axis)
+    if not zero1:
+        return pspecs
+    return jax.tree.map(lambda spec, leaf: _zero1_spec(spec, leaf.shape, dp), pspecs, params_shapes,
+                        is_leaf=lambda x: isinstance(x, P))
+
+
+def optimizer_specs(opt_shapes, moment_specs: dict):
+    """PartitionSpecs for optimizer state: a leaf under a parameter's path takes that parameter's
+    moment spec; counters and scalars are replicated."""
+    by_path = {tuple(path): spec for path, spec in
+               jax.tree_util.tree_leaves_with_path(moment_specs, is_leaf=lambda x: isinstance(x, P))}
+
+    def spec(path, leaf):
+        for start in range(len(path)):
+            match = by_path.get(tuple(path[start:]))
+            if match is not None and len(leaf.shape) > 0:
+                return match
+        return P()
+
+    return jax.tree_util.tree_map_with_path(spec, opt_shapes)
+
+
+def state_shardings(mesh: Mesh, tx, params_shapes: dict, stage_axis: str | None, zero1: bool) -> dict:
+    pspecs = gpt.param_specs(params_shapes, stage_axis)
+    moments = gradient_specs(params_shapes, stage_axis, mesh.shape["data"], zero1)
+    ospecs = optimizer_specs(jax.eval_shape(tx.init, params_shapes), moments)
+    specs = {"params": pspecs, "opt_state": ospecs, "step": P()}
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
