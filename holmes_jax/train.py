@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import functools
+import math
 import time
 from pathlib import Path
 
@@ -101,7 +102,10 @@ def load_configs(argv: list[str]) -> Configs:
         raise ConfigError("gin: " + " ".join(str(e).split())) from None
     for c in (cfgs.parallel, cfgs.data, cfgs.train, cfgs.checkpoint):
         c.validate()
-    return dataclasses.replace(cfgs, model=presets.resolve(cfgs.model))
+    model = cfgs.model
+    if model.vocab_size is None and (need := data.vocab_size(cfgs.data)):  # unset: follow the data's vocabulary
+        model = dataclasses.replace(model, vocab_size=data.padded_vocab(need, math.lcm(128, cfgs.parallel.tp)))
+    return dataclasses.replace(cfgs, model=presets.resolve(model))
 
 
 # ----------------------------------------------------------------------------- mesh and state
@@ -308,6 +312,7 @@ def run(cfgs: Configs, devices=None, quiet: bool = False) -> dict:
     quiet = quiet or jax.process_index() != 0
     say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
     token_data = data.load(cfgs.data)
+    token_data.check_model_vocab(cfgs.model.vocab_size)
     setup = build(cfgs, devices)
     devices = list(setup.mesh.devices.flat)
     tcfg, dcfg, mcfg = cfgs.train, cfgs.data, cfgs.model
