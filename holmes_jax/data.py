@@ -21,6 +21,7 @@ function of (seed, split, k), so a resumed run sees exactly the batches an unint
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -43,6 +44,7 @@ class TokenData:
     val: np.ndarray
     vocab_size: int  # the ids are below it
     description: str
+    source: str = ""  # DataConfig.source
     declared: bool = True  # vocab_size is the data's own (bytes, meta.json, DataConfig.vocab_size), not scanned
 
     def check_model_vocab(self, model_vocab: int) -> None:
@@ -52,7 +54,7 @@ class TokenData:
             return
         fix = ("leave ModelConfig.vocab_size unset (the model then follows the data) or set it"
                if self.declared else "set DataConfig.vocab_size (the model then follows it) or ModelConfig.vocab_size")
-        raise ConfigError(f"the data ({self.description}) has token ids up to {self.vocab_size - 1} but "
+        raise ConfigError(f"DataConfig.source = {self.source!r} has token ids up to {self.vocab_size - 1} but "
                           f"ModelConfig.vocab_size = {model_vocab}; {fix} to at least {self.vocab_size}")
 
     def batch(self, split: str, seed: int, step: int, batch_size: int, seq_len: int) -> np.ndarray:
@@ -103,7 +105,8 @@ def _cached_bytes(files: list[Path], cache_dir: Path, source: str) -> np.ndarray
                     out.write(f.read_bytes())
             os.replace(partial, cache)  # atomic: a crash never leaves a half-written cache behind
         except OSError as e:
-            partial.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # nothing to remove when the folder itself failed
+                partial.unlink()
             raise ConfigError(f"DataConfig.cache_dir = {str(cache_dir)!r} cannot be written ({e.strerror or e}); "
                               "choose a writable folder") from None
     return np.memmap(cache, dtype=np.uint8, mode="r")
@@ -197,7 +200,7 @@ def load(cfg: DataConfig) -> TokenData:
             f"DataConfig.source = {cfg.source!r} holds {len(tokens)} tokens, too few for DataConfig.seq_len = "
             f"{cfg.seq_len} with a validation split"
         )
-    return TokenData(tokens[:-n_val], tokens[-n_val:], vocab, f"{what}: {len(tokens):,} tokens", declared)
+    return TokenData(tokens[:-n_val], tokens[-n_val:], vocab, f"{what}: {len(tokens):,} tokens", cfg.source, declared)
 
 
 def main(argv: list[str]) -> int:
