@@ -211,10 +211,12 @@ def main(argv: list[str]) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Tokenize text files, folders of text files and JSONL files into DIR, for "
                     "--gin.DataConfig.source=DIR.",
-        epilog="DIR gets tokens.bin (documents, each followed by the end-of-text id; uint16, or uint32 for\n"
+        epilog="Binary files (a NUL byte in their first 8 KiB) and empty documents are skipped.\n\n"
+               "DIR gets tokens.bin (documents, each followed by the end-of-text id; uint16, or uint32 for\n"
                "vocabularies over 65536), tokenizer.json (not for bytes) and meta.json (tokenizer,\n"
-               "vocab_size, dtype, documents, tokens, eot_id, sources). A run on DIR gives the model\n"
-               "DIR's vocabulary rounded up to a multiple of 128 unless ModelConfig.vocab_size is set.\n\n"
+               "vocab_size, dtype, documents, tokens, eot_id, sources, binary_files_skipped). A run on\n"
+               "DIR gives the model DIR's vocabulary rounded up to a multiple of 128 unless\n"
+               "ModelConfig.vocab_size is set.\n\n"
                "example:\n  python -m holmes_jax.data prepare corpus/ --out data/corpus-bpe --tokenizer bpe:8192")
     prep.add_argument("sources", nargs="+", metavar="SRC",
                       help="a text file (one document), a folder (every file under it, sorted; hidden ones skipped) "
@@ -229,8 +231,9 @@ def main(argv: list[str]) -> int:
     from holmes_jax import prepare  # imports the tokenizers library only when preparing
 
     meta = prepare.prepare(args.sources, args.out, args.tokenizer)
+    skipped = meta["binary_files_skipped"]
     print(f"{args.out}: {meta['documents']:,} documents, {meta['tokens']:,} tokens, vocabulary {meta['vocab_size']} "
-          f"({meta['dtype']}, end-of-text {meta['eot_id']})")
+          f"({meta['dtype']}, end-of-text {meta['eot_id']})" + (f"; skipped {skipped} binary files" if skipped else ""))
     return 0
 
 

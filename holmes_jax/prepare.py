@@ -2,7 +2,8 @@
 
 Inputs: text files, folders of them (every file under the folder, sorted, hidden paths skipped) and
 JSONL files (`*.jsonl`, one JSON object a line with a "text" string). Each text file is one
-document, each JSONL line one more; empty ones are skipped. Text is read as UTF-8; bytes that are
+document, each JSONL line one more; empty ones are skipped, and so are binary files (a NUL byte in
+their first 8 KiB, as git decides; compiled `.pyc` files, images). Text is read as UTF-8; bytes that are
 not UTF-8 become U+FFFD for the BPE tokenizers (the bytes tokenizer keeps them as they are).
 
 Tokenizers (T):
@@ -18,7 +19,6 @@ to a temporary folder beside DIR and renamed, so a failure leaves no half-writte
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import shutil
@@ -34,6 +34,7 @@ from holmes_jax.data import BYTE_VOCAB, META_FILE, TOKEN_FILE, TOKENIZER_FILE
 
 EOT_TEXT = "<|endoftext|>"
 EOT_NAMES = (EOT_TEXT, "<|end_of_text|>", "</s>", "<eos>")
+BINARY_SNIFF = 8192  # a NUL byte among a file's first bytes marks it binary
 BATCH_BYTES = 4 << 20  # text encoded per tokenizer call: large enough to keep its threads busy
 
 
@@ -43,7 +44,7 @@ class Progress:
 
     def __init__(self, label: str, total_bytes: int, stream=None):
         self.label, self.total, self.stream = label, max(total_bytes, 1), stream or sys.stderr
-        self.done = self.documents = self.tokens = 0
+        self.done = self.documents = self.tokens = self.binary_files = 0
         self.tty = self.stream.isatty()
         self.start = self.last = time.monotonic()
         self.drawn = None  # the counters last drawn
@@ -102,7 +103,9 @@ def documents(files: list[Path], progress: Progress) -> Iterator[bytes]:
         except OSError as e:
             raise ConfigError(f"SRC {str(f)!r} cannot be read: {e.strerror or e}") from None
         progress.advance(len(text))
-        if text:
+        if b"\0" in text[:BINARY_SNIFF]:
+            progress.binary_files += 1
+        elif text:
             yield text
 
 
@@ -199,6 +202,19 @@ def _writable_temp_dir(out: Path) -> Path:
         raise ConfigError(f"--out {str(out)!r} cannot be written: {e.strerror or e}") from None
 
 
+def _batches(docs: Iterator[bytes], limit: int) -> Iterator[list[bytes]]:
+    """`docs` in lists of about `limit` bytes."""
+    batch, size = [], 0
+    for doc in docs:
+        batch.append(doc)
+        size += len(doc)
+        if size >= limit:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
 def prepare(sources: list[str], out: str, spec: str) -> dict:
     """Tokenizes `sources` with tokenizer `spec` into the folder `out`; returns its meta.json."""
     out_path = Path(out).expanduser()
@@ -210,23 +226,17 @@ def prepare(sources: list[str], out: str, spec: str) -> dict:
         dtype = np.dtype("<u2" if tokenizer.vocab_size <= 1 << 16 else "<u4")
         progress = Progress("tokenizing", total)
         with open(tmp / TOKEN_FILE, "wb") as sink:
-            batch, batch_bytes = [], 0
-            for doc in itertools.chain(documents(files, progress), [None]):  # None: flush the last batch
-                if doc is not None:
-                    batch.append(doc)
-                    batch_bytes += len(doc)
-                if batch and (doc is None or batch_bytes >= BATCH_BYTES):
-                    ids = np.concatenate([part for d in tokenizer.encode(batch) for part in (d, [tokenizer.eot_id])])
-                    ids.astype(dtype).tofile(sink)
-                    progress.advance(documents=len(batch), tokens=len(ids))
-                    batch, batch_bytes = [], 0
+            for batch in _batches(documents(files, progress), BATCH_BYTES):
+                ids = np.concatenate([part for d in tokenizer.encode(batch) for part in (d, [tokenizer.eot_id])])
+                ids.astype(dtype).tofile(sink)
+                progress.advance(documents=len(batch), tokens=len(ids))
         progress.close()
         if progress.documents == 0:
-            raise ConfigError(f"SRC {' '.join(sources)}: the corpus is empty (every file or text field is empty)")
+            raise ConfigError(f"SRC {' '.join(sources)}: the corpus is empty (its files and text fields are empty or binary)")
         tokenizer.save(tmp)
         meta = {"tokenizer": spec, "vocab_size": tokenizer.vocab_size, "dtype": dtype.name,
                 "documents": progress.documents, "tokens": progress.tokens, "eot_id": tokenizer.eot_id,
-                "sources": [str(s) for s in sources]}
+                "sources": [str(s) for s in sources], "binary_files_skipped": progress.binary_files}
         (tmp / META_FILE).write_text(json.dumps(meta, indent=1) + "\n")
         if out_path.exists():
             out_path.rmdir()  # empty (checked above); rename cannot replace a folder on every OS

@@ -39,11 +39,13 @@ def _train_hf_tokenizer(path: Path, texts: list[str], special: list[str], size: 
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> Path:
-    """Seven Python sources (about 80 KB) as seven documents, and a hidden file prepare skips."""
+    """Seven Python sources (about 80 KB) as seven documents, and a hidden and a binary file prepare skips."""
     root = tmp_path_factory.mktemp("corpus")
     for src in sorted((STDLIB / "json").glob("*.py")) + [STDLIB / "textwrap.py", STDLIB / "string.py"]:
         shutil.copy(src, root / f"{src.parent.name}_{src.name}")
     (root / ".notes").write_text("hidden: never read")
+    (root / "__pycache__").mkdir()
+    (root / "__pycache__" / "compiled.pyc").write_bytes(b"\x00\x01binary" * 10)
     return root
 
 
@@ -71,9 +73,9 @@ def _documents(folder: Path) -> tuple[dict, list[np.ndarray]]:
 def test_prepared_folder_holds_each_document_then_end_of_text(prepared, corpus):
     kind, folder = prepared
     meta, docs = _documents(folder)
-    files = sorted(p for p in corpus.iterdir() if not p.name.startswith("."))
+    files = sorted(p for p in corpus.iterdir() if p.suffix == ".py")
     texts = [p.read_text() for p in files]
-    assert meta["documents"] == len(docs) == len(files) == 7
+    assert meta["documents"] == len(docs) == len(files) == 7 and meta["binary_files_skipped"] == 1
     assert meta["tokens"] == sum(len(d) for d in docs) == (folder / "tokens.bin").stat().st_size // 2
     assert meta["dtype"] == "uint16" and meta["tokenizer"].endswith(kind)
     assert all(d[-1] == meta["eot_id"] and meta["eot_id"] not in d[:-1] for d in docs)
