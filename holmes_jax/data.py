@@ -142,11 +142,12 @@ def read_meta(folder: Path) -> dict:
         meta = json.loads((folder / META_FILE).read_text())
     except (OSError, ValueError) as e:
         raise ConfigError(f"DataConfig.source = {str(folder)!r}: unreadable {META_FILE} ({e})") from None
+    counts = ("vocab_size", "documents", "tokens", "eot_id")
     ok = (isinstance(meta, dict) and meta.get("dtype") in ("uint16", "uint32") and isinstance(meta.get("tokenizer"), str)
-          and all(isinstance(meta.get(k), int) and meta[k] >= 0 for k in ("vocab_size", "documents", "tokens", "eot_id")))
+          and all(isinstance(meta.get(k), int) and meta[k] >= 0 for k in counts))
     if not ok:
         raise ConfigError(f"DataConfig.source = {str(folder)!r}: {META_FILE} needs tokenizer, dtype (uint16 | uint32) "
-                          "and the non-negative integers vocab_size, documents, tokens, eot_id; prepare the folder again")
+                          f"and the non-negative integers {', '.join(counts)}; prepare the folder again")
     return meta
 
 
@@ -166,7 +167,6 @@ def padded_vocab(n: int, multiple: int = 128) -> int:
 
 def load(cfg: DataConfig) -> TokenData:
     cache_dir = Path(cfg.cache_dir or Path.home() / ".cache" / "holmes_jax").expanduser()
-    folder = None if cfg.source == "stdlib" or cfg.source.endswith(".bin") else _prepared(cfg.source)
     declared = True
     if cfg.source == "stdlib":
         tokens = _cached_bytes(_stdlib_files(), cache_dir, cfg.source)
@@ -176,11 +176,11 @@ def load(cfg: DataConfig) -> TokenData:
         tokens = _token_file(path, cfg.token_dtype, cfg.source)
         top = _max_id(tokens)
         if cfg.vocab_size is not None and top >= cfg.vocab_size:
-            raise ConfigError(f"DataConfig.source = {cfg.source!r} holds token id {top}, outside DataConfig.vocab_size = "
-                              f"{cfg.vocab_size}; set it to at least {top + 1}")
+            raise ConfigError(f"DataConfig.source = {cfg.source!r} holds token id {top}, outside "
+                              f"DataConfig.vocab_size = {cfg.vocab_size}; set it to at least {top + 1}")
         vocab, declared = cfg.vocab_size or top + 1, cfg.vocab_size is not None
         what = f"token file {path} ({cfg.token_dtype})"
-    elif folder:
+    elif folder := _prepared(cfg.source):
         meta = read_meta(folder)
         if cfg.vocab_size is not None and cfg.vocab_size != meta["vocab_size"]:
             raise ConfigError(f"DataConfig.vocab_size = {cfg.vocab_size} disagrees with {folder / META_FILE} "

@@ -2,9 +2,9 @@
 
 Inputs: text files, folders of them (every file under the folder, sorted, hidden paths skipped) and
 JSONL files (`*.jsonl`, one JSON object a line with a "text" string). Each text file is one
-document, each JSONL line one more; empty ones are skipped, and so are binary files (a NUL byte in
-their first 8 KiB, as git decides; compiled `.pyc` files, images). Text is read as UTF-8; bytes that are
-not UTF-8 become U+FFFD for the BPE tokenizers (the bytes tokenizer keeps them as they are).
+document, each JSONL line one more; empty ones are skipped, and so are binary files (a NUL byte
+in their first 8 KiB, as git decides: compiled `.pyc` files, images). Text is read as UTF-8;
+bytes that are not UTF-8 become U+FFFD for the BPE tokenizers (the bytes tokenizer keeps them).
 
 Tokenizers (T):
 - `bytes`: one token per byte (0-255) and end-of-text 256, so a vocabulary of 257.
@@ -85,7 +85,8 @@ def input_files(sources: list[str]) -> list[Path]:
             files += sorted(f for f in path.rglob("*") if f.is_file()
                             and not any(part.startswith(".") for part in f.relative_to(path).parts))
         else:
-            raise ConfigError(f"SRC {source!r} is not a readable file or folder; give text files, folders or .jsonl files")
+            raise ConfigError(f"SRC {source!r} is not a readable file or folder; "
+                              "give text files, folders or .jsonl files")
     if not files:
         raise ConfigError(f"SRC {' '.join(sources)}: no files to read (empty folders; hidden files are skipped)")
     return files
@@ -232,7 +233,8 @@ def prepare(sources: list[str], out: str, spec: str) -> dict:
                 progress.advance(documents=len(batch), tokens=len(ids))
         progress.close()
         if progress.documents == 0:
-            raise ConfigError(f"SRC {' '.join(sources)}: the corpus is empty (its files and text fields are empty or binary)")
+            raise ConfigError(f"SRC {' '.join(sources)}: the corpus is empty "
+                              "(its files and text fields are empty or binary)")
         tokenizer.save(tmp)
         meta = {"tokenizer": spec, "vocab_size": tokenizer.vocab_size, "dtype": dtype.name,
                 "documents": progress.documents, "tokens": progress.tokens, "eot_id": tokenizer.eot_id,

@@ -62,8 +62,8 @@ def _write(path, content: bytes) -> str:
 
 def _bad_sources(d):
     for name, content in [("empty.txt", b""), ("blank/a.txt", b""), ("empty.bin", b""), ("odd.bin", b"\x01\x00\x02"),
-                          ("six.bin", bytes(6)), ("short.bin", bytes(40)), ("text.txt", b"text " * 100), ("afile", b"x"),
-                          ("wide.bin", np.arange(5000, dtype="<u2").tobytes())]:
+                          ("six.bin", bytes(6)), ("short.bin", bytes(40)), ("text.txt", b"text " * 100),
+                          ("afile", b"x"), ("wide.bin", np.arange(5000, dtype="<u2").tobytes())]:
         _write(d / name, content)
     (d / "nothing").mkdir()
 
@@ -76,7 +76,8 @@ DATA_ERRORS = {  # case: (source in the test folder, DataConfig fields, what the
     "odd-length .bin": ("odd.bin", {}, "holds 3 bytes, not a whole number of uint16 ids"),
     "uint32 .bin of 6 bytes": ("six.bin", {"token_dtype": "uint32"}, "check DataConfig.token_dtype"),
     ".bin shorter than a sequence": ("short.bin", {"seq_len": 32}, "too few for DataConfig.seq_len"),
-    ".bin id beyond DataConfig.vocab_size": ("wide.bin", {"vocab_size": 4000}, "holds token id 4999, outside DataConfig.vocab_size = 4000"),
+    ".bin id beyond DataConfig.vocab_size": ("wide.bin", {"vocab_size": 4000},
+                                             "holds token id 4999, outside DataConfig.vocab_size = 4000"),
     "unwritable cache dir": ("text.txt", {"cache_dir": "afile/cache"}, "DataConfig.cache_dir"),
 }
 
@@ -105,7 +106,7 @@ def test_ids_beyond_the_model_vocabulary_are_named_with_the_fix(tmp_path):
     scanned = data.load(DataConfig(source=path, seq_len=16, cache_dir=str(tmp_path)))
     assert (scanned.vocab_size, scanned.declared) == (1000, False)
     scanned.check_model_vocab(1000)
-    with pytest.raises(ConfigError, match="token ids up to 999 but ModelConfig.vocab_size = 256; set DataConfig.vocab_size"):
+    with pytest.raises(ConfigError, match="ids up to 999 but ModelConfig.vocab_size = 256; set DataConfig.vocab_size"):
         scanned.check_model_vocab(256)
     declared = data.load(DataConfig(source=path, seq_len=16, vocab_size=1024, cache_dir=str(tmp_path)))
     assert (declared.vocab_size, declared.declared) == (1024, True)

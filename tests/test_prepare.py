@@ -168,6 +168,7 @@ BAD_INPUTS = {  # case: (arguments after `prepare`, {d} the test's folder; what 
     "empty files": ("{d}/blank --out {d}/out", "the corpus is empty"),
     "empty files, bpe": ("{d}/blank --out {d}/out --tokenizer bpe:300", "the corpus is empty"),
     "bad jsonl": ("{d}/bad.jsonl --out {d}/out", "line 2"),
+    "bad jsonl, bpe": ("{d}/bad.jsonl --out {d}/out --tokenizer bpe:300", "line 2"),  # raised inside the trainer
     "bad tokenizer": ("{d}/text.txt --out {d}/out --tokenizer gpt2", "--tokenizer 'gpt2' is not allowed"),
     "bpe too small": ("{d}/text.txt --out {d}/out --tokenizer bpe:200", "bpe:N needs a whole N above 257"),
     "bpe not a number": ("{d}/text.txt --out {d}/out --tokenizer bpe:lots", "bpe:N needs a whole N"),
