@@ -116,11 +116,12 @@ class ParallelConfig:
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
     """Where tokens come from. `source`: 'stdlib' (Python's own sources, bytes), a text file or
-    folder, or a flat token file (`*.bin`, `token_dtype` integers, see holmes_jax.data)."""
+    folder, a prepared folder (`python -m holmes_jax.data prepare`), or a flat token file (`*.bin`,
+    `token_dtype` integers, see holmes_jax.data)."""
 
     source: str = "stdlib"
     token_dtype: str = "uint16"  # for token files: uint16 | uint32
-    vocab_size: int | None = None  # for token files; text is bytes (256)
+    vocab_size: int | None = None  # for .bin files (the model then follows it); text is bytes (256)
     seq_len: int = 128
     global_batch: int = 16
     val_fraction: float = 0.01

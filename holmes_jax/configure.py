@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import math
 from pathlib import Path
 
 import gin
 
+from holmes_jax import data
 from holmes_jax.config import CheckpointConfig, ConfigError, DataConfig, ModelConfig, ParallelConfig, TrainConfig
 from holmes_jax.models import presets
 
@@ -80,4 +82,7 @@ def load_configs(argv: list[str]) -> Configs:
         raise ConfigError("gin: " + " ".join(str(e).split())) from None
     for c in (cfgs.parallel, cfgs.data, cfgs.train, cfgs.checkpoint):
         c.validate()
-    return dataclasses.replace(cfgs, model=presets.resolve(cfgs.model))
+    model = cfgs.model
+    if model.vocab_size is None and (declared := data.vocab_size(cfgs.data)):  # unset: follow the data's
+        model = dataclasses.replace(model, vocab_size=data.padded_vocab(declared, math.lcm(128, cfgs.parallel.tp)))
+    return dataclasses.replace(cfgs, model=presets.resolve(model))

@@ -6,7 +6,14 @@ Sources (`DataConfig.source`):
 - a text file, or a folder of text files (all files under it, sorted), read as bytes.
 - a flat token file ending in `.bin`: a headerless little-endian array of `DataConfig.token_dtype`
   (uint16 or uint32) token ids, e.g. written with `np.asarray(ids, np.uint16).tofile(path)`;
-  `DataConfig.vocab_size` gives its vocabulary (default: max id + 1).
+  `DataConfig.vocab_size` gives its vocabulary (default: unknown; its ids are scanned once).
+- a prepared folder (it holds `meta.json`), written by `python -m holmes_jax.data prepare`
+  (holmes_jax.prepare): `tokens.bin` in the dtype and vocabulary its meta.json names.
+
+`vocab_size(cfg)` is the vocabulary the data declares (a prepared folder's, or
+`DataConfig.vocab_size` for a `.bin`), which the trainer gives the model unless
+`ModelConfig.vocab_size` is set; byte text declares none, so a preset keeps its own (every preset
+has at least 256); `TokenData.check_model_vocab` rejects a model too small for the ids.
 
 Text is cached as a uint8 memmap under `DataConfig.cache_dir`, keyed by the file list and sizes.
 The last `val_fraction` of the tokens is the validation split. The batch for step k is a pure
@@ -15,25 +22,42 @@ function of (seed, split, k), so a resumed run sees exactly the batches an unint
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import dataclasses
 import hashlib
+import json
 import os
 import sysconfig
 from pathlib import Path
 
 import numpy as np
 
+from holmes_jax import cli, prepare
 from holmes_jax.config import ConfigError, DataConfig
+from holmes_jax.prepare import BYTE_VOCAB, META_FILE, TOKEN_FILE
 
-BYTE_VOCAB = 256
+SCAN_CHUNK = 1 << 24  # token ids read at a time when scanning a file for its largest id
 
 
 @dataclasses.dataclass(frozen=True)
 class TokenData:
     train: np.ndarray  # 1-D token ids (memmap)
     val: np.ndarray
-    vocab_size: int
+    vocab_size: int  # the ids are below it
     description: str
+    source: str = ""  # DataConfig.source
+    declared: bool = True  # vocab_size is the data's own (bytes, meta.json, DataConfig.vocab_size), not scanned
+
+    def check_model_vocab(self, model_vocab: int) -> None:
+        """ConfigError unless every id fits a model with `model_vocab` embeddings (otherwise the run
+        trains to NaN without complaint)."""
+        if self.vocab_size <= model_vocab:
+            return
+        fix = ("leave ModelConfig.vocab_size unset (the model then follows the data) or set it"
+               if self.declared else "set DataConfig.vocab_size (the model then follows it) or ModelConfig.vocab_size")
+        raise ConfigError(f"DataConfig.source = {self.source!r} has token ids up to {self.vocab_size - 1} but "
+                          f"ModelConfig.vocab_size = {model_vocab}; {fix} to at least {self.vocab_size}")
 
     def batch(self, split: str, seed: int, step: int, batch_size: int, seq_len: int) -> np.ndarray:
         """`batch_size` windows of `seq_len + 1` tokens (inputs and shifted targets), int32."""
@@ -63,42 +87,155 @@ def _text_files(source: str) -> list[Path]:
         if files:
             return files
         raise ConfigError(f"DataConfig.source = {source!r} is a folder with no files in it")
-    raise ConfigError(f"DataConfig.source = {source!r} is not a readable file or folder; use 'stdlib', a text file or folder, or a .bin token file")
+    raise ConfigError(f"DataConfig.source = {source!r} is not a readable file or folder; use 'stdlib', a text file or folder, a prepared folder or a .bin token file")
 
 
-def _cached_bytes(files: list[Path], cache_dir: Path) -> np.ndarray:
+def _cached_bytes(files: list[Path], cache_dir: Path, source: str) -> np.ndarray:
     """Concatenates `files` into one uint8 memmap, built once per distinct file list."""
     key = hashlib.sha256()
     for f in files:
         key.update(f"{f}\0{f.stat().st_size}\0".encode())
+    if not any(f.stat().st_size for f in files):
+        raise ConfigError(f"DataConfig.source = {source!r} holds no text: its files are empty")
     cache = cache_dir / f"bytes-{key.hexdigest()[:16]}.u8"
     if not cache.exists():
-        cache_dir.mkdir(parents=True, exist_ok=True)
         partial = cache.with_suffix(f".tmp{os.getpid()}")
-        with open(partial, "wb") as out:
-            for f in files:
-                out.write(f.read_bytes())
-        os.replace(partial, cache)  # atomic: a crash never leaves a half-written cache behind
+        try:
+            cache_dir.mkdir(parents=True, exist_ok=True)
+            with open(partial, "wb") as out:
+                for f in files:
+                    out.write(f.read_bytes())
+            os.replace(partial, cache)  # atomic: a crash never leaves a half-written cache behind
+        except OSError as e:
+            with contextlib.suppress(OSError):  # nothing to remove when the folder itself failed
+                partial.unlink()
+            raise ConfigError(f"DataConfig.cache_dir = {str(cache_dir)!r} cannot be written ({e.strerror or e}); "
+                              "choose a writable folder") from None
     return np.memmap(cache, dtype=np.uint8, mode="r")
+
+
+def _token_file(path: Path, dtype: str, source: str) -> np.ndarray:
+    """The ids of a flat token file; ConfigError when it is missing, empty or not whole ids."""
+    if not path.is_file():
+        raise ConfigError(f"DataConfig.source = {source!r}: token file {str(path)!r} not found")
+    size, itemsize = path.stat().st_size, np.dtype(dtype).itemsize
+    if size == 0:
+        raise ConfigError(f"DataConfig.source = {source!r}: token file {str(path)!r} is empty")
+    if size % itemsize:
+        raise ConfigError(f"DataConfig.source = {source!r}: token file {str(path)!r} holds {size} bytes, not a whole "
+                          f"number of {dtype} ids ({itemsize} bytes each); check DataConfig.token_dtype")
+    return np.memmap(path, dtype=np.dtype(dtype).newbyteorder("<"), mode="r")
+
+
+def _max_id(tokens: np.ndarray) -> int:
+    """The largest id, read in chunks so a file larger than memory is scanned in bounded memory."""
+    return max(int(tokens[i : i + SCAN_CHUNK].max()) for i in range(0, len(tokens), SCAN_CHUNK))
+
+
+def _prepared(source: str) -> Path | None:
+    """The folder of a prepared source (one holding meta.json), else None."""
+    path = Path(source).expanduser()
+    return path if (path / META_FILE).is_file() else None
+
+
+def read_meta(folder: Path) -> dict:
+    """A prepared folder's meta.json, its fields checked."""
+    try:
+        meta = json.loads((folder / META_FILE).read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"DataConfig.source = {str(folder)!r}: unreadable {META_FILE} ({e})") from None
+    counts = ("vocab_size", "documents", "tokens", "eot_id")
+    ok = (isinstance(meta, dict) and meta.get("dtype") in ("uint16", "uint32") and isinstance(meta.get("tokenizer"), str)
+          and all(isinstance(meta.get(k), int) and meta[k] >= 0 for k in counts))
+    if not ok:
+        raise ConfigError(f"DataConfig.source = {str(folder)!r}: {META_FILE} needs tokenizer, dtype (uint16 | uint32) "
+                          f"and the non-negative integers {', '.join(counts)}; prepare the folder again")
+    return meta
+
+
+def vocab_size(cfg: DataConfig) -> int | None:
+    """The vocabulary the data declares, known without reading tokens: a prepared folder's, a
+    `.bin`'s `DataConfig.vocab_size`; None for byte text and for a `.bin` without one."""
+    if cfg.source.endswith(".bin"):
+        return cfg.vocab_size
+    folder = None if cfg.source == "stdlib" else _prepared(cfg.source)
+    return read_meta(folder)["vocab_size"] if folder else None
+
+
+def padded_vocab(n: int, multiple: int = 128) -> int:
+    """`n` rounded up to a multiple of `multiple` (fast embedding and output matmuls, tensor-parallel splits)."""
+    return -(-n // multiple) * multiple
 
 
 def load(cfg: DataConfig) -> TokenData:
     cache_dir = Path(cfg.cache_dir or Path.home() / ".cache" / "holmes_jax").expanduser()
+    declared = True
     if cfg.source == "stdlib":
-        tokens, vocab, what = _cached_bytes(_stdlib_files(), cache_dir), BYTE_VOCAB, "python stdlib sources (bytes)"
+        tokens = _cached_bytes(_stdlib_files(), cache_dir, cfg.source)
+        vocab, what = BYTE_VOCAB, "python stdlib sources (bytes)"
     elif cfg.source.endswith(".bin"):
         path = Path(cfg.source).expanduser()
-        if not path.is_file():
-            raise ConfigError(f"DataConfig.source = {cfg.source!r}: token file not found")
-        tokens = np.memmap(path, dtype=np.dtype(cfg.token_dtype).newbyteorder("<"), mode="r")
-        vocab = cfg.vocab_size or int(tokens.max()) + 1
+        tokens = _token_file(path, cfg.token_dtype, cfg.source)
+        top = _max_id(tokens)
+        if cfg.vocab_size is not None and top >= cfg.vocab_size:
+            raise ConfigError(f"DataConfig.source = {cfg.source!r} holds token id {top}, outside "
+                              f"DataConfig.vocab_size = {cfg.vocab_size}; set it to at least {top + 1}")
+        vocab, declared = cfg.vocab_size or top + 1, cfg.vocab_size is not None
         what = f"token file {path} ({cfg.token_dtype})"
+    elif folder := _prepared(cfg.source):
+        meta = read_meta(folder)
+        if cfg.vocab_size is not None and cfg.vocab_size != meta["vocab_size"]:
+            raise ConfigError(f"DataConfig.vocab_size = {cfg.vocab_size} disagrees with {folder / META_FILE} "
+                              f"(vocab_size {meta['vocab_size']}); leave it unset for a prepared folder")
+        tokens = _token_file(folder / TOKEN_FILE, meta["dtype"], cfg.source)
+        if len(tokens) != meta["tokens"]:
+            raise ConfigError(f"DataConfig.source = {cfg.source!r}: {TOKEN_FILE} holds {len(tokens):,} tokens, "
+                              f"{META_FILE} says {meta['tokens']:,}; prepare the folder again")
+        vocab = meta["vocab_size"]
+        what = f"prepared {folder} ({meta['tokenizer']} tokenizer, vocabulary {vocab}, {meta['documents']:,} documents)"
     else:
-        tokens, vocab, what = _cached_bytes(_text_files(cfg.source), cache_dir), BYTE_VOCAB, f"text {cfg.source} (bytes)"
+        tokens = _cached_bytes(_text_files(cfg.source), cache_dir, cfg.source)
+        vocab, what = BYTE_VOCAB, f"text {cfg.source} (bytes)"
     n_val = max(int(len(tokens) * cfg.val_fraction), cfg.seq_len + 1)
     if len(tokens) - n_val < cfg.seq_len + 1:
         raise ConfigError(
             f"DataConfig.source = {cfg.source!r} holds {len(tokens)} tokens, too few for DataConfig.seq_len = "
             f"{cfg.seq_len} with a validation split"
         )
-    return TokenData(tokens[:-n_val], tokens[-n_val:], vocab, f"{what}: {len(tokens):,} tokens")
+    return TokenData(tokens[:-n_val], tokens[-n_val:], vocab, f"{what}: {len(tokens):,} tokens", cfg.source, declared)
+
+
+def main(argv: list[str]) -> int:
+    parser = cli.Parser(prog="python -m holmes_jax.data", description="Data tools for holmes_jax training runs.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    prep = commands.add_parser(
+        "prepare", help="tokenize text into a folder that DataConfig.source can name",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Tokenize text files, folders of text files and JSONL files into DIR, for "
+                    "--gin.DataConfig.source=DIR.",
+        epilog="Binary files (a NUL byte in their first 8 KiB) and empty documents are skipped.\n\n"
+               "DIR gets tokens.bin (documents, each followed by the end-of-text id; uint16, or uint32 for\n"
+               "vocabularies over 65536), tokenizer.json (not for bytes) and meta.json (tokenizer,\n"
+               "vocab_size, dtype, documents, tokens, eot_id, sources, binary_files_skipped). A run on\n"
+               "DIR gives the model DIR's vocabulary rounded up to a multiple of 128 unless\n"
+               "ModelConfig.vocab_size is set.\n\n"
+               "example:\n  python -m holmes_jax.data prepare corpus/ --out data/corpus-bpe --tokenizer bpe:8192")
+    prep.add_argument("sources", nargs="+", metavar="SRC",
+                      help="a text file (one document), a folder (every file under it, sorted; hidden ones skipped) "
+                           "or a .jsonl file (one document per line, its \"text\" field)")
+    prep.add_argument("--out", required=True, metavar="DIR", help="the folder to create (must not exist or be empty)")
+    prep.add_argument("--tokenizer", default="bytes", metavar="T",
+                      help="bytes (ids 0-255, end-of-text 256; the default), bpe:N (a byte-level BPE of N tokens "
+                           "trained on SRC) or the path of a Hugging Face tokenizer.json")
+    if not argv:
+        raise ConfigError("a command is needed; allowed: prepare (see python -m holmes_jax.data prepare --help)")
+    args = parser.parse_args(argv)
+    meta = prepare.prepare(args.sources, args.out, args.tokenizer)
+    skipped = meta["binary_files_skipped"]
+    print(f"{args.out}: {meta['documents']:,} documents, {meta['tokens']:,} tokens, vocabulary {meta['vocab_size']} "
+          f"({meta['dtype']}, end-of-text {meta['eot_id']})" + (f"; skipped {skipped} binary files" if skipped else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    cli.run(main)

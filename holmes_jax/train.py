@@ -80,6 +80,7 @@ def run(cfgs: Configs, devices=None, quiet: bool = False) -> dict:
     lead = jax.process_index() == 0
     say = (lambda *a: None) if quiet or not lead else (lambda *a: print(*a, flush=True))
     token_data = data.load(cfgs.data)
+    token_data.check_model_vocab(cfgs.model.vocab_size)
     setup = build(cfgs, devices)
     tcfg = cfgs.train
     say(f"holmes_jax: {cfgs.model.preset} model, "

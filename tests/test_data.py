@@ -1,3 +1,5 @@
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -50,3 +52,118 @@ def test_corpus_too_small_is_a_config_error(tmp_path):
     (tmp_path / "t.txt").write_bytes(b"xy" * 10)
     with pytest.raises(ConfigError, match="too few"):
         data.load(DataConfig(source=str(tmp_path / "t.txt"), seq_len=64, cache_dir=str(tmp_path)))
+
+
+def _write(path, content: bytes) -> str:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(content)
+    return str(path)
+
+
+def _bad_sources(d):
+    for name, content in [("empty.txt", b""), ("blank/a.txt", b""), ("empty.bin", b""), ("odd.bin", b"\x01\x00\x02"),
+                          ("six.bin", bytes(6)), ("short.bin", bytes(40)), ("text.txt", b"text " * 100),
+                          ("afile", b"x"), ("wide.bin", np.arange(5000, dtype="<u2").tobytes())]:
+        _write(d / name, content)
+    (d / "nothing").mkdir()
+
+
+DATA_ERRORS = {  # case: (source in the test folder, DataConfig fields, what the error names)
+    "empty text file": ("empty.txt", {}, "holds no text"),
+    "empty folder": ("nothing", {}, "a folder with no files"),
+    "folder of empty files": ("blank", {}, "holds no text"),
+    "empty .bin": ("empty.bin", {}, "is empty"),
+    "odd-length .bin": ("odd.bin", {}, "holds 3 bytes, not a whole number of uint16 ids"),
+    "uint32 .bin of 6 bytes": ("six.bin", {"token_dtype": "uint32"}, "check DataConfig.token_dtype"),
+    ".bin shorter than a sequence": ("short.bin", {"seq_len": 32}, "too few for DataConfig.seq_len"),
+    ".bin id beyond DataConfig.vocab_size": ("wide.bin", {"vocab_size": 4000},
+                                             "holds token id 4999, outside DataConfig.vocab_size = 4000"),
+    "unwritable cache dir": ("text.txt", {"cache_dir": "afile/cache"}, "DataConfig.cache_dir"),
+}
+
+
+@pytest.mark.parametrize("case", DATA_ERRORS)
+def test_data_errors_are_config_errors_naming_the_field(tmp_path, case):
+    _bad_sources(tmp_path)
+    source, fields, names = DATA_ERRORS[case]
+    fields = {"seq_len": 8, **fields, "cache_dir": str(tmp_path / fields.get("cache_dir", "cache"))}
+    cfg = DataConfig(source=str(tmp_path / source), **fields)
+    with pytest.raises(ConfigError, match=names.replace(".", r"\.")):
+        data.load(cfg)
+    assert not list(tmp_path.rglob("*.tmp*"))  # no partial cache left behind
+
+
+def test_vocabulary_of_each_source_and_padding():
+    assert data.vocab_size(DataConfig()) is None and data.vocab_size(DataConfig(source="some/text")) is None
+    assert data.vocab_size(DataConfig(source="t.bin")) is None
+    assert data.vocab_size(DataConfig(source="t.bin", vocab_size=50257)) == 50257
+    assert [data.padded_vocab(n) for n in (1, 128, 129, 257, 50257)] == [128, 128, 256, 384, 50304]
+    assert data.padded_vocab(300, 384) == 384
+
+
+def test_ids_beyond_the_model_vocabulary_are_named_with_the_fix(tmp_path):
+    path = _write(tmp_path / "t.bin", (np.arange(10_000) % 1000).astype("<u2").tobytes())
+    scanned = data.load(DataConfig(source=path, seq_len=16, cache_dir=str(tmp_path)))
+    assert (scanned.vocab_size, scanned.declared) == (1000, False)
+    scanned.check_model_vocab(1000)
+    with pytest.raises(ConfigError, match="ids up to 999 but ModelConfig.vocab_size = 256; set DataConfig.vocab_size"):
+        scanned.check_model_vocab(256)
+    declared = data.load(DataConfig(source=path, seq_len=16, vocab_size=1024, cache_dir=str(tmp_path)))
+    assert (declared.vocab_size, declared.declared) == (1024, True)
+    with pytest.raises(ConfigError, match="ModelConfig.vocab_size = 1000; leave ModelConfig.vocab_size unset"):
+        declared.check_model_vocab(1000)
+
+
+def test_prepared_folder_whose_tokens_disagree_with_meta_is_an_error(tmp_path):
+    from holmes_jax import prepare
+
+    _write(tmp_path / "a.txt", b"hello world, " * 100)
+    meta = prepare.prepare([str(tmp_path / "a.txt")], str(tmp_path / "p"), "bytes")
+    cfg = DataConfig(source=str(tmp_path / "p"), seq_len=16)
+    assert data.vocab_size(cfg) == 257 and data.load(cfg).vocab_size == 257
+    with pytest.raises(ConfigError, match="disagrees with"):
+        data.load(dataclasses.replace(cfg, vocab_size=300))
+    with open(tmp_path / "p" / "tokens.bin", "r+b") as f:
+        f.truncate(2 * (meta["tokens"] - 10))
+    with pytest.raises(ConfigError, match="tokens.bin holds 1,291 tokens, meta.json says 1,301"):
+        data.load(cfg)
+    (tmp_path / "p" / "meta.json").write_text('{"dtype": "int8"}')
+    with pytest.raises(ConfigError, match="meta.json needs tokenizer, dtype"):
+        data.vocab_size(cfg)
+
+
+def test_the_model_vocabulary_follows_the_data_unless_set(tmp_path):
+    from helpers import small_configs
+
+    path = _write(tmp_path / "t.bin", np.arange(5000, dtype="<u2").tobytes())
+    vocab = lambda *args: small_configs(tmp_path, *args).model.vocab_size  # noqa: E731
+    assert vocab() == 256  # stdlib bytes
+    assert vocab(f"--gin.DataConfig.source={path}") == 256  # unknown without a scan: the preset's
+    assert vocab(f"--gin.DataConfig.source={path}", "--gin.DataConfig.vocab_size=5000") == 5120
+    assert vocab(f"--gin.DataConfig.source={path}", "--gin.DataConfig.vocab_size=5000",
+                 "--gin.ParallelConfig.tp=3", "--gin.ParallelConfig.dp=1") == 5376  # a multiple of 128 and of tp
+    assert vocab(f"--gin.DataConfig.source={path}", "--gin.ModelConfig.vocab_size=6000") == 6000
+
+
+TRAIN_TOKEN_FILE_ERRORS = {  # case: (file content, arguments, what the error line names)
+    "ids beyond the model": (np.arange(3000, dtype="<u2").tobytes(), [], "set DataConfig.vocab_size"),
+    "ids beyond a set model vocabulary": (np.arange(3000, dtype="<u2").tobytes(),
+                                          ["--gin.DataConfig.vocab_size=3000", "--gin.ModelConfig.vocab_size=2048"],
+                                          "ModelConfig.vocab_size = 2048"),
+    "odd length": (b"\x01\x00\x02", [], "DataConfig.token_dtype"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", TRAIN_TOKEN_FILE_ERRORS)
+def test_train_exits_2_with_one_error_line_on_bad_token_files(tmp_path, case):
+    from helpers import run_module
+
+    content, args, names = TRAIN_TOKEN_FILE_ERRORS[case]
+    path = _write(tmp_path / "t.bin", content)
+    workdir = tmp_path / "wd"
+    r = run_module("holmes_jax.train", f"--gin.DataConfig.source={path}", f"--gin.TrainConfig.workdir={workdir}",
+                   "--gin.TrainConfig.steps=2", *args)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: ") and names in lines[0], r.stderr
+    assert not workdir.exists()

@@ -1,0 +1,255 @@
+"""Text to a prepared token folder: `python -m holmes_jax.data prepare SRC ... --out DIR --tokenizer T`.
+
+Inputs: text files, folders of them (every file under the folder, sorted, hidden paths skipped) and
+JSONL files (`*.jsonl`, one JSON object a line with a "text" string). Each text file is one
+document, each JSONL line one more; empty ones are skipped, and so are binary files (a NUL byte
+in their first 8 KiB, as git decides: compiled `.pyc` files, images). Text is read as UTF-8;
+bytes that are not UTF-8 become U+FFFD for the BPE tokenizers (the bytes tokenizer keeps them).
+
+Tokenizers (T):
+- `bytes`: one token per byte (0-255) and end-of-text 256, so a vocabulary of 257.
+- `bpe:N`: a byte-level BPE of N tokens trained on the inputs (end-of-text is id 0).
+- a path to a Hugging Face `tokenizer.json`: its end-of-text token is the first of
+  <|endoftext|>, <|end_of_text|>, </s>, <eos> it holds; without one, <|endoftext|> is added.
+
+DIR gets `tokens.bin` (every document followed by end-of-text, little-endian uint16 when the
+vocabulary fits, else uint32), `tokenizer.json` (not for bytes) and `meta.json`. It is written
+to a temporary folder beside DIR and renamed, so a failure leaves no half-written DIR.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+
+from holmes_jax.config import ConfigError
+
+# The prepared folder's format, which holmes_jax.data reads.
+BYTE_VOCAB = 256
+META_FILE, TOKEN_FILE, TOKENIZER_FILE = "meta.json", "tokens.bin", "tokenizer.json"
+
+EOT_TEXT = "<|endoftext|>"
+EOT_NAMES = (EOT_TEXT, "<|end_of_text|>", "</s>", "<eos>")
+BINARY_SNIFF = 8192  # a NUL byte among a file's first bytes marks it binary
+BATCH_BYTES = 4 << 20  # text encoded per tokenizer call: large enough to keep its threads busy
+
+
+class Progress:
+    """A one-line progress bar on stderr, redrawn at most twice a second (every 10 s when stderr is
+    not a terminal, so logs stay short); silent for inputs that finish in under a second."""
+
+    def __init__(self, label: str, total_bytes: int, stream=None):
+        self.label, self.total, self.stream = label, max(total_bytes, 1), stream or sys.stderr
+        self.done = self.documents = self.tokens = self.binary_files = 0
+        self.tty = self.stream.isatty()
+        self.start = self.last = time.monotonic()
+        self.drawn = None  # the counters last drawn
+
+    def advance(self, nbytes: int = 0, documents: int = 0, tokens: int = 0) -> None:
+        self.done += nbytes
+        self.documents += documents
+        self.tokens += tokens
+        now = time.monotonic()
+        if now - self.start >= 1 and now - self.last >= (0.5 if self.tty else 10):
+            self.last = now
+            self._draw()
+
+    def _draw(self) -> None:
+        frac = min(self.done / self.total, 1.0)
+        bar = "#" * int(frac * 20)
+        line = (f"{self.label} [{bar:20}] {frac:4.0%} {self.done / 1e6:,.1f}/{self.total / 1e6:,.1f} MB, "
+                f"{self.documents:,} documents, {self.tokens:,} tokens")
+        self.stream.write(f"\r{line}" if self.tty else f"{line}\n")
+        self.stream.flush()
+        self.drawn = (self.done, self.documents, self.tokens)
+
+    def close(self) -> None:
+        """Draws the final counts, if a bar was drawn at all, and ends its line."""
+        if self.drawn and self.drawn != (self.done, self.documents, self.tokens):
+            self._draw()
+        if self.drawn and self.tty:
+            self.stream.write("\n")
+
+
+def input_files(sources: list[str]) -> list[Path]:
+    files = []
+    for source in sources:
+        path = Path(source).expanduser()
+        if path.is_file():
+            files.append(path)
+        elif path.is_dir():
+            files += sorted(f for f in path.rglob("*") if f.is_file()
+                            and not any(part.startswith(".") for part in f.relative_to(path).parts))
+        else:
+            raise ConfigError(f"SRC {source!r} is not a readable file or folder; "
+                              "give text files, folders or .jsonl files")
+    if not files:
+        raise ConfigError(f"SRC {' '.join(sources)}: no files to read (empty folders; hidden files are skipped)")
+    return files
+
+
+def documents(files: list[Path], progress: Progress) -> Iterator[bytes]:
+    """The documents of `files` as UTF-8 bytes, advancing `progress` by the input bytes read."""
+    for f in files:
+        try:
+            if f.suffix == ".jsonl":
+                with open(f, "rb") as lines:
+                    yield from _jsonl_documents(f, lines, progress)
+                continue
+            text = f.read_bytes()
+        except OSError as e:
+            raise ConfigError(f"SRC {str(f)!r} cannot be read: {e.strerror or e}") from None
+        progress.advance(len(text))
+        if b"\0" in text[:BINARY_SNIFF]:
+            progress.binary_files += 1
+        elif text:
+            yield text
+
+
+def _jsonl_documents(f: Path, lines, progress: Progress) -> Iterator[bytes]:
+    for n, line in enumerate(lines, 1):
+        progress.advance(len(line))
+        if not line.strip():
+            continue
+        try:
+            text = json.loads(line).get("text")
+        except (ValueError, AttributeError):
+            text = None
+        if not isinstance(text, str):
+            raise ConfigError(f'SRC {str(f)!r}, line {n}: a .jsonl line must be a JSON object with a "text" string')
+        if text:
+            yield text.encode("utf-8", "replace")
+
+
+class ByteTokenizer:
+    vocab_size, eot_id = BYTE_VOCAB + 1, BYTE_VOCAB
+
+    def encode(self, docs: list[bytes]) -> list[np.ndarray]:
+        return [np.frombuffer(d, np.uint8) for d in docs]
+
+    def save(self, folder: Path) -> None:
+        pass  # nothing to save: ids are the bytes
+
+
+class HFTokenizer:
+    """A `tokenizers.Tokenizer` with its end-of-text id."""
+
+    def __init__(self, tokenizer):
+        vocab = tokenizer.get_vocab(with_added_tokens=True)
+        eot = next((name for name in EOT_NAMES if name in vocab), None)
+        if eot is None:
+            tokenizer.add_special_tokens([EOT_TEXT])
+            eot, vocab = EOT_TEXT, tokenizer.get_vocab(with_added_tokens=True)
+        self.tokenizer, self.eot_id, self.vocab_size = tokenizer, vocab[eot], max(vocab.values()) + 1
+
+    def encode(self, docs: list[bytes]) -> list[np.ndarray]:
+        # No special tokens: a tokenizer's template (a leading <s>, say) is not part of the text.
+        texts = [d.decode("utf-8", "replace") for d in docs]
+        return [np.asarray(e.ids, np.int64) for e in self.tokenizer.encode_batch(texts, add_special_tokens=False)]
+
+    def save(self, folder: Path) -> None:
+        self.tokenizer.save(str(folder / TOKENIZER_FILE))
+
+
+def train_bpe(size: int, docs: Callable[[Progress], Iterator[bytes]], total_bytes: int) -> HFTokenizer:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=size, special_tokens=[EOT_TEXT], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    progress = Progress(f"training bpe:{size}", total_bytes)
+    tokenizer.train_from_iterator((d.decode("utf-8", "replace") for d in docs(progress)), trainer)
+    progress.close()
+    return HFTokenizer(tokenizer)
+
+
+def make_tokenizer(spec: str, docs: Callable[[Progress], Iterator[bytes]], total_bytes: int):
+    if spec == "bytes":
+        return ByteTokenizer()
+    if spec.startswith("bpe:"):
+        size = spec[4:]
+        if not size.isdigit() or int(size) <= BYTE_VOCAB + 1:
+            raise ConfigError(f"--tokenizer {spec!r}: bpe:N needs a whole N above {BYTE_VOCAB + 1} "
+                              f"({BYTE_VOCAB} byte tokens, end-of-text and at least one merge), e.g. bpe:8192")
+        return train_bpe(int(size), docs, total_bytes)
+    path = Path(spec).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"--tokenizer {spec!r} is not allowed; allowed: bytes, bpe:N (N > {BYTE_VOCAB + 1}) "
+                          "or the path of a Hugging Face tokenizer.json")
+    from tokenizers import Tokenizer
+
+    try:
+        return HFTokenizer(Tokenizer.from_file(str(path)))
+    except Exception as e:  # the Rust side reports malformed files as plain Exceptions
+        raise ConfigError(f"--tokenizer {spec!r}: not a tokenizer.json the tokenizers library reads ({e})") from None
+
+
+def _writable_temp_dir(out: Path) -> Path:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"--out {str(out)!r} already exists and is not an empty folder; remove it or choose another")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.parent / f".{out.name}.{os.getpid()}.tmp"  # ours by name: a leftover of a killed run
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        return tmp
+    except OSError as e:
+        raise ConfigError(f"--out {str(out)!r} cannot be written: {e.strerror or e}") from None
+
+
+def _batches(docs: Iterator[bytes], limit: int) -> Iterator[list[bytes]]:
+    """`docs` in lists of about `limit` bytes."""
+    batch, size = [], 0
+    for doc in docs:
+        batch.append(doc)
+        size += len(doc)
+        if size >= limit:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+def prepare(sources: list[str], out: str, spec: str) -> dict:
+    """Tokenizes `sources` with tokenizer `spec` into the folder `out`; returns its meta.json."""
+    out_path = Path(out).expanduser()
+    files = input_files(sources)
+    total = sum(f.stat().st_size for f in files)
+    tmp = _writable_temp_dir(out_path)
+    try:
+        tokenizer = make_tokenizer(spec, lambda progress: documents(files, progress), total)
+        dtype = np.dtype("<u2" if tokenizer.vocab_size <= 1 << 16 else "<u4")
+        progress = Progress("tokenizing", total)
+        with open(tmp / TOKEN_FILE, "wb") as sink:
+            for batch in _batches(documents(files, progress), BATCH_BYTES):
+                ids = np.concatenate([part for d in tokenizer.encode(batch) for part in (d, [tokenizer.eot_id])])
+                ids.astype(dtype).tofile(sink)
+                progress.advance(documents=len(batch), tokens=len(ids))
+        progress.close()
+        if progress.documents == 0:
+            raise ConfigError(f"SRC {' '.join(sources)}: the corpus is empty "
+                              "(its files and text fields are empty or binary)")
+        tokenizer.save(tmp)
+        meta = {"tokenizer": spec, "vocab_size": tokenizer.vocab_size, "dtype": dtype.name,
+                "documents": progress.documents, "tokens": progress.tokens, "eot_id": tokenizer.eot_id,
+                "sources": [str(s) for s in sources], "binary_files_skipped": progress.binary_files}
+        (tmp / META_FILE).write_text(json.dumps(meta, indent=1) + "\n")
+        if out_path.exists():
+            out_path.rmdir()  # empty (checked above); rename cannot replace a folder on every OS
+        os.replace(tmp, out_path)
+    except OSError as e:  # reading errors are ConfigErrors already: this is the output side
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ConfigError(f"--out {str(out_path)!r} cannot be written: {e.strerror or e}") from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return meta

@@ -1,0 +1,197 @@
+"""`python -m holmes_jax.data prepare`: text to a token folder, and training on it."""
+
+import contextlib
+import io
+import json
+import shutil
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from holmes_jax import cli, data, prepare
+from holmes_jax.config import ConfigError
+from helpers import read_metrics, small_configs
+
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
+
+
+def _cli(*args):
+    """`python -m holmes_jax.data ARGS` in this process: (exit status, stdout, stderr)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), pytest.raises(SystemExit) as e:
+        cli.run(data.main, list(args))
+    return e.value.code, out.getvalue(), err.getvalue()
+
+
+def _train_hf_tokenizer(path: Path, texts: list[str], special: list[str], size: int = 400) -> Path:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=size, special_tokens=special, show_progress=False,
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    """Seven Python sources (about 80 KB) as seven documents, and a hidden and a binary file prepare skips."""
+    root = tmp_path_factory.mktemp("corpus")
+    for src in sorted((STDLIB / "json").glob("*.py")) + [STDLIB / "textwrap.py", STDLIB / "string.py"]:
+        shutil.copy(src, root / f"{src.parent.name}_{src.name}")
+    (root / ".notes").write_text("hidden: never read")
+    (root / "__pycache__").mkdir()
+    (root / "__pycache__" / "compiled.pyc").write_bytes(b"\x00\x01binary" * 10)
+    return root
+
+
+@pytest.fixture(scope="module", params=["bytes", "bpe:300", "tokenizer.json"])
+def prepared(request, corpus, tmp_path_factory) -> tuple[str, Path]:
+    """(tokenizer kind, prepared folder) for each kind of tokenizer."""
+    root = tmp_path_factory.mktemp("prepared")
+    spec = request.param
+    if spec == "tokenizer.json":  # a tokenizer trained elsewhere (on other text), with </s> as end-of-text
+        texts = [p.read_text() for p in sorted((STDLIB / "html").glob("*.py"))]
+        spec = str(_train_hf_tokenizer(root / "tokenizer.json", texts, ["<s>", "</s>"]))
+    code, out, err = _cli("prepare", str(corpus), "--out", str(root / "out"), "--tokenizer", spec)
+    assert code == 0, err
+    assert "documents" in out and "tokens" in out
+    return request.param, root / "out"
+
+
+def _documents(folder: Path) -> tuple[dict, list[np.ndarray]]:
+    meta = json.loads((folder / "meta.json").read_text())
+    ids = np.fromfile(folder / "tokens.bin", dtype=np.dtype(meta["dtype"]).newbyteorder("<"))
+    ends = np.flatnonzero(ids == meta["eot_id"])
+    return meta, np.split(ids, ends + 1)[:-1]  # each with its end-of-text
+
+
+def test_prepared_folder_holds_each_document_then_end_of_text(prepared, corpus):
+    kind, folder = prepared
+    meta, docs = _documents(folder)
+    files = sorted(p for p in corpus.iterdir() if p.suffix == ".py")
+    texts = [p.read_text() for p in files]
+    assert meta["documents"] == len(docs) == len(files) == 7 and meta["binary_files_skipped"] == 1
+    assert meta["tokens"] == sum(len(d) for d in docs) == (folder / "tokens.bin").stat().st_size // 2
+    assert meta["dtype"] == "uint16" and meta["tokenizer"].endswith(kind)
+    assert all(d[-1] == meta["eot_id"] and meta["eot_id"] not in d[:-1] for d in docs)
+    assert max(int(d.max()) for d in docs) < meta["vocab_size"]
+    total_bytes = sum(len(t.encode()) for t in texts)
+    if kind == "bytes":
+        assert (meta["vocab_size"], meta["eot_id"]) == (257, 256) and not (folder / "tokenizer.json").exists()
+        assert meta["tokens"] == total_bytes + 7
+        decoded = [bytes(d[:-1].astype(np.uint8)).decode() for d in docs]
+    else:
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        assert meta["vocab_size"] == tok.get_vocab_size() == (300 if kind == "bpe:300" else 400)
+        eot = "<|endoftext|>" if kind == "bpe:300" else "</s>"
+        assert meta["eot_id"] == tok.token_to_id(eot)
+        assert meta["tokens"] < total_bytes / 1.5  # merges compress
+        decoded = [tok.decode(d[:-1].tolist()) for d in docs]
+    assert decoded == texts
+    assert not list(folder.parent.glob(".*.tmp"))
+
+
+@pytest.mark.slow
+def test_training_on_a_prepared_folder_lowers_the_loss_with_the_data_vocabulary(prepared, tmp_path):
+    import jax
+
+    from holmes_jax import train
+
+    _, folder = prepared
+    meta = json.loads((folder / "meta.json").read_text())
+    cfgs = small_configs(tmp_path, f"--gin.DataConfig.source={folder}", "--gin.TrainConfig.steps=30",
+                         "--gin.TrainConfig.log_every=5", "--gin.ParallelConfig.dp=1")
+    assert cfgs.model.vocab_size == data.padded_vocab(meta["vocab_size"]) > meta["vocab_size"]
+    summary = train.run(cfgs, devices=jax.devices()[:1], quiet=True)  # one device: the quickest compile
+    losses = [r["loss"] for r in read_metrics(tmp_path) if "loss" in r]
+    assert summary["steps"] == 30 and all(np.isfinite(losses))
+    assert losses[0] == pytest.approx(np.log(cfgs.model.vocab_size), abs=0.5)  # starts near uniform
+    assert losses[-1] < losses[0] - 1.0
+
+
+def test_a_model_vocabulary_set_below_the_data_is_an_error_before_any_step(prepared, tmp_path):
+    from holmes_jax import train
+
+    _, folder = prepared
+    cfgs = small_configs(tmp_path / "wd", f"--gin.DataConfig.source={folder}", "--gin.ModelConfig.vocab_size=256")
+    assert cfgs.model.vocab_size == 256  # set: kept
+    with pytest.raises(ConfigError, match="ModelConfig.vocab_size = 256; leave ModelConfig.vocab_size unset"):
+        train.run(cfgs, quiet=True)
+    assert not (tmp_path / "wd").exists()
+
+
+def test_jsonl_lines_are_documents_and_a_tokenizer_without_end_of_text_gets_one(tmp_path):
+    lines = [{"text": "first document"}, {"text": ""}, {"text": "second, with ünïcode"}]
+    src = tmp_path / "docs.jsonl"
+    src.write_text("\n".join(json.dumps(x) for x in lines) + "\n\n")
+    tok_path = _train_hf_tokenizer(tmp_path / "plain.json", ["first second document"] * 10, [], size=270)
+    meta = prepare.prepare([str(src)], str(tmp_path / "out"), str(tok_path))
+    assert meta["documents"] == 2 and meta["eot_id"] == 270 and meta["vocab_size"] == 271
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tmp_path / "out" / "tokenizer.json"))
+    assert tok.token_to_id("<|endoftext|>") == 270
+    _, docs = _documents(tmp_path / "out")
+    assert [tok.decode(d[:-1].tolist()) for d in docs] == ["first document", "second, with ünïcode"]
+
+
+def test_progress_line_reports_bytes_documents_and_tokens(monkeypatch):
+    clock = iter(range(0, 1000, 20))  # every reading 20 s later: each advance draws
+    monkeypatch.setattr(prepare.time, "monotonic", lambda: next(clock))
+    stream = io.StringIO()
+    bar = prepare.Progress("tokenizing", 4_000_000, stream)
+    bar.advance(2_000_000, documents=3, tokens=12_345)
+    bar.advance(2_000_000, documents=1, tokens=5)
+    bar.close()
+    lines = stream.getvalue().splitlines()
+    assert lines == ["tokenizing [##########          ]  50% 2.0/4.0 MB, 3 documents, 12,345 tokens",
+                     "tokenizing [####################] 100% 4.0/4.0 MB, 4 documents, 12,350 tokens"]
+
+
+def test_help_names_the_tokenizers_and_the_output():
+    code, out, _ = _cli("prepare", "--help")
+    assert code == 0
+    for word in ("SRC", "--out DIR", "--tokenizer T", "bpe:N", "tokenizer.json", "meta.json", ".jsonl"):
+        assert word in out
+
+
+BAD_INPUTS = {  # case: (arguments after `prepare`, {d} the test's folder; what the error line names)
+    "missing SRC": ("{d}/nope --out {d}/out", "SRC '"),
+    "empty folder": ("{d}/empty --out {d}/out", "no files to read"),
+    "empty files": ("{d}/blank --out {d}/out", "the corpus is empty"),
+    "empty files, bpe": ("{d}/blank --out {d}/out --tokenizer bpe:300", "the corpus is empty"),
+    "bad jsonl": ("{d}/bad.jsonl --out {d}/out", "line 2"),
+    "bad jsonl, bpe": ("{d}/bad.jsonl --out {d}/out --tokenizer bpe:300", "line 2"),  # raised inside the trainer
+    "bad tokenizer": ("{d}/text.txt --out {d}/out --tokenizer gpt2", "--tokenizer 'gpt2' is not allowed"),
+    "bpe too small": ("{d}/text.txt --out {d}/out --tokenizer bpe:200", "bpe:N needs a whole N above 257"),
+    "bpe not a number": ("{d}/text.txt --out {d}/out --tokenizer bpe:lots", "bpe:N needs a whole N"),
+    "broken tokenizer.json": ("{d}/text.txt --out {d}/out --tokenizer {d}/broken.json", "not a tokenizer.json"),
+    "unwritable DIR": ("{d}/text.txt --out {d}/text.txt/sub", "cannot be written"),
+    "DIR not empty": ("{d}/text.txt --out {d}/taken", "already exists"),
+    "no SRC": ("--out {d}/out", "SRC"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS)
+def test_bad_input_is_one_error_line_and_leaves_nothing_behind(tmp_path, case):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "blank").mkdir()
+    (tmp_path / "blank" / "a.txt").write_text("")
+    (tmp_path / "text.txt").write_text("some text " * 50)
+    (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n{"body": "no text field"}\n')
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "x").write_text("x")
+    (tmp_path / "broken.json").write_text("{not json")
+    args, names = BAD_INPUTS[case]
+    before = sorted(p.name for p in tmp_path.iterdir())
+    code, out, err = _cli("prepare", *args.format(d=tmp_path).split())
+    assert code == 2 and out == ""
+    assert len(err.splitlines()) == 1 and err.startswith("error: ") and names in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # no DIR, no temporary folder
