@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 from typing import Callable, NoReturn
 
@@ -20,3 +21,22 @@ def run(main: Callable[[list[str]], int | None], argv: list[str] | None = None) 
     except ConfigError as e:
         fail(str(e))
     raise SystemExit(code or 0)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse whose errors are ConfigErrors: one `error:` line and status 2 through `run`."""
+
+    def error(self, message):
+        raise ConfigError(message)
+
+
+def positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not allowed; allowed: a positive integer")
+    return int(text)
+
+
+def non_negative(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is not allowed; allowed: a non-negative integer")
+    return int(text)
