@@ -151,12 +151,6 @@ def _get(tree: dict, path: tuple):
     return tree
 
 
-def _set(tree: dict, path: tuple, value) -> None:
-    for key in path[:-1]:
-        tree = tree.setdefault(key, {})
-    tree[path[-1]] = value
-
-
 def to_hf(params: dict, cfg: ModelConfig) -> dict[str, np.ndarray]:
     """Canonical parameters -> Hugging Face tensors (float32, contiguous)."""
     params = jax.tree.map(lambda x: np.asarray(x, np.float32), params)
@@ -200,7 +194,7 @@ def from_hf(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict:
         x = take(name, shape[::-1] if transposed else shape)
         x = x.T if transposed else x
         if layer is None:
-            _set(params, path, x)
+            _get(params, path[:-1])[path[-1]] = x
         else:
             leaf[layer] = x
     if architecture(cfg) == GPT2:

@@ -242,3 +242,24 @@ def test_importing_the_package_starts_no_jax():
                           env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "holmes_jax.inference"
+
+
+def test_import_reads_sharded_bfloat16_folders(tmp_path):
+    """How transformers saves large models: bfloat16 tensors in shards named by an index."""
+    import ml_dtypes
+
+    cfg = presets.resolve(ModelConfig(preset="llama-tiny", num_layers=2, hidden=64, ffn_hidden=96))
+    folder, params = _saved(tmp_path, cfg)
+    tensors = safetensors.numpy.load_file(folder / "model.safetensors")
+    (folder / "model.safetensors").unlink()
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
+              "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+    for shard, keys in shards.items():
+        safetensors.numpy.save_file({k: tensors[k].astype(ml_dtypes.bfloat16) for k in keys}, folder / shard)
+    index = {"weight_map": {k: shard for shard, keys in shards.items() for k in keys}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    back = export.import_hf(folder, cfg)
+    want = jax.tree.map(lambda x: np.asarray(x.astype(ml_dtypes.bfloat16), np.float32), params)
+    jax.tree.map(np.testing.assert_array_equal, back, want)
+    assert all(x.dtype == np.float32 for x in jax.tree.leaves(back))
