@@ -1,6 +1,8 @@
 """holmes_jax: LLM training in pure JAX across GPU clusters whose NICs differ.
 
-`holmes_jax.plan(topology, model, parallel)` plans a mesh (holmes_jax.planning, no JAX needed).
+`holmes_jax.plan(topology, model, parallel)` plans a mesh (holmes_jax.planning, no JAX needed);
+`holmes_jax.load(workdir)` loads a trained run's model (holmes_jax.inference). Both import their
+module on first use, so importing the package starts no JAX.
 """
 
 __version__ = "0.1.0"
@@ -8,6 +10,13 @@ __version__ = "0.1.0"
 
 def plan(topology, model, parallel=None, **options):
     """Plans `model` on `topology`: see holmes_jax.planning.search.plan."""
-    from holmes_jax.planning.search import plan as plan_  # planning loads on first use
+    from holmes_jax.planning.search import plan as plan_
 
     return plan_(topology, model, parallel, **options)
+
+
+def load(workdir, step=None):
+    """The newest (or `step`'s) checkpoint of a run: see holmes_jax.inference.load."""
+    from holmes_jax.inference import load as load_
+
+    return load_(workdir, step)

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from holmes_jax import data, metrics, planning
+from holmes_jax import data, export, metrics, planning
 from holmes_jax.configure import Configs
 from holmes_jax.mesh.devices import build_mesh, local_topology, ordered_devices
 from holmes_jax.models import gpt
@@ -63,12 +63,17 @@ class Setup:
     grad_specs: dict  # staged layout
     batch_sharding: NamedSharding  # (microbatches, micro_batch, seq + 1), split over `data`
 
-    def _canonical_state(self) -> dict:
-        params = self.model.init(self.cfgs.train.seed)
+    def _canonical_state(self, params: dict | None = None) -> dict:
+        params = self.model.init(self.cfgs.train.seed) if params is None else params
         return {"params": params, "opt_state": self.tx.init(params), "step": jnp.zeros((), jnp.int32)}
 
     def init_state(self) -> dict:
-        return jax.jit(lambda: self.pipeline.to_staged(self._canonical_state()), out_shardings=self.state_shardings)()
+        params, folder = None, self.cfgs.model.init_from
+        if folder:  # a Hugging Face model's weights, as global arrays (every process reads the files)
+            params = jax.tree.map(lambda x, sh: jax.make_array_from_callback(x.shape, sh, lambda i: x[i]),
+                                  export.import_hf(folder, self.cfgs.model), self.canonical_shardings["params"])
+        return jax.jit(lambda p: self.pipeline.to_staged(self._canonical_state(p)),
+                       out_shardings=self.state_shardings)(params)
 
     def canonical(self, state: dict) -> dict:
         """What a checkpoint stores: real layers only, in model order."""

@@ -36,3 +36,10 @@ def run(main: Callable[[list[str]], int | None], argv: list[str] | None = None) 
     except ConfigError as e:
         fail(str(e))
     raise SystemExit(code or 0)
+
+
+def non_negative_int(text: str) -> int:
+    """An argparse `type` for integer flags that may be 0."""
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is not allowed; allowed: a non-negative integer")
+    return int(text)

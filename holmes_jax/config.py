@@ -47,8 +47,14 @@ class ModelConfig:
     norm: str | None = None  # layernorm | rmsnorm
     mlp: str | None = None  # gelu | swiglu
     tie_embeddings: bool | None = None
+    num_kv_heads: int | None = None  # grouped-query attention; unset in the preset too: num_heads
+    bias: bool | None = None  # biases in the attention and MLP projections (GPT-2); unset: False
+    norm_eps: float | None = None  # unset: 1e-5 (GPT-2, Megatron, LLaMA 3)
+    rope_base: float | None = None  # rotary frequency base (LLaMA 3: 500000); unset: 10000
     compute_dtype: str = "float32"  # float32 | bfloat16; master weights stay float32
     remat: bool = False  # recompute each block's activations in the backward pass
+    attention: str = "auto"  # auto (cuDNN flash attention on CUDA GPUs in bf16) | xla | cudnn
+    init_from: str | None = None  # a Hugging Face folder (GPT-2 or LLaMA) a fresh run starts from
 
     @property
     def head_dim(self) -> int:
@@ -64,12 +70,25 @@ class ModelConfig:
             )
         if self.positions == "rotary" and self.head_dim % 2:
             raise ConfigError(f"rotary positions need an even head size; hidden / num_heads = {self.head_dim}")
+        check_positive("ModelConfig.num_kv_heads", self.num_kv_heads)
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(f"ModelConfig.num_kv_heads = {self.num_kv_heads} must divide "
+                              f"ModelConfig.num_heads = {self.num_heads}")
+        for name in ("norm_eps", "rope_base"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ConfigError(f"ModelConfig.{name} = {value!r} must be a positive number")
+        check_choice("ModelConfig.bias", self.bias, (True, False))
         check_choice("ModelConfig.positions", self.positions, ("learned", "rotary"))
         check_choice("ModelConfig.norm", self.norm, ("layernorm", "rmsnorm"))
         check_choice("ModelConfig.mlp", self.mlp, ("gelu", "swiglu"))
         check_choice("ModelConfig.tie_embeddings", self.tie_embeddings, (True, False))
         check_choice("ModelConfig.compute_dtype", self.compute_dtype, ("float32", "bfloat16"))
         check_choice("ModelConfig.remat", self.remat, (True, False))
+        check_choice("ModelConfig.attention", self.attention, ("auto", "xla", "cudnn"))
+        if self.init_from is not None and (not isinstance(self.init_from, str) or not self.init_from):
+            raise ConfigError(f"ModelConfig.init_from = {self.init_from!r} is not allowed; "
+                              f"allowed: None or the path of a Hugging Face model folder")
 
 
 @gin.configurable

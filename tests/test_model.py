@@ -22,6 +22,8 @@ def test_preset_parameter_counts_match_their_names(name, billions):
 @pytest.mark.parametrize("options", [
     {},
     dict(positions="rotary", norm="rmsnorm", mlp="swiglu", tie_embeddings=False),
+    dict(bias=True, num_kv_heads=2),
+    dict(positions="rotary", norm="rmsnorm", mlp="swiglu", bias=True, num_kv_heads=1),
 ])
 def test_analytic_costs_count_the_real_parameters(options):
     cfg = presets.resolve(ModelConfig(preset="tiny", **options))
@@ -34,7 +36,8 @@ def test_analytic_costs_count_the_real_parameters(options):
     # The forward of a layer: 2 FLOPs per matmul weight per token plus attention's two s×s products.
     h, f = cfg.hidden, cfg.ffn_hidden
     mlp = 3 if cfg.mlp == "swiglu" else 2
-    assert costs.layers[0].fwd_flops == 2 * 128 * (4 * h * h + mlp * h * f) + 4 * 2 * 64 * 64 * h
+    kv = cfg.num_kv_heads * cfg.head_dim
+    assert costs.layers[0].fwd_flops == 2 * 128 * (2 * h * h + 2 * h * kv + mlp * h * f) + 4 * 2 * 64 * 64 * h
     assert costs.layers[0].bwd_flops == 2 * costs.layers[0].fwd_flops
 
 
@@ -89,3 +92,101 @@ def test_tensor_parallel_specs():
 def test_bad_model_configs_name_the_field(field, value):
     with pytest.raises(ConfigError, match=field):
         presets.resolve(ModelConfig(preset="tiny", **{field: value}) if field != "preset" else ModelConfig(preset=value))
+
+
+def _einsum_attention(q, k, v):
+    """The attention the model computed before the fused kernel: scores, causal mask, softmax, with
+    kv head j serving query heads j * groups .. (j + 1) * groups - 1."""
+    groups = q.shape[2] // k.shape[2]
+    k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1])
+    causal = jnp.tril(jnp.ones((q.shape[1], q.shape[1]), dtype=bool))
+    weights = jax.nn.softmax(jnp.where(causal, scores, -1e30), axis=-1)
+    return jnp.einsum("bhqk,bkhd->bqhd", weights, v)
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2, 1])
+def test_fused_attention_equals_the_einsum_attention(kv_heads):
+    cfg = presets.resolve(ModelConfig(preset="tiny", num_kv_heads=kv_heads))
+    assert gpt.attention_implementation(cfg, jnp.zeros((1,), jnp.float32)) == "xla"  # CPU, float32
+    rng = np.random.default_rng(kv_heads)
+    q = jnp.asarray(rng.normal(size=(2, 24, 4, cfg.head_dim)), jnp.float32)
+    k, v = (jnp.asarray(rng.normal(size=(2, 24, kv_heads, cfg.head_dim)), jnp.float32) for _ in range(2))
+    np.testing.assert_allclose(gpt.attend(cfg, q, k, v), _einsum_attention(q, k, v), rtol=0, atol=1e-5)
+
+
+def test_new_presets_have_the_reference_parameter_counts():
+    # The published sizes: GPT-2 small 124,439,808 and Llama 3 8B 8,030,261,248 parameters;
+    # Llama 3.2 1B 1,235,814,400 (tied embeddings).
+    for name, count in (("gpt2-small", 124_439_808), ("llama3-8b", 8_030_261_248), ("llama-1b", 1_235_814_400)):
+        assert gpt.count_params(_abstract_params(presets.resolve(ModelConfig(preset=name)))) == count, name
+    llama = presets.resolve(ModelConfig(preset="llama3-8b"))
+    assert (llama.num_kv_heads, llama.rope_base, llama.norm_eps, llama.bias) == (8, 500000.0, 1e-5, False)
+    tiny = presets.resolve(ModelConfig(preset="tiny", num_heads=8))
+    assert (tiny.num_kv_heads, tiny.bias, tiny.norm_eps, tiny.rope_base) == (8, False, 1e-5, 10000.0)
+
+
+def test_bias_and_grouped_query_shapes():
+    cfg = presets.resolve(ModelConfig(preset="llama-tiny", bias=True))
+    params = _abstract_params(cfg)["blocks"]
+    h, kv, layers = cfg.hidden, cfg.num_kv_heads * cfg.head_dim, cfg.num_layers
+    assert cfg.num_kv_heads == 2 and kv < h
+    assert params["q"]["kernel"].shape == (layers, h, h)
+    assert params["k"]["kernel"].shape == params["v"]["kernel"].shape == (layers, h, kv)
+    assert params["k"]["bias"].shape == (layers, kv)
+    assert params["down"]["bias"].shape == (layers, h)
+    assert "bias" not in _abstract_params(presets.resolve(ModelConfig(preset="llama-tiny")))["blocks"]["q"]
+
+
+def test_norm_eps_and_rope_base_change_the_model():
+    tokens = jnp.asarray(np.random.default_rng(2).integers(0, 256, (1, 16)), jnp.int32)
+
+    def logits(**options):
+        cfg = presets.resolve(ModelConfig(preset="llama-tiny", num_layers=1, **options))
+        return gpt.GPT(cfg).logits(gpt.GPT(cfg).init(0), tokens)
+
+    ref = logits()
+    assert ref.shape == (1, 16, 256) and ref.dtype == jnp.float32
+    assert not np.allclose(ref, logits(norm_eps=0.5), atol=1e-4)
+    assert not np.allclose(ref, logits(rope_base=500000.0), atol=1e-4)
+
+
+def test_tensor_parallel_specs_cover_biases():
+    specs = gpt.param_specs(_abstract_params(presets.resolve(ModelConfig(preset="llama-tiny", bias=True))))["blocks"]
+    for name in ("q", "k", "v", "gate", "up"):  # column-parallel: the output axis split
+        assert specs[name]["bias"] == jax.sharding.PartitionSpec(None, "tensor")
+        assert specs[name]["kernel"] == jax.sharding.PartitionSpec(None, None, "tensor")
+    for name in ("o", "down"):  # row-parallel: added after the all-reduce, replicated
+        assert specs[name]["bias"] == jax.sharding.PartitionSpec(None, None)
+
+
+@pytest.mark.parametrize("field, value", [("num_kv_heads", 3), ("num_kv_heads", 0), ("norm_eps", -1.0),
+                                          ("rope_base", 0), ("bias", "yes"), ("attention", "flash"),
+                                          ("init_from", "")])
+def test_bad_new_fields_name_the_field(field, value):
+    with pytest.raises(ConfigError, match=f"ModelConfig.{field}"):
+        presets.resolve(ModelConfig(preset="tiny", **{field: value}))
+
+
+@pytest.mark.slow
+def test_bias_and_grouped_query_attention_train_alike_under_tensor_parallelism(tmp_path):
+    from helpers import small_configs
+    from holmes_jax import build, data
+
+    def losses(*bindings):  # 8 query heads share 4 kv heads, which tp = 2 and 4 split whole
+        cfgs = small_configs(tmp_path, "--gin.ModelConfig.preset=llama-tiny", "--gin.ModelConfig.bias=True",
+                             "--gin.ModelConfig.num_heads=8", "--gin.ModelConfig.num_kv_heads=4", *bindings)
+        setup = build.build(cfgs, jax.devices()[:8])
+        step, state = build.make_train_step(setup), setup.init_state()
+        batch = setup.batch("train", 0, data.load(cfgs.data))
+        out = []
+        for _ in range(3):
+            state, metrics = step(state, batch)
+            out.append(float(metrics["loss"]))
+        return out
+
+    ref = losses("--gin.ParallelConfig.dp=8")
+    for tp in (2, 4):
+        np.testing.assert_allclose(losses(f"--gin.ParallelConfig.dp={8 // tp}", f"--gin.ParallelConfig.tp={tp}"), ref,
+                                   rtol=0, atol=1e-5, err_msg=f"tp={tp}")
+    assert ref[2] < ref[0]

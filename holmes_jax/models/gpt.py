@@ -23,22 +23,41 @@ _INIT = nnx.initializers.normal(0.02)
 def _norm(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
     # Norms compute in float32 whatever the compute dtype: their reductions lose too much in bf16.
     if cfg.norm == "rmsnorm":
-        return nnx.RMSNorm(cfg.hidden, dtype=jnp.float32, rngs=rngs)
-    return nnx.LayerNorm(cfg.hidden, dtype=jnp.float32, rngs=rngs)
+        return nnx.RMSNorm(cfg.hidden, epsilon=cfg.norm_eps, dtype=jnp.float32, rngs=rngs)
+    return nnx.LayerNorm(cfg.hidden, epsilon=cfg.norm_eps, dtype=jnp.float32, rngs=rngs)
 
 
-def _linear(cfg: ModelConfig, n_in: int, n_out: int, rngs: nnx.Rngs, init=_INIT) -> nnx.Linear:
-    return nnx.Linear(n_in, n_out, use_bias=False, dtype=jnp.dtype(cfg.compute_dtype), kernel_init=init, rngs=rngs)
+def _linear(cfg: ModelConfig, n_in: int, n_out: int, rngs: nnx.Rngs, init=_INIT, bias: bool = False) -> nnx.Linear:
+    return nnx.Linear(n_in, n_out, use_bias=bias, dtype=jnp.dtype(cfg.compute_dtype), kernel_init=init, rngs=rngs)
 
 
-def _rotary(x: jax.Array) -> jax.Array:
-    """Rotary position embedding over (batch, seq, heads, head_dim), half-split convention."""
+def _rotary(x: jax.Array, base: float) -> jax.Array:
+    """Rotary position embedding over (batch, seq, heads, head_dim). Half-split convention: the
+    pairs rotated together are (i, i + head_dim / 2), as in Hugging Face's LLaMA (`rotate_half`)."""
     seq, dim = x.shape[1], x.shape[-1]
-    freqs = 1.0 / (10000.0 ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
+    freqs = 1.0 / (base ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
     angles = jnp.arange(seq, dtype=jnp.float32)[:, None] * freqs[None, :]
     cos, sin = jnp.cos(angles)[None, :, None, :], jnp.sin(angles)[None, :, None, :]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1).astype(x.dtype)
+
+
+def attention_implementation(cfg: ModelConfig, q: jax.Array) -> str:
+    """cuDNN's fused (flash) attention where it runs: CUDA GPUs, 16-bit inputs, head sizes up to 128
+    in multiples of 8; XLA's otherwise (CPU, float32), which builds the full score matrix."""
+    if cfg.attention != "auto":
+        return cfg.attention
+    device = jax.devices()[0]
+    cuda = device.platform == "gpu" and "cuda" in device.client.platform_version.lower()
+    fits = q.dtype in (jnp.bfloat16, jnp.float16) and cfg.head_dim % 8 == 0 and cfg.head_dim <= 128
+    return "cudnn" if cuda and fits else "xla"
+
+
+def attend(cfg: ModelConfig, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """Causal attention of q (batch, seq, heads, head_dim) over k, v (batch, seq, kv_heads, head_dim).
+    With fewer kv heads, query head i reads kv head i // (heads / kv_heads), as Hugging Face's
+    `repeat_kv` does."""
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=attention_implementation(cfg, q))
 
 
 class Embedding(nnx.Module):
@@ -62,27 +81,26 @@ class Block(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         self.cfg = cfg
-        h, f = cfg.hidden, cfg.ffn_hidden
+        h, f, kv = cfg.hidden, cfg.ffn_hidden, cfg.num_kv_heads * cfg.head_dim
         out_init = nnx.initializers.normal(0.02 / math.sqrt(2 * cfg.num_layers))  # GPT-2's residual scaling
         self.attn_norm = _norm(cfg, rngs)
-        self.q, self.k, self.v = (_linear(cfg, h, h, rngs) for _ in range(3))
-        self.o = _linear(cfg, h, h, rngs, out_init)
+        self.q = _linear(cfg, h, h, rngs, bias=cfg.bias)
+        self.k, self.v = (_linear(cfg, h, kv, rngs, bias=cfg.bias) for _ in range(2))
+        self.o = _linear(cfg, h, h, rngs, out_init, bias=cfg.bias)
         self.mlp_norm = _norm(cfg, rngs)
-        self.up = _linear(cfg, h, f, rngs)
+        self.up = _linear(cfg, h, f, rngs, bias=cfg.bias)
         if cfg.mlp == "swiglu":
-            self.gate = _linear(cfg, h, f, rngs)
-        self.down = _linear(cfg, f, h, rngs, out_init)
+            self.gate = _linear(cfg, h, f, rngs, bias=cfg.bias)
+        self.down = _linear(cfg, f, h, rngs, out_init, bias=cfg.bias)
 
     def attention(self, x: jax.Array) -> jax.Array:
         b, s, _ = x.shape
-        heads, hd = self.cfg.num_heads, self.cfg.head_dim
-        q, k, v = (proj(x).reshape(b, s, heads, hd) for proj in (self.q, self.k, self.v))
-        if self.cfg.positions == "rotary":
-            q, k = _rotary(q), _rotary(k)
-        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / math.sqrt(hd)
-        causal = jnp.tril(jnp.ones((s, s), dtype=bool))
-        weights = jax.nn.softmax(jnp.where(causal, scores, -1e30), axis=-1).astype(v.dtype)
-        return self.o(jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(b, s, heads * hd))
+        cfg = self.cfg
+        q = self.q(x).reshape(b, s, cfg.num_heads, cfg.head_dim)
+        k, v = (proj(x).reshape(b, s, cfg.num_kv_heads, cfg.head_dim) for proj in (self.k, self.v))
+        if cfg.positions == "rotary":
+            q, k = _rotary(q, cfg.rope_base), _rotary(k, cfg.rope_base)
+        return self.o(attend(cfg, q, k, v).reshape(b, s, cfg.num_heads * cfg.head_dim))
 
     def mlp(self, x: jax.Array) -> jax.Array:
         if self.cfg.mlp == "swiglu":
@@ -159,10 +177,16 @@ class GPT:
         depth = jax.tree.leaves(block_params)[0].shape[0]
         return jax.lax.scan(maybe_layer, x, (block_params, jnp.arange(depth)))[0]
 
-    def head_loss(self, params: dict, x: jax.Array, targets: jax.Array) -> jax.Array:
+    def head_logits(self, params: dict, x: jax.Array) -> jax.Array:
         embedding = nnx.merge(self._defs["embed"], params["embed"])
-        logits = nnx.merge(self._defs["head"], params["head"])(x, embedding)
-        return cross_entropy(logits, targets)
+        return nnx.merge(self._defs["head"], params["head"])(x, embedding)
+
+    def head_loss(self, params: dict, x: jax.Array, targets: jax.Array) -> jax.Array:
+        return cross_entropy(self.head_logits(params, x), targets)
+
+    def logits(self, params: dict, tokens: jax.Array) -> jax.Array:
+        """Float32 next-token logits (batch, seq, vocab) of `tokens` (batch, seq): no pipeline."""
+        return self.head_logits(params, self.blocks(params["blocks"], self.embed(params, tokens)))
 
     def loss(self, params: dict, batch: jax.Array) -> jax.Array:
         """Mean loss of `batch` (batch, seq + 1): inputs are all but the last token, targets shifted."""
@@ -170,8 +194,9 @@ class GPT:
         return self.head_loss(params, self.blocks(params["blocks"], self.embed(params, inputs)), targets)
 
 
-# Megatron-style tensor parallelism: column-parallel kernels split their output axis over
-# `tensor`, row-parallel ones their input axis. Block kernels carry the leading layer axis.
+# Megatron-style tensor parallelism: column-parallel kernels (and their biases) split their
+# output axis over `tensor`, row-parallel ones their input axis (their biases, added after the
+# all-reduce, are replicated). Block leaves carry the leading layer axis.
 _COLUMN = {"q", "k", "v", "up", "gate"}
 _ROW = {"o", "down"}
 
@@ -187,7 +212,7 @@ def param_specs(params: dict, stage_axis: str | None = None) -> dict:
             return P()
         dims = [None] * leaf.ndim
         dims[0] = stage_axis
-        if names[-1] == "kernel" and names[1] in _COLUMN:
+        if names[-1] in ("kernel", "bias") and names[1] in _COLUMN:
             dims[-1] = "tensor"
         if names[-1] == "kernel" and names[1] in _ROW:
             dims[-2] = "tensor"

@@ -2,7 +2,10 @@
 
 The large presets follow Megatron's GPT shapes used by the Holmes paper (vocabulary padded to
 51200, sequence 2048, learned positions, LayerNorm, GELU, tied embeddings); their parameter
-counts land within 1% of their names.
+counts land within 1% of their names. `gpt2-small` is GPT-2's smallest model exactly (biases,
+vocabulary 50257), `llama3-8b` Llama 3 8B's shapes and `llama-1b` Llama 3.2 1B's (both use the
+plain rotary frequencies: no long-context scaling), so their weights convert to and from Hugging
+Face (`holmes_jax.export`).
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ import dataclasses
 
 from holmes_jax.config import ConfigError, ModelConfig
 
+_LLAMA3 = dict(vocab_size=128256, max_seq_len=8192, positions="rotary", norm="rmsnorm", mlp="swiglu",
+               rope_base=500000.0)
 _GPT = dict(vocab_size=51200, max_seq_len=2048, positions="learned", norm="layernorm", mlp="gelu", tie_embeddings=True)
 
 PRESETS: dict[str, dict] = {
@@ -25,14 +30,32 @@ PRESETS: dict[str, dict] = {
     "3.6b": dict(_GPT, num_layers=30, hidden=3072, num_heads=32, ffn_hidden=12288),
     "7.5b": dict(_GPT, num_layers=36, hidden=4096, num_heads=32, ffn_hidden=16384),
     "39.1b": dict(_GPT, num_layers=48, hidden=8192, num_heads=64, ffn_hidden=32768),
+    "gpt2-small": dict(
+        num_layers=12, hidden=768, num_heads=12, ffn_hidden=3072, vocab_size=50257, max_seq_len=1024,
+        positions="learned", norm="layernorm", mlp="gelu", tie_embeddings=True, bias=True,
+    ),
+    # LLaMA-style: RMSNorm, SwiGLU, rotary positions, no biases, grouped-query attention.
+    "llama-tiny": dict(
+        num_layers=4, hidden=128, num_heads=4, num_kv_heads=2, ffn_hidden=384, vocab_size=256, max_seq_len=256,
+        positions="rotary", norm="rmsnorm", mlp="swiglu", tie_embeddings=False,
+    ),
+    "llama-1b": dict(_LLAMA3, num_layers=16, hidden=2048, num_heads=32, num_kv_heads=8, ffn_hidden=8192,
+                     tie_embeddings=True),
+    "llama3-8b": dict(_LLAMA3, num_layers=32, hidden=4096, num_heads=32, num_kv_heads=8, ffn_hidden=14336,
+                      tie_embeddings=False),
 }
+
+# What a field is when neither the config nor its preset sets it.
+_DEFAULTS = dict(bias=False, norm_eps=1e-5, rope_base=10000.0)
 
 
 def resolve(cfg: ModelConfig) -> ModelConfig:
     """Fills the `None` fields of `cfg` from its preset and validates the result."""
     if cfg.preset not in PRESETS:
         raise ConfigError(f"ModelConfig.preset = {cfg.preset!r} is not known; choose one of {', '.join(PRESETS)}")
-    filled = {k: v for k, v in PRESETS[cfg.preset].items() if getattr(cfg, k) is None}
+    filled = {k: v for k, v in {**_DEFAULTS, **PRESETS[cfg.preset]}.items() if getattr(cfg, k) is None}
     resolved = dataclasses.replace(cfg, **filled)
+    if resolved.num_kv_heads is None:  # after the preset, so a `num_heads` override carries over
+        resolved = dataclasses.replace(resolved, num_kv_heads=resolved.num_heads)
     resolved.validate()
     return resolved

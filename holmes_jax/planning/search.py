@@ -188,7 +188,7 @@ def _layouts(topology: Topology, cfg: ModelConfig, par: ParallelConfig, free: se
     """(tp, pp, dp) candidates: the fixed values, and for free ones every divisor that could fit."""
     n = topology.num_devices
     node = math.gcd(*(c.devices_per_node for c in topology.clusters))
-    tps = ([t for t in placement.divisors(node) if cfg.num_heads % t == 0 and cfg.ffn_hidden % t == 0]
+    tps = ([t for t in placement.divisors(node) if cfg.num_kv_heads % t == 0 and cfg.ffn_hidden % t == 0]
            if "tp" in free else [par.tp])
     dp = None if "dp" in free else par.dp
     for tp in tps:
@@ -201,9 +201,9 @@ def _layouts(topology: Topology, cfg: ModelConfig, par: ParallelConfig, free: se
 
 
 def _check_model(cfg: ModelConfig, tp: int, pp: int) -> None:
-    if cfg.num_heads % tp or cfg.ffn_hidden % tp:
-        raise ConfigError(f"tp = {tp} is not allowed: it must divide ModelConfig.num_heads = {cfg.num_heads} and "
-                          f"ModelConfig.ffn_hidden = {cfg.ffn_hidden}")
+    if cfg.num_heads % tp or cfg.num_kv_heads % tp or cfg.ffn_hidden % tp:
+        raise ConfigError(f"tp = {tp} is not allowed: it must divide ModelConfig.num_heads = {cfg.num_heads}, "
+                          f"ModelConfig.num_kv_heads = {cfg.num_kv_heads} and ModelConfig.ffn_hidden = {cfg.ffn_hidden}")
     partition.check_stages(cfg.num_layers, pp)
 
 

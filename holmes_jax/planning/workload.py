@@ -36,11 +36,20 @@ class ModelCosts:
         return self.embed.params + sum(p.params for p in self.layers) + self.head.params
 
 
+def _matmul_params(cfg: ModelConfig) -> int:
+    """One block's weight matrices: q and o (h x h), k and v (h x kv: grouped-query attention
+    shares kv heads), the MLP's two (three with SwiGLU) h x f."""
+    h, f = cfg.hidden, cfg.ffn_hidden
+    kv = cfg.num_kv_heads * cfg.head_dim
+    return 2 * h * h + 2 * h * kv + (3 if cfg.mlp == "swiglu" else 2) * h * f
+
+
 def layer_params(cfg: ModelConfig) -> int:
     h, f = cfg.hidden, cfg.ffn_hidden
-    mlp = (3 if cfg.mlp == "swiglu" else 2) * h * f
     norms = 2 * (2 * h if cfg.norm == "layernorm" else h)
-    return 4 * h * h + mlp + norms
+    # Linear biases: q and o h each, k and v kv each, the MLP's up (and gate) f, its down h.
+    biases = (3 * h + 2 * cfg.num_kv_heads * cfg.head_dim + (2 if cfg.mlp == "swiglu" else 1) * f) if cfg.bias else 0
+    return _matmul_params(cfg) + norms + biases
 
 
 def model_costs(cfg: ModelConfig, micro_batch: int, seq_len: int) -> ModelCosts:
@@ -49,10 +58,10 @@ def model_costs(cfg: ModelConfig, micro_batch: int, seq_len: int) -> ModelCosts:
     FLOPs count multiply-adds as 2 and the backward pass as twice the forward; with `remat` the
     backward also repeats the forward (what Megatron's 96 vs 72 coefficient expresses).
     """
-    h, f, v = cfg.hidden, cfg.ffn_hidden, cfg.vocab_size
+    h, v = cfg.hidden, cfg.vocab_size
     tokens = micro_batch * seq_len
-    matmul_params = 4 * h * h + (3 if cfg.mlp == "swiglu" else 2) * h * f
-    layer_fwd = 2.0 * tokens * matmul_params + 4.0 * micro_batch * seq_len * seq_len * h
+    # Every query head attends (grouped-query attention shares k and v, not the s x s products).
+    layer_fwd = 2.0 * tokens * _matmul_params(cfg) + 4.0 * micro_batch * seq_len * seq_len * h
     layer_bwd = 2.0 * layer_fwd + (layer_fwd if cfg.remat else 0.0)
     layer = Part(layer_params(cfg), layer_fwd, layer_bwd)
 
@@ -63,7 +72,8 @@ def model_costs(cfg: ModelConfig, micro_batch: int, seq_len: int) -> ModelCosts:
     head = Part(final_norm + (0 if cfg.tie_embeddings else v * h), head_fwd, 2.0 * head_fwd)
     act_bytes = tokens * h * (2 if cfg.compute_dtype == "bfloat16" else 4)
     norm_leaves = 2 if cfg.norm == "layernorm" else 1  # scale (and bias)
-    block_leaves = 2 * norm_leaves + 4 + (3 if cfg.mlp == "swiglu" else 2)  # norms, q k v o, the MLP's kernels
+    linears = 4 + (3 if cfg.mlp == "swiglu" else 2)  # q k v o, the MLP's kernels
+    block_leaves = 2 * norm_leaves + linears * (2 if cfg.bias else 1)  # norms, kernels (and biases)
     embed_leaves = 1 + (cfg.positions == "learned")
     head_leaves = norm_leaves + (0 if cfg.tie_embeddings else 1)
     return ModelCosts(embed, (layer,) * cfg.num_layers, head, act_bytes, block_leaves + embed_leaves + head_leaves)

@@ -1,0 +1,274 @@
+"""Hugging Face folders in and out.
+
+`python -m holmes_jax.export --workdir W --out DIR [--step N]` writes a run's newest (or given)
+checkpoint as a folder `transformers` loads with `AutoModelForCausalLM.from_pretrained(DIR)`:
+
+- GPT-2 style (learned positions, layernorm, gelu) -> `GPT2LMHeadModel`. Its Conv1D weights are
+  (in, out) like ours, q/k/v fused into `c_attn`; it always has biases (zeros when the run had none).
+- LLaMA style (rotary, rmsnorm, swiglu) -> `LlamaForCausalLM`. Its nn.Linear weights are (out, in):
+  transposed. Our rotary pairs (i, i + head_dim / 2) as its `rotate_half` does, so q and k need
+  no permutation.
+
+The folder holds model.safetensors (float32), config.json and, when the run's data folder has one,
+tokenizer.json. Other mixes (say rmsnorm with gelu) have no Hugging Face class: ConfigError.
+
+`ModelConfig.init_from = DIR` starts a fresh run from such a folder (ours or one downloaded
+beforehand); `import_hf` reads it and checks that it fits the run's ModelConfig.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import jax
+import numpy as np
+import safetensors.numpy
+
+from holmes_jax import cli, inference
+from holmes_jax.config import ConfigError, ModelConfig
+from holmes_jax.models import gpt
+
+GPT2, LLAMA = "GPT2LMHeadModel", "LlamaForCausalLM"
+_GPT2_BIASES = ("attn.c_attn.bias", "attn.c_proj.bias", "mlp.c_fc.bias", "mlp.c_proj.bias")
+
+
+def architecture(cfg: ModelConfig) -> str:
+    """The Hugging Face class that computes what `cfg` does."""
+    style = (cfg.positions, cfg.norm, cfg.mlp)
+    if style == ("learned", "layernorm", "gelu"):
+        if cfg.num_kv_heads != cfg.num_heads:
+            raise ConfigError(f"GPT2LMHeadModel has no grouped-query attention: ModelConfig.num_kv_heads = "
+                              f"{cfg.num_kv_heads} must equal ModelConfig.num_heads = {cfg.num_heads}")
+        return GPT2
+    if style == ("rotary", "rmsnorm", "swiglu"):
+        return LLAMA
+    raise ConfigError(f"ModelConfig positions={cfg.positions!r}, norm={cfg.norm!r}, mlp={cfg.mlp!r} has no Hugging "
+                      f"Face class: GPT2LMHeadModel needs learned, layernorm, gelu; LlamaForCausalLM rotary, "
+                      f"rmsnorm, swiglu")
+
+
+def hf_config(cfg: ModelConfig) -> dict:
+    """config.json for `cfg`. No token ids: the run's tokenizer (or bytes) defines them."""
+    common = dict(architectures=[architecture(cfg)], vocab_size=cfg.vocab_size, tie_word_embeddings=cfg.tie_embeddings,
+                  bos_token_id=None, eos_token_id=None, torch_dtype="float32")
+    if architecture(cfg) == GPT2:
+        return dict(common, model_type="gpt2", n_layer=cfg.num_layers, n_embd=cfg.hidden, n_head=cfg.num_heads,
+                    n_inner=cfg.ffn_hidden, n_positions=cfg.max_seq_len, layer_norm_epsilon=cfg.norm_eps,
+                    activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    # rope_theta for transformers 4, rope_parameters for 5.
+    return dict(common, model_type="llama", num_hidden_layers=cfg.num_layers, hidden_size=cfg.hidden,
+                num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                intermediate_size=cfg.ffn_hidden, max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps,
+                rope_theta=cfg.rope_base, rope_parameters=dict(rope_type="default", rope_theta=cfg.rope_base),
+                rope_scaling=None, hidden_act="silu", attention_bias=cfg.bias, mlp_bias=cfg.bias)
+
+
+def _fields(hf: dict) -> dict:
+    """The ModelConfig fields a config.json describes; ConfigError for what our model cannot compute."""
+    arch = (hf.get("architectures") or [None])[0]
+    if hf.get("model_type") == "gpt2":
+        if hf.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
+            raise ConfigError(f"config.json activation_function = {hf['activation_function']!r}: only the tanh "
+                              f"GELU (gelu_new) is supported")
+        if hf.get("scale_attn_by_inverse_layer_idx") or not hf.get("scale_attn_weights", True):
+            raise ConfigError("config.json scale_attn_by_inverse_layer_idx / scale_attn_weights: only GPT-2's "
+                              "plain 1/sqrt(head size) attention scale is supported")
+        return dict(positions="learned", norm="layernorm", mlp="gelu", num_layers=hf["n_layer"], hidden=hf["n_embd"],
+                    num_heads=hf["n_head"], num_kv_heads=hf["n_head"], ffn_hidden=hf.get("n_inner") or 4 * hf["n_embd"],
+                    vocab_size=hf["vocab_size"], max_seq_len=hf["n_positions"],
+                    norm_eps=hf.get("layer_norm_epsilon", 1e-5), tie_embeddings=hf.get("tie_word_embeddings", True))
+    if hf.get("model_type") == "llama":
+        rope = hf.get("rope_parameters") or {}
+        if hf.get("rope_scaling") or rope.get("rope_type", "default") != "default":
+            raise ConfigError(f"config.json rope scaling {hf.get('rope_scaling') or rope!r} is not supported: "
+                              f"only plain rotary positions (rope_type 'default')")
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ConfigError(f"config.json hidden_act = {hf['hidden_act']!r}: only 'silu' (SwiGLU) is supported")
+        if hf.get("attention_bias", False) != hf.get("mlp_bias", False):
+            raise ConfigError("config.json attention_bias and mlp_bias differ; ModelConfig.bias covers both")
+        heads = hf["num_attention_heads"]
+        if hf.get("head_dim", hf["hidden_size"] // heads) * heads != hf["hidden_size"]:
+            raise ConfigError(f"config.json head_dim = {hf['head_dim']}: only hidden_size / num_attention_heads")
+        return dict(positions="rotary", norm="rmsnorm", mlp="swiglu", num_layers=hf["num_hidden_layers"],
+                    hidden=hf["hidden_size"], num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
+                    ffn_hidden=hf["intermediate_size"], vocab_size=hf["vocab_size"],
+                    norm_eps=hf.get("rms_norm_eps", 1e-6), rope_base=rope.get("rope_theta", hf.get("rope_theta", 1e4)),
+                    tie_embeddings=hf.get("tie_word_embeddings", False), bias=hf.get("attention_bias", False))
+    raise ConfigError(f"config.json model_type = {hf.get('model_type')!r} ({arch}) is not supported; "
+                      f"allowed: 'gpt2' (GPT2LMHeadModel), 'llama' (LlamaForCausalLM)")
+
+
+def check_fits(hf: dict, cfg: ModelConfig) -> None:
+    """ConfigError naming every ModelConfig field that differs from what config.json describes."""
+    wrong = []
+    for name, want in _fields(hf).items():
+        have = getattr(cfg, name)
+        same = math.isclose(have, want, rel_tol=1e-9) if isinstance(want, float) else have == want
+        if not same:
+            wrong.append(f"ModelConfig.{name} = {have!r} but the folder has {want!r}")
+    if wrong:
+        raise ConfigError("ModelConfig.init_from: the Hugging Face model does not fit the ModelConfig: "
+                          + "; ".join(wrong))
+
+
+def _pairs(cfg: ModelConfig) -> list[tuple[str, tuple, int | None, bool]]:
+    """(Hugging Face name, our leaf path, layer or None, transposed) of every tensor that maps one to
+    one; GPT-2's fused c_attn (and its zero biases) are handled apart."""
+    if architecture(cfg) == GPT2:
+        top = {"transformer.wte.weight": ("embed", "tokens", "embedding"), "transformer.wpe.weight": ("embed", "positions"),
+               "transformer.ln_f.weight": ("head", "norm", "scale"), "transformer.ln_f.bias": ("head", "norm", "bias")}
+        layer = {"ln_1.weight": ("attn_norm", "scale"), "ln_1.bias": ("attn_norm", "bias"),
+                 "ln_2.weight": ("mlp_norm", "scale"), "ln_2.bias": ("mlp_norm", "bias"),
+                 "attn.c_proj.weight": ("o", "kernel"), "mlp.c_fc.weight": ("up", "kernel"),
+                 "mlp.c_proj.weight": ("down", "kernel")}
+        if cfg.bias:
+            layer |= {"attn.c_proj.bias": ("o", "bias"), "mlp.c_fc.bias": ("up", "bias"), "mlp.c_proj.bias": ("down", "bias")}
+        prefix, linear = "transformer.h", {}
+    else:
+        top = {"model.embed_tokens.weight": ("embed", "tokens", "embedding"), "model.norm.weight": ("head", "norm", "scale")}
+        layer = {"input_layernorm.weight": ("attn_norm", "scale"), "post_attention_layernorm.weight": ("mlp_norm", "scale")}
+        projections = {"self_attn.q_proj": "q", "self_attn.k_proj": "k", "self_attn.v_proj": "v", "self_attn.o_proj": "o",
+                       "mlp.gate_proj": "gate", "mlp.up_proj": "up", "mlp.down_proj": "down"}
+        linear = {f"{hf}.weight": (ours, "kernel") for hf, ours in projections.items()}  # nn.Linear: (out, in)
+        if cfg.bias:
+            layer |= {f"{hf}.bias": (ours, "bias") for hf, ours in projections.items()}
+        prefix = "model.layers"
+    pairs = [(name, path, None, False) for name, path in top.items()]
+    for i in range(cfg.num_layers):
+        pairs += [(f"{prefix}.{i}.{name}", ("blocks",) + path, i, False) for name, path in layer.items()]
+        pairs += [(f"{prefix}.{i}.{name}", ("blocks",) + path, i, True) for name, path in linear.items()]
+    if not cfg.tie_embeddings:
+        pairs.append(("lm_head.weight", ("head", "out", "kernel"), None, True))
+    return pairs
+
+
+def _get(tree: dict, path: tuple):
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def to_hf(params: dict, cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """Canonical parameters -> Hugging Face tensors (float32, contiguous)."""
+    params = jax.tree.map(lambda x: np.asarray(x, np.float32), params)
+    tensors = {}
+    for name, path, layer, transposed in _pairs(cfg):
+        x = _get(params, path)
+        x = x[layer] if layer is not None else x
+        tensors[name] = x.T if transposed else x
+    if architecture(cfg) == GPT2:
+        blocks = params["blocks"]
+        for i in range(cfg.num_layers):
+            pre = f"transformer.h.{i}."
+            tensors[pre + "attn.c_attn.weight"] = np.concatenate([blocks[p]["kernel"][i] for p in "qkv"], axis=1)
+            if cfg.bias:
+                tensors[pre + "attn.c_attn.bias"] = np.concatenate([blocks[p]["bias"][i] for p in "qkv"])
+            else:  # GPT-2 always adds biases: zeros compute the same
+                for name in _GPT2_BIASES:
+                    tensors[pre + name] = np.zeros(tensors[pre + name.replace(".bias", ".weight")].shape[-1], np.float32)
+    return {name: np.ascontiguousarray(x) for name, x in tensors.items()}
+
+
+def from_hf(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict:
+    """Hugging Face tensors -> canonical float32 parameters of `cfg`; ConfigError when a tensor is
+    missing or its shape does not fit."""
+    if architecture(cfg) == GPT2 and "transformer.wte.weight" not in tensors:  # saved from GPT2Model
+        tensors = {"transformer." + k if not k.startswith("lm_head") else k: v for k, v in tensors.items()}
+
+    def take(name: str, shape: tuple) -> np.ndarray:
+        if name not in tensors:
+            raise ConfigError(f"ModelConfig.init_from: the model has no tensor {name!r}")
+        x = np.asarray(tensors[name], np.float32)
+        if x.shape != shape:
+            raise ConfigError(f"ModelConfig.init_from: tensor {name!r} is {x.shape}, the ModelConfig needs {shape}")
+        return x
+
+    abstract = jax.eval_shape(lambda: gpt.GPT(cfg).init(0))
+    params = jax.tree.map(lambda s: np.zeros(s.shape, np.float32), abstract)
+    for name, path, layer, transposed in _pairs(cfg):
+        leaf = _get(params, path)
+        shape = leaf.shape[1:] if layer is not None else leaf.shape
+        x = take(name, shape[::-1] if transposed else shape)
+        x = x.T if transposed else x
+        if layer is None:
+            _get(params, path[:-1])[path[-1]] = x
+        else:
+            leaf[layer] = x
+    if architecture(cfg) == GPT2:
+        h, blocks = cfg.hidden, params["blocks"]
+        for i in range(cfg.num_layers):
+            pre = f"transformer.h.{i}."
+            qkv = np.split(take(pre + "attn.c_attn.weight", (h, 3 * h)), 3, axis=1)
+            for p, x in zip("qkv", qkv):
+                blocks[p]["kernel"][i] = x
+            if cfg.bias:
+                for p, x in zip("qkv", np.split(take(pre + "attn.c_attn.bias", (3 * h,)), 3)):
+                    blocks[p]["bias"][i] = x
+            elif any(np.any(tensors.get(pre + name, 0) != 0) for name in _GPT2_BIASES):
+                raise ConfigError(f"ModelConfig.bias = False but the GPT-2 model's layer {i} has nonzero biases; "
+                                  f"set ModelConfig.bias = True")
+    return params
+
+
+def _read_tensors(folder: Path) -> dict[str, np.ndarray]:
+    """model.safetensors, or every shard a model.safetensors.index.json lists."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = ["model.safetensors"]
+    tensors = {}
+    for name in files:
+        if not (folder / name).is_file():
+            raise ConfigError(f"ModelConfig.init_from = {str(folder)!r} has no {name}")
+        tensors.update(safetensors.numpy.load_file(folder / name))
+    return tensors
+
+
+def import_hf(folder: str | Path, cfg: ModelConfig) -> dict:
+    """Canonical float32 parameters (numpy) of the Hugging Face model in `folder`, which must fit `cfg`."""
+    folder = Path(folder).expanduser()
+    if not (folder / "config.json").is_file():
+        raise ConfigError(f"ModelConfig.init_from = {str(folder)!r} is not allowed; allowed: a Hugging Face model "
+                          f"folder with config.json and model.safetensors")
+    check_fits(json.loads((folder / "config.json").read_text()), cfg)
+    return from_hf(_read_tensors(folder), cfg)
+
+
+def save_hf(params: dict, cfg: ModelConfig, out: str | Path, tokenizer: Path | None = None) -> Path:
+    """Writes `params` of `cfg` as a Hugging Face folder `out` (and copies `tokenizer`, a tokenizer.json)."""
+    config = hf_config(cfg)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    safetensors.numpy.save_file(to_hf(params, cfg), out / "model.safetensors", metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if tokenizer is not None:
+        shutil.copyfile(tokenizer, out / "tokenizer.json")
+    return out
+
+
+def export(workdir: str | Path, out: str | Path, step: int | None = None) -> Path:
+    """Writes checkpoint `step` (default the newest) of the run in `workdir` to the folder `out`."""
+    cfg, data = inference.read_configs(workdir)
+    architecture(cfg)  # before the restore: an unexportable config fails fast
+    params, _ = inference.restore_params(workdir, cfg, step, jax.devices("cpu")[0])
+    return save_hf(params, cfg, out, inference.tokenizer_file(data))
+
+
+def main(argv: list[str]) -> int:
+    p = cli.Parser(prog="python -m holmes_jax.export",
+                   description="Write a run's checkpoint as a Hugging Face folder (GPT2LMHeadModel or LlamaForCausalLM).")
+    p.add_argument("--workdir", required=True, help="the run's TrainConfig.workdir")
+    p.add_argument("--out", required=True, help="the folder to write")
+    p.add_argument("--step", type=cli.non_negative_int, help="the checkpoint's step (default: the newest)")
+    args = p.parse_args(argv)
+    out = export(args.workdir, args.out, args.step)
+    print(f"wrote {out}: {', '.join(sorted(f.name for f in out.iterdir()))}")
+    return 0
+
+
+if __name__ == "__main__":
+    cli.run(main)

@@ -1,0 +1,101 @@
+"""`python -m holmes_jax.generate --workdir W --prompt TEXT --max-tokens N [--greedy]
+[--temperature X] [--top-k K] [--seed S]`: prints the prompt and a continuation from a run's newest
+checkpoint.
+
+Text becomes tokens with the run's tokenizer.json, or as UTF-8 bytes when the run read bytes;
+bytes that are not valid UTF-8 print as U+FFFD. There is no KV cache: every new token reruns the
+model over its context, padded to one fixed length so the forward compiles once. The context is
+the last `max_seq_len` tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from holmes_jax import cli
+from holmes_jax.config import ConfigError
+from holmes_jax.inference import Model, load
+from holmes_jax.models import gpt
+
+
+def encode(m: Model, text: str) -> list[int]:
+    if m.tokenizer is None:
+        return list(text.encode("utf-8"))
+    return m.tokenizer.encode(text).ids
+
+
+def decode(m: Model, ids: list[int]) -> str:
+    if m.tokenizer is None:  # ids past the bytes (a vocabulary larger than 256) print as U+FFFD
+        return bytes(i if i < 256 else 0xFF for i in ids).decode("utf-8", errors="replace")
+    return m.tokenizer.decode(ids)
+
+
+def generate(m: Model, prompt: list[int], max_tokens: int, greedy: bool = False, temperature: float = 1.0,
+             top_k: int | None = None, seed: int = 0) -> list[int]:
+    """`max_tokens` new token ids after `prompt` (greedy: the most likely each time, else sampled)."""
+    if not prompt:
+        raise ConfigError("--prompt is empty: generation needs at least one token")
+    if max(prompt) >= m.config.vocab_size:
+        raise ConfigError(f"--prompt holds token id {max(prompt)}, outside ModelConfig.vocab_size = {m.config.vocab_size}")
+    length = min(len(prompt) + max_tokens, m.config.max_seq_len)
+    rng = np.random.default_rng(seed)
+    ids = list(prompt)
+    for _ in range(max_tokens):
+        context = ids[-length:]
+        padded = np.zeros((1, length), np.int32)
+        padded[0, : len(context)] = context  # causal: the padding after the context changes nothing before it
+        logits = np.asarray(_last_logits(m.gpt, m.params, jnp.asarray(padded), len(context)), np.float64)
+        ids.append(int(np.argmax(logits)) if greedy else _sample(logits, temperature, top_k, rng))
+    return ids[len(prompt):]
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _last_logits(model: gpt.GPT, params: dict, tokens: jax.Array, n: jax.Array) -> jax.Array:
+    """The logits after the first `n` of `tokens` (1, length)."""
+    return model.logits(params, tokens)[0, n - 1]
+
+
+def _sample(logits: np.ndarray, temperature: float, top_k: int | None, rng: np.random.Generator) -> int:
+    if top_k is not None and top_k < len(logits):
+        logits = np.where(logits >= np.sort(logits)[-top_k], logits, -np.inf)
+    z = logits / temperature
+    p = np.exp(z - z.max())
+    return int(rng.choice(len(p), p=p / p.sum()))
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not allowed; allowed: a positive number")
+    return value
+
+
+def main(argv: list[str]) -> int:
+    p = cli.Parser(prog="python -m holmes_jax.generate",
+                   description="Continue a prompt with a run's newest checkpoint.")
+    p.add_argument("--workdir", required=True, help="the run's TrainConfig.workdir")
+    p.add_argument("--prompt", required=True, help="the text to continue")
+    p.add_argument("--max-tokens", type=cli.positive_int, default=64, help="tokens to generate (default 64)")
+    p.add_argument("--greedy", action="store_true", help="always the most likely token (no sampling)")
+    p.add_argument("--temperature", type=_positive_float, default=1.0, help="sampling temperature (default 1)")
+    p.add_argument("--top-k", type=cli.positive_int, help="sample among the K most likely tokens only")
+    p.add_argument("--seed", type=cli.non_negative_int, default=0, help="sampling seed (default 0)")
+    p.add_argument("--step", type=cli.non_negative_int, help="the checkpoint's step (default: the newest)")
+    args = p.parse_args(argv)
+    m = load(args.workdir, args.step)
+    prompt = encode(m, args.prompt)
+    new = generate(m, prompt, args.max_tokens, args.greedy, args.temperature, args.top_k, args.seed)
+    print(decode(m, prompt + new))
+    return 0
+
+
+if __name__ == "__main__":
+    cli.run(main)

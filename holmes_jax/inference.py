@@ -1,0 +1,105 @@
+"""A trained run as a Python object: `holmes_jax.load(workdir)`.
+
+    m = holmes_jax.load("runs/default")
+    m.config, m.step        # the resolved ModelConfig, the checkpoint's step
+    m.params                # canonical parameters {"embed", "blocks", "head"}, float32
+    m.tokenizer             # tokenizers.Tokenizer, or None: the run read bytes
+    m.logits(tokens)        # int (batch, seq) -> float32 (batch, seq, vocab)
+
+The configs come from the run's config.gin (parsed with gin, which replaces any gin config the
+calling process had), the parameters from the newest checkpoint (or `step`) under
+WORKDIR/checkpoints, restored without the optimizer state onto the first local device. The
+forward is the model's own (no pipeline), so any device count can load any run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from holmes_jax import configure
+from holmes_jax.config import ConfigError, DataConfig, ModelConfig
+from holmes_jax.models import gpt
+
+
+def read_configs(workdir: str | Path) -> tuple[ModelConfig, DataConfig]:
+    """The resolved model config and the data config a run was trained with."""
+    gin_file = Path(workdir) / "config.gin"
+    if not gin_file.is_file():
+        raise ConfigError(f"--workdir {str(workdir)!r} holds no config.gin: not the workdir of a holmes_jax run")
+    cfgs = configure.load_configs(["--gin_file", str(gin_file)])
+    return cfgs.model, cfgs.data
+
+
+def restore_params(workdir: str | Path, cfg: ModelConfig, step: int | None = None, device=None) -> tuple[dict, int]:
+    """(canonical parameters of checkpoint `step`, default the newest, on `device`; that step).
+    Only the parameters are read: the optimizer state stays on disk."""
+    directory = (Path(workdir) / "checkpoints").absolute()
+    steps = []
+    if directory.is_dir():
+        options = ocp.CheckpointManagerOptions(create=False)
+        manager = ocp.CheckpointManager(directory, options=options)
+        steps = list(manager.all_steps())
+    if not steps:
+        raise ConfigError(f"--workdir {str(workdir)!r} has no checkpoint under {directory}")
+    step = max(steps) if step is None else step
+    if step not in steps:
+        raise ConfigError(f"--step {step} is not allowed; the checkpoints of {str(workdir)!r} are at steps "
+                          f"{', '.join(map(str, sorted(steps)))}")
+    sharding = jax.sharding.SingleDeviceSharding(device or jax.local_devices()[0])
+    abstract = jax.eval_shape(lambda: gpt.GPT(cfg).init(0))
+    target = {"params": jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), abstract)}
+    args = ocp.args.PyTreeRestore(item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+                                  partial_restore=True)
+    params = manager.restore(step, args=args)["params"]
+    manager.close()
+    return params, step
+
+
+def tokenizer_file(data: DataConfig) -> Path | None:
+    """The tokenizer.json of a run's prepared data folder, if it has one (else the run read bytes)."""
+    path = Path(data.source).expanduser() / "tokenizer.json"
+    return path if path.is_file() else None
+
+
+@dataclasses.dataclass
+class Model:
+    config: ModelConfig
+    params: dict
+    tokenizer: Any  # tokenizers.Tokenizer | None
+    step: int
+
+    def __post_init__(self):
+        self.gpt = gpt.GPT(self.config)
+        self._logits = jax.jit(self.gpt.logits)
+
+    def logits(self, tokens) -> jax.Array:
+        """Float32 next-token logits (batch, seq, vocab) of int `tokens` (batch, seq)."""
+        tokens = np.asarray(tokens)
+        cfg = self.config
+        if tokens.ndim != 2 or not np.issubdtype(tokens.dtype, np.integer):
+            raise ConfigError(f"tokens must be an integer array (batch, seq); got {tokens.dtype} {tokens.shape}")
+        if tokens.size and (tokens.min() < 0 or tokens.max() >= cfg.vocab_size):
+            raise ConfigError(f"token ids must lie in [0, ModelConfig.vocab_size = {cfg.vocab_size})")
+        if cfg.positions == "learned" and tokens.shape[1] > cfg.max_seq_len:
+            raise ConfigError(f"{tokens.shape[1]} tokens are too many: the learned positions stop at "
+                              f"ModelConfig.max_seq_len = {cfg.max_seq_len}")
+        return self._logits(self.params, tokens.astype(np.int32))
+
+
+def load(workdir: str | Path, step: int | None = None) -> Model:
+    """The model of a run's newest checkpoint (or of `step`)."""
+    cfg, data = read_configs(workdir)
+    params, step = restore_params(workdir, cfg, step)
+    tokenizer = None
+    path = tokenizer_file(data)
+    if path is not None:
+        import tokenizers
+
+        tokenizer = tokenizers.Tokenizer.from_file(str(path))
+    return Model(cfg, params, tokenizer, step)

@@ -1,0 +1,266 @@
+"""Hugging Face export and import, `holmes_jax.load` and generation. One tiny trained LLaMA-style
+run (grouped-query attention, biases, tied embeddings, a tokenizer.json in its data folder) serves
+the run-level tests; the GPT-2 / LLaMA layouts are checked on freshly initialised parameters."""
+
+import json
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+import safetensors.numpy
+
+from helpers import REPO, run_module, small_configs
+from holmes_jax import build, export, generate, inference, train
+from holmes_jax.config import ConfigError, ModelConfig
+from holmes_jax.models import gpt, presets
+
+RUN = ["--gin.ModelConfig.preset=llama-tiny", "--gin.ModelConfig.num_kv_heads=2", "--gin.ModelConfig.bias=True",
+       "--gin.ModelConfig.tie_embeddings=True", "--gin.ModelConfig.rope_base=500000.0"]
+
+
+def _tokenizer_json(text: str, path) -> None:
+    import tokenizers
+
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel()
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    tok.train_from_iterator([text], tokenizers.trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>"]))
+    tok.save(str(path))
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A run of two steps, checkpointed at both, on a data folder that has a tokenizer.json."""
+    root = tmp_path_factory.mktemp("run")
+    folder = root / "data"
+    folder.mkdir()
+    text = (REPO / "holmes_jax" / "train.py").read_text()
+    (folder / "train.txt").write_text(text)
+    _tokenizer_json(text, folder / "tokenizer.json")
+    cfgs = small_configs(root / "work", *RUN, "--gin.TrainConfig.steps=2", "--gin.CheckpointConfig.every=1",
+                         "--gin.ParallelConfig.dp=1", "--gin.TrainConfig.eval_batches=1", f"--gin.DataConfig.source={folder}")
+    train.run(cfgs, jax.devices()[:1], quiet=True)
+    return root / "work"
+
+
+def _expected_names(cfg: ModelConfig, arch: str) -> dict[str, tuple]:
+    """Tensor names and shapes as transformers' GPT2LMHeadModel / LlamaForCausalLM name them."""
+    h, f, v, kv = cfg.hidden, cfg.ffn_hidden, cfg.vocab_size, cfg.num_kv_heads * cfg.head_dim
+    if arch == "gpt2":
+        names = {"transformer.wte.weight": (v, h), "transformer.wpe.weight": (cfg.max_seq_len, h),
+                 "transformer.ln_f.weight": (h,), "transformer.ln_f.bias": (h,)}
+        layer = {"ln_1.weight": (h,), "ln_1.bias": (h,), "ln_2.weight": (h,), "ln_2.bias": (h,),
+                 "attn.c_attn.weight": (h, 3 * h), "attn.c_attn.bias": (3 * h,),  # Conv1D: (in, out)
+                 "attn.c_proj.weight": (h, h), "attn.c_proj.bias": (h,),
+                 "mlp.c_fc.weight": (h, f), "mlp.c_fc.bias": (f,), "mlp.c_proj.weight": (f, h), "mlp.c_proj.bias": (h,)}
+        prefix = "transformer.h"
+    else:
+        names = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
+        layer = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+                 "self_attn.q_proj.weight": (h, h), "self_attn.k_proj.weight": (kv, h),  # nn.Linear: (out, in)
+                 "self_attn.v_proj.weight": (kv, h), "self_attn.o_proj.weight": (h, h),
+                 "mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h), "mlp.down_proj.weight": (h, f)}
+        prefix = "model.layers"
+    for i in range(cfg.num_layers):
+        names |= {f"{prefix}.{i}.{name}": shape for name, shape in layer.items()}
+    if not cfg.tie_embeddings:
+        names["lm_head.weight"] = (v, h)
+    return names
+
+
+@pytest.mark.parametrize("name, options", [
+    ("gpt2", dict(preset="tiny", bias=True, tie_embeddings=False)),
+    ("llama", dict(preset="llama-tiny", num_kv_heads=2, tie_embeddings=False)),
+])
+def test_the_files_follow_transformers_names_shapes_and_config(tmp_path, name, options):
+    cfg = presets.resolve(ModelConfig(num_layers=2, hidden=64, num_heads=4, ffn_hidden=96, **options))
+    params = jax.tree.map(np.asarray, gpt.GPT(cfg).init(0))
+    out = export.save_hf(params, cfg, tmp_path / "hf")
+    tensors = safetensors.numpy.load_file(out / "model.safetensors")
+    assert {k: v.shape for k, v in tensors.items()} == _expected_names(cfg, name)
+    assert all(v.dtype == np.float32 for v in tensors.values())
+    config = json.loads((out / "config.json").read_text())
+    assert config["vocab_size"] == cfg.vocab_size and config["tie_word_embeddings"] is False
+    if name == "gpt2":
+        assert config["architectures"] == ["GPT2LMHeadModel"] and config["model_type"] == "gpt2"
+        assert (config["n_layer"], config["n_embd"], config["n_head"], config["n_inner"], config["n_positions"]) == (
+            2, 64, 4, 96, cfg.max_seq_len)
+        assert config["activation_function"] == "gelu_new" and config["layer_norm_epsilon"] == 1e-5
+        # q, k, v side by side in c_attn; Conv1D keeps our (in, out) layout.
+        np.testing.assert_array_equal(tensors["transformer.h.1.attn.c_attn.weight"][:, 64:128], params["blocks"]["k"]["kernel"][1])
+        np.testing.assert_array_equal(tensors["lm_head.weight"], params["head"]["out"]["kernel"].T)
+    else:
+        assert config["architectures"] == ["LlamaForCausalLM"] and config["model_type"] == "llama"
+        assert (config["num_hidden_layers"], config["hidden_size"], config["num_attention_heads"],
+                config["num_key_value_heads"], config["intermediate_size"], config["head_dim"]) == (2, 64, 4, 2, 96, 16)
+        assert config["rope_theta"] == config["rope_parameters"]["rope_theta"] == 10000.0
+        assert config["rms_norm_eps"] == 1e-5 and config["hidden_act"] == "silu" and config["attention_bias"] is False
+        # nn.Linear stores (out, in): our kernels transposed.
+        np.testing.assert_array_equal(tensors["model.layers.1.self_attn.k_proj.weight"], params["blocks"]["k"]["kernel"][1].T)
+    jax.tree.map(np.testing.assert_array_equal, export.import_hf(out, cfg), params)
+
+
+@pytest.mark.slow
+def test_export_of_a_run_imports_back_to_its_checkpoint(run, tmp_path):
+    cfg, _ = inference.read_configs(run)
+    params, step = inference.restore_params(run, cfg)
+    assert step == 2 and cfg.bias and cfg.num_kv_heads == 2
+    out = export.export(run, tmp_path / "hf")
+    tensors = safetensors.numpy.load_file(out / "model.safetensors")
+    assert {k: v.shape for k, v in tensors.items()} == _expected_names(cfg, "llama") | {
+        f"model.layers.{i}.{p}.bias": shape for i in range(cfg.num_layers) for p, shape in (
+            ("self_attn.q_proj", (64,)), ("self_attn.k_proj", (32,)), ("self_attn.v_proj", (32,)),
+            ("self_attn.o_proj", (64,)), ("mlp.gate_proj", (128,)), ("mlp.up_proj", (128,)), ("mlp.down_proj", (64,)))}
+    config = json.loads((out / "config.json").read_text())
+    assert config["attention_bias"] is config["mlp_bias"] is True and config["rope_theta"] == 500000.0
+    assert config["tie_word_embeddings"] is True
+    assert (out / "tokenizer.json").read_bytes() == (run.parent / "data" / "tokenizer.json").read_bytes()
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), params, export.import_hf(out, cfg))
+    first = safetensors.numpy.load_file(export.export(run, tmp_path / "hf1", step=1) / "model.safetensors")
+    name = "model.layers.0.self_attn.q_proj.weight"
+    assert not np.array_equal(first[name], tensors[name])
+
+
+@pytest.mark.parametrize("options, field", [
+    (dict(norm="rmsnorm"), "norm='rmsnorm'"),  # rmsnorm with gelu and learned positions: neither class
+    (dict(positions="rotary"), "positions='rotary'"),
+    (dict(num_kv_heads=2), "ModelConfig.num_kv_heads"),  # GPT-2 has no grouped-query attention
+])
+def test_configs_no_hugging_face_class_computes_are_refused(options, field):
+    cfg = presets.resolve(ModelConfig(preset="tiny", **options))
+    with pytest.raises(ConfigError, match=field):
+        export.hf_config(cfg)
+
+
+def _saved(tmp_path, cfg, seed=0):
+    params = jax.tree.map(np.asarray, gpt.GPT(cfg).init(seed))
+    return export.save_hf(params, cfg, tmp_path / "hf"), params
+
+
+def test_import_names_every_field_that_does_not_fit(tmp_path):
+    cfg = presets.resolve(ModelConfig(preset="llama-tiny", num_layers=2, hidden=64, ffn_hidden=96))
+    folder, params = _saved(tmp_path, cfg)
+    jax.tree.map(np.testing.assert_array_equal, export.import_hf(folder, cfg), params)
+    wrong = presets.resolve(ModelConfig(preset="llama-tiny", num_layers=2, hidden=128, ffn_hidden=96, norm_eps=1e-6))
+    with pytest.raises(ConfigError, match=r"ModelConfig.hidden = 128 but the folder has 64.*ModelConfig.norm_eps"):
+        export.import_hf(folder, wrong)
+    with pytest.raises(ConfigError, match="ModelConfig.init_from"):
+        export.import_hf(tmp_path / "nothing", cfg)
+    gpt2 = presets.resolve(ModelConfig(preset="tiny", num_layers=2, hidden=64, ffn_hidden=96))
+    with pytest.raises(ConfigError, match="ModelConfig.positions = 'learned' but the folder has 'rotary'"):
+        export.import_hf(folder, gpt2)
+
+
+def test_gpt2_biases_round_trip_as_zeros_and_nonzero_ones_need_bias(tmp_path):
+    cfg = presets.resolve(ModelConfig(preset="tiny", num_layers=2, hidden=64, ffn_hidden=96))
+    folder, params = _saved(tmp_path, cfg)
+    tensors = safetensors.numpy.load_file(folder / "model.safetensors")
+    assert not tensors["transformer.h.0.attn.c_attn.bias"].any()  # GPT-2 always has biases: zeros
+    jax.tree.map(np.testing.assert_array_equal, export.import_hf(folder, cfg), params)
+    tensors["transformer.h.1.mlp.c_fc.bias"][3] = 0.5
+    safetensors.numpy.save_file(tensors, folder / "model.safetensors")
+    with pytest.raises(ConfigError, match="ModelConfig.bias = False"):
+        export.import_hf(folder, cfg)
+    with_bias = export.import_hf(folder, presets.resolve(ModelConfig(preset="tiny", num_layers=2, hidden=64,
+                                                                     ffn_hidden=96, bias=True)))
+    assert with_bias["blocks"]["up"]["bias"][1, 3] == 0.5
+
+
+def test_a_fresh_run_starts_from_init_from(tmp_path):
+    cfg = presets.resolve(ModelConfig(preset="llama-tiny", num_layers=2, hidden=64, num_heads=4, ffn_hidden=128))
+    folder, params = _saved(tmp_path, cfg, seed=7)
+    cfgs = small_configs(tmp_path / "run", "--gin.ModelConfig.preset=llama-tiny", f"--gin.ModelConfig.init_from={folder}",
+                         "--gin.ParallelConfig.dp=2", "--gin.ParallelConfig.tp=2", "--gin.ParallelConfig.pp=2")
+    setup = build.build(cfgs, jax.devices()[:8])
+    state = setup.canonical(setup.init_state())
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), state["params"], params)
+    assert int(state["step"]) == 0
+
+
+@pytest.mark.slow
+def test_load_gives_the_runs_model(run):
+    m = inference.load(run)
+    cfg, _ = inference.read_configs(run)
+    assert m.config == cfg and m.step == 2
+    assert m.tokenizer is not None and m.tokenizer.get_vocab_size() <= 200
+    params, _ = inference.restore_params(run, cfg)
+    jax.tree.map(np.testing.assert_array_equal, m.params, params)
+    tokens = np.random.default_rng(0).integers(0, 256, (2, 20))
+    logits = m.logits(tokens)
+    assert logits.shape == (2, 20, 256) and logits.dtype == np.float32
+    np.testing.assert_allclose(logits, gpt.GPT(cfg).logits(params, tokens), rtol=1e-6, atol=1e-6)
+    assert inference.load(run, step=1).step == 1
+    for bad in (tokens[0], tokens + 256, tokens.astype(float)):
+        with pytest.raises(ConfigError, match="token"):
+            m.logits(bad)
+    with pytest.raises(ConfigError, match="--step 5 is not allowed.*1, 2"):
+        inference.load(run, step=5)
+
+
+@pytest.mark.slow
+def test_greedy_generation_is_the_argmax_of_the_logits(run):
+    m = inference.load(run)
+    prompt = generate.encode(m, "def f(x):")
+    assert prompt == m.tokenizer.encode("def f(x):").ids
+    new = generate.generate(m, prompt, 4, greedy=True)
+    assert new == generate.generate(m, prompt, 4, greedy=True)
+    ids = list(prompt)
+    for token in new:
+        assert token == int(np.argmax(m.logits(np.asarray([ids]))[0, -1]))
+        ids.append(token)
+    sampled = [generate.generate(m, prompt, 4, top_k=5, seed=s) for s in (0, 0)]
+    assert sampled[0] == sampled[1] and len(sampled[0]) == 4
+    as_bytes = inference.Model(m.config, m.params, None, m.step)  # a run that read bytes
+    assert generate.encode(as_bytes, "hé") == [104, 0xC3, 0xA9]
+    assert generate.decode(as_bytes, [104, 105, 0xC3]) == "hi\ufffd"  # a cut UTF-8 sequence prints as U+FFFD
+
+
+@pytest.mark.slow
+def test_the_command_lines(run, tmp_path):
+    done = run_module("holmes_jax.export", "--workdir", str(run), "--out", str(tmp_path / "hf"))
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["config.json", "model.safetensors", "tokenizer.json"]
+    done = run_module("holmes_jax.generate", "--workdir", str(run), "--prompt", "import ", "--max-tokens", "3", "--greedy")
+    assert done.returncode == 0, done.stderr
+    m = inference.load(run)
+    prompt = generate.encode(m, "import ")
+    assert done.stdout == generate.decode(m, prompt + generate.generate(m, prompt, 3, greedy=True)) + "\n"
+    for module, args, message in (
+        ("holmes_jax.export", ["--workdir", str(tmp_path), "--out", str(tmp_path / "x")], "holds no config.gin"),
+        ("holmes_jax.generate", ["--workdir", str(run), "--prompt", "x", "--temperature", "0"], "--temperature"),
+    ):
+        done = run_module(module, *args)
+        assert done.returncode == 2 and done.stderr.startswith("error: ") and message in done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+def test_importing_the_package_starts_no_jax():
+    code = ("import sys, holmes_jax; f = holmes_jax.load, holmes_jax.plan; assert 'jax' not in sys.modules; "
+            "print('no jax')")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
+                          env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "no jax"
+
+
+def test_import_reads_sharded_bfloat16_folders(tmp_path):
+    """How transformers saves large models: bfloat16 tensors in shards named by an index."""
+    import ml_dtypes
+
+    cfg = presets.resolve(ModelConfig(preset="llama-tiny", num_layers=2, hidden=64, ffn_hidden=96))
+    folder, params = _saved(tmp_path, cfg)
+    tensors = safetensors.numpy.load_file(folder / "model.safetensors")
+    (folder / "model.safetensors").unlink()
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
+              "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+    for shard, keys in shards.items():
+        safetensors.numpy.save_file({k: tensors[k].astype(ml_dtypes.bfloat16) for k in keys}, folder / shard)
+    index = {"weight_map": {k: shard for shard, keys in shards.items() for k in keys}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    back = export.import_hf(folder, cfg)
+    want = jax.tree.map(lambda x: np.asarray(x.astype(ml_dtypes.bfloat16), np.float32), params)
+    jax.tree.map(np.testing.assert_array_equal, back, want)
+    assert all(x.dtype == np.float32 for x in jax.tree.leaves(back))
