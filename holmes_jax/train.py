@@ -94,6 +94,7 @@ def run(cfgs: Configs, devices=None, quiet: bool = False) -> dict:
     if lead:
         workdir.mkdir(parents=True, exist_ok=True)
         (workdir / "config.gin").write_text(gin.operative_config_str())
+        (workdir / "plan.json").write_text(setup.plan.to_json(indent=1))  # what `holmes_jax.report` compares against
     ckpt = Checkpointer(workdir / "checkpoints", cfgs.checkpoint) if cfgs.checkpoint.enabled else None
     start = ckpt.latest_step() if ckpt else None
     if start is not None:
@@ -115,7 +116,7 @@ def run(cfgs: Configs, devices=None, quiet: bool = False) -> dict:
     peak, peak_what = peak_tflops(list(setup.mesh.devices.flat))
     say(f"MFU is against the {peak_what}")
 
-    log = metrics.MetricsLog(workdir / "metrics.jsonl", tcfg.steps, quiet) if lead else None
+    log = metrics.MetricsLog(workdir / "metrics.jsonl", tcfg.steps, quiet, stop=last) if lead else None
     logger = StepLogger(setup, make_eval_step(setup), token_data, log, peak)
     hooks = [Hook(tcfg.log_every, lambda step, state: logger.row(step, state, last))]
     if ckpt:
@@ -133,8 +134,10 @@ def run(cfgs: Configs, devices=None, quiet: bool = False) -> dict:
             say(f"interrupted: saving a checkpoint at step {step}")
             ckpt.save(step, lambda: setup.canonical(state), force=True)
         ckpt and ckpt.close()
+        log and log.close()
         raise
     ckpt and ckpt.close()
+    log and log.close()
     return summarize(logger.rows, start, setup.plan.prediction.step_time_s, say)
 
 
