@@ -218,3 +218,42 @@ def _draw_placement(ax, plan: Plan) -> None:
     ax.axis("off")
     ax.set_title(f"(b) placement ({pl.method}): clusters framed in their NIC class's colour, each device "
                  f"filled with its stage's colour", loc="left", fontsize=11)
+
+
+def draw_report(rows: list[dict], predicted_step_s: float | None, path: str, title: str = "") -> None:
+    """A run's loss and validation loss against step (left) and its measured step time against the
+    plan's prediction (right), from metrics rows (holmes_jax.report reads them)."""
+    steps = np.array([r["step"] for r in rows])
+    fig, (loss_ax, time_ax) = plt.subplots(1, 2, figsize=(13, 4.6), dpi=110)
+    loss_ax.plot(steps, [r["loss"] for r in rows], marker=".", label="training loss (the logged step's batch)")
+    val = [(r["step"], r["val_loss"]) for r in rows if r.get("val_loss") is not None]
+    if val:
+        loss_ax.plot(*zip(*val), marker="o", linestyle="--", label="validation loss")
+    loss_ax.set_xlabel("step")
+    loss_ax.set_ylabel("loss (nats per token)")
+    loss_ax.set_title("loss", loc="left")
+    loss_ax.legend(frameon=False, fontsize=9, loc="upper left", bbox_to_anchor=(0, -0.14))
+
+    measured = np.array([r["step_time_s"] for r in rows])
+    scale, unit = (1.0, "s") if np.median(measured) >= 1 else (1e3, "ms")
+    time_ax.plot(steps, measured * scale, marker=".", label="measured (mean over each logged window)")
+    typical = float(np.median(measured[1:] if len(measured) > 1 else measured))  # the first pays for warm-up
+    time_ax.axhline(typical * scale, color="C0", linewidth=0.8, linestyle=":",
+                    label=f"measured median {typical * scale:.4g} {unit}")
+    if predicted_step_s is not None:
+        time_ax.axhline(predicted_step_s * scale, color="C3", linestyle="--",
+                        label=f"plan's prediction {predicted_step_s * scale:.4g} {unit} "
+                              f"(measured / predicted = {typical / predicted_step_s:.2f})")
+    time_ax.set_ylim(0, 1.1 * max(measured.max(), predicted_step_s or 0) * scale)
+    time_ax.set_xlabel("step")
+    time_ax.set_ylabel(f"step time ({unit})")
+    time_ax.set_title("step time", loc="left")
+    time_ax.legend(frameon=False, fontsize=9, loc="upper left", bbox_to_anchor=(0, -0.14))
+    for ax in (loss_ax, time_ax):
+        for side in ("top", "right"):
+            ax.spines[side].set_visible(False)
+    if title:
+        fig.suptitle(title, x=0.01, ha="left")
+    fig.tight_layout()
+    fig.savefig(path, bbox_inches="tight")
+    plt.close(fig)

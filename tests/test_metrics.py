@@ -1,15 +1,19 @@
 """What a run leaves for people to read: TensorBoard scalars equal to metrics.jsonl, the console's
 ETA, plan.json, and the report drawn from them."""
 
+import contextlib
+import io
+import json
 import struct
 from pathlib import Path
 
+import matplotlib.image
 import numpy as np
 import pytest
 from tensorboardX.proto.event_pb2 import Event
 from tensorboardX.record_writer import masked_crc32c
 
-from holmes_jax import metrics, train
+from holmes_jax import cli, metrics, report, train
 from helpers import read_metrics, small_configs
 
 
@@ -55,8 +59,6 @@ def test_tensorboard_holds_every_logged_scalar_of_metrics_jsonl(run_dir):
 
 @pytest.mark.slow
 def test_the_run_writes_its_plan_for_the_report(run_dir):
-    import json
-
     plan = json.loads((run_dir / "plan.json").read_text())
     assert plan["predicted"]["step_time_s"] > 0 and plan["mesh"]["stage"] == 1
 
@@ -76,3 +78,37 @@ def test_eta_is_the_recent_mean_step_time_times_the_steps_left(tmp_path, capsys)
 
 def test_durations_read_as_seconds_minutes_hours():
     assert [metrics.duration(s) for s in (4.4, 59.6, 187, 7500)] == ["4s", "1m00s", "3m07s", "2h05m"]
+
+
+def _report(*args):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), pytest.raises(SystemExit) as e:
+        cli.run(report.main, [str(a) for a in args])
+    return e.value.code, out.getvalue(), err.getvalue()
+
+
+@pytest.mark.slow
+def test_the_report_draws_the_run_against_its_prediction(run_dir, tmp_path):
+    code, out, _ = _report(run_dir, "--out", tmp_path / "r.png")
+    assert code == 0
+    height, width, _ = matplotlib.image.imread(tmp_path / "r.png").shape
+    assert width > 800 and height > 300
+    predicted = json.loads((run_dir / "plan.json").read_text())["predicted"]["step_time_s"]
+    assert f"predicted {predicted * 1e3:.4g} ms" in out
+
+
+def test_the_report_keeps_a_resumed_runs_later_rows(tmp_path):
+    rows = [{"step": 1, "loss": 3.0}, {"step": 2, "loss": 2.5}, {"step": 2, "loss": 2.4}, {"step": 3, "loss": 2.0}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert [r["loss"] for r in report.read_rows(tmp_path)] == [3.0, 2.4, 2.0]
+    assert report.predicted_step_s(tmp_path) is None
+
+
+@pytest.mark.parametrize("files, message", [({}, "no metrics.jsonl"), ({"metrics.jsonl": "{\"loss\": 1}\n"},
+                                                                        "metrics.jsonl:1 is not a metrics row")])
+def test_the_report_refuses_what_is_not_a_run(tmp_path, files, message):
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    code, _, err = _report(tmp_path)
+    assert code == 2 and err.startswith("error:") and message in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "report.png").exists()
