@@ -88,6 +88,7 @@ def main(argv: list[str]) -> int:
         print(f"error: README.md has no block <!-- example: {missing[0]} -->", file=sys.stderr)
         return 2
     fresh = {name: block(name) for name in names}
+    text = README.read_text()  # again: the README may have been edited while the examples ran
     if check:
         stale = [n for n in names if readme_blocks(text)[n] != fresh[n]]
         print("stale: " + ", ".join(stale) if stale else "README examples are current")
