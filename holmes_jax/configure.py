@@ -7,6 +7,7 @@ import ast
 import dataclasses
 import inspect
 import io
+import re
 import tokenize
 from pathlib import Path
 
@@ -77,8 +78,7 @@ def parse_args(argv: list[str]) -> tuple[list[str], list[str]]:
 
 def load_configs(argv: list[str]) -> Configs:
     """Parses configs/default.gin, the gin files on top of it and the bindings into validated configs
-    (the model resolved from its preset). The resolved model is bound back into gin, so the
-    operative config (WORKDIR/config.gin) shows every model field and reloads to the same model."""
+    (the model resolved from its preset)."""
     files, bindings = parse_args(argv)
     base = [] if None in files else [str(DEFAULT_GIN)]
     files = [f for f in files if f is not None]
@@ -95,12 +95,18 @@ def load_configs(argv: list[str]) -> Configs:
         raise ConfigError("gin: " + " ".join(str(e).split())) from None
     for c in (cfgs.parallel, cfgs.data, cfgs.train, cfgs.checkpoint):
         c.validate()
-    model = presets.resolve(cfgs.model)
-    with gin.unlock_config():
-        for field in dataclasses.fields(ModelConfig):
-            gin.bind_parameter(f"ModelConfig.{field.name}", getattr(model, field.name))
-    ModelConfig()  # records the resolved fields in gin's operative config
-    return dataclasses.replace(cfgs, model=model)
+    return dataclasses.replace(cfgs, model=presets.resolve(cfgs.model))
+
+
+def operative_config(cfgs: Configs) -> str:
+    """gin's operative config with the model's fields as resolved from the preset (gin saw them
+    as None), so WORKDIR/config.gin shows the model run and reloads to it. Written into the text
+    rather than bound into gin, where the values would leak into every later ModelConfig()."""
+    text = gin.operative_config_str()
+    for field in dataclasses.fields(ModelConfig):
+        line = f"ModelConfig.{field.name} = {getattr(cfgs.model, field.name)!r}"
+        text = re.sub(rf"^ModelConfig\.{field.name} = .*$", lambda _, line=line: line, text, flags=re.MULTILINE)
+    return text
 
 
 def field_meanings() -> dict[str, str]:

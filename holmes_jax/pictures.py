@@ -10,16 +10,15 @@ import dataclasses
 from collections import Counter
 
 import matplotlib
+import numpy as np
+from matplotlib import transforms
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.patches import FancyArrowPatch, Patch, Rectangle
+from matplotlib.ticker import FuncFormatter
 
-matplotlib.use("Agg")  # files only; no display needed
-
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-from matplotlib import transforms  # noqa: E402
-from matplotlib.patches import FancyArrowPatch, Patch, Rectangle  # noqa: E402
-
-from holmes_jax.planning import schedule as schedules  # noqa: E402
-from holmes_jax.planning.contract import Plan  # noqa: E402
+from holmes_jax.planning import schedule as schedules
+from holmes_jax.planning.contract import Plan
 
 NIC_COLOURS = {"infiniband": "#1f5fa8", "roce": "#d9700f", "ethernet": "#6b6b6b"}
 KIND_COLOURS = {"forward": "#9ad48a", "backward": "#2f7d4f", "transfer": "#9467bd", "sync": "#d62728",
@@ -27,7 +26,14 @@ KIND_COLOURS = {"forward": "#9ad48a", "backward": "#2f7d4f", "transfer": "#9467b
 KIND_LABELS = {"forward": "forward", "backward": "backward (recomputes the forward)",
                "transfer": "activations / gradients between stages", "sync": "gradient sync (data groups)",
                "update": "optimizer step"}
-STAGE_COLOURS = plt.get_cmap("Pastel1").colors + plt.get_cmap("Pastel2").colors
+STAGE_COLOURS = matplotlib.colormaps["Pastel1"].colors + matplotlib.colormaps["Pastel2"].colors
+
+
+def _figure(**size) -> Figure:
+    """A figure on the Agg canvas: files only, no pyplot state and no display needed."""
+    fig = Figure(**size)
+    FigureCanvasAgg(fig)
+    return fig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,13 +82,12 @@ def draw_plan(plan: Plan, path: str) -> None:
     """Writes the timeline (top) and the placement (bottom) of `plan` to `path` (format from its suffix)."""
     width, height = _placement_extent(plan)
     timeline_in, placement_in = 0.75 * plan.pp, 14.5 * height / width  # (b) keeps its aspect, ~12.4 in wide
-    fig = plt.figure(figsize=(16, timeline_in + placement_in + 2.2), dpi=110)
+    fig = _figure(figsize=(16, timeline_in + placement_in + 2.2), dpi=110)
     grid = fig.add_gridspec(2, 1, height_ratios=[timeline_in, placement_in],
                             hspace=2.6 / (timeline_in + placement_in))  # ~1.3 in for the axis label and legend
     _draw_timeline(fig.add_subplot(grid[0]), plan)
     _draw_placement(fig.add_subplot(grid[1]), plan)
     fig.savefig(path, bbox_inches="tight")
-    plt.close(fig)
 
 
 def _seconds(s: float) -> str:
@@ -98,9 +103,9 @@ def _draw_timeline(ax, plan: Plan) -> None:
         y = plan.pp - 1 - s  # stage 0 on top
         ax.add_patch(Rectangle((0, y - 0.4), step, 0.8, facecolor="#f4f4f4", edgecolor="#c8c8c8", hatch="////",
                                linewidth=0, zorder=0))
-        for kind in KIND_COLOURS:
+        for kind, colour in KIND_COLOURS.items():
             bars = [(g.start, g.seconds) for g in segments if g.stage == s and g.kind == kind and g.seconds > 0]
-            ax.broken_barh(bars, (y - 0.4, 0.8), facecolors=KIND_COLOURS[kind], edgecolors="white",
+            ax.broken_barh(bars, (y - 0.4, 0.8), facecolors=colour, edgecolors="white",
                            linewidth=0.3 if len(segments) < 60 * plan.pp else 0, zorder=1)
         for g in segments:  # microbatch numbers where the box is wide enough to hold them
             if g.stage == s and g.microbatch >= 0 and g.seconds / step * width_px > 7 * len(str(g.microbatch)):
@@ -121,7 +126,7 @@ def _draw_timeline(ax, plan: Plan) -> None:
         ax.text(step, plan.pp - 0.4, f"pipeline ends {_seconds(pr.pipeline_s)}, step {_seconds(step)}",
                 ha="right", va="bottom", fontsize=9)
     unit, scale = ("s", 1.0) if step >= 1 else ("ms", 1e3)
-    ax.xaxis.set_major_formatter(plt.FuncFormatter(lambda x, _: f"{x * scale:g}"))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x * scale:g}"))
     ax.set_xlabel(f"time in the step ({unit}), as the cost model predicts it")
     ax.set_title(f"(a) one step of {m.preset} ({m.num_layers} layers, {m.compute_dtype}) on "
                  f"'{plan.topology.name}': {plan.schedule}, {plan.microbatches} microbatches of {plan.micro_batch}, "
@@ -224,7 +229,8 @@ def draw_report(rows: list[dict], predicted_step_s: float | None, path: str, tit
     """A run's loss and validation loss against step (left) and its measured step time against the
     plan's prediction (right), from metrics rows (holmes_jax.report reads them)."""
     steps = np.array([r["step"] for r in rows])
-    fig, (loss_ax, time_ax) = plt.subplots(1, 2, figsize=(13, 4.6), dpi=110)
+    fig = _figure(figsize=(13, 4.6), dpi=110)
+    loss_ax, time_ax = fig.subplots(1, 2)
     loss_ax.plot(steps, [r["loss"] for r in rows], marker=".", label="training loss (the logged step's batch)")
     val = [(r["step"], r["val_loss"]) for r in rows if r.get("val_loss") is not None]
     if val:
@@ -256,4 +262,3 @@ def draw_report(rows: list[dict], predicted_step_s: float | None, path: str, tit
         fig.suptitle(title, x=0.01, ha="left")
     fig.tight_layout()
     fig.savefig(path, bbox_inches="tight")
-    plt.close(fig)

@@ -12,11 +12,10 @@ import time
 from pathlib import Path
 from typing import Callable
 
-import gin
 import jax
 import numpy as np
 
-from holmes_jax import cli, data, distributed, metrics
+from holmes_jax import cli, configure, data, distributed, metrics
 from holmes_jax.build import Setup, build, make_eval_step, make_train_step, peak_tflops
 from holmes_jax.checkpoint import Checkpointer
 from holmes_jax.configure import Configs, load_configs
@@ -93,7 +92,7 @@ def run(cfgs: Configs, devices=None, quiet: bool = False) -> dict:
     workdir = Path(tcfg.workdir)
     if lead:
         workdir.mkdir(parents=True, exist_ok=True)
-        (workdir / "config.gin").write_text(gin.operative_config_str())
+        (workdir / "config.gin").write_text(configure.operative_config(cfgs))
         (workdir / "plan.json").write_text(setup.plan.to_json(indent=1))  # what `holmes_jax.report` compares against
     ckpt = Checkpointer(workdir / "checkpoints", cfgs.checkpoint) if cfgs.checkpoint.enabled else None
     start = ckpt.latest_step() if ckpt else None

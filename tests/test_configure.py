@@ -39,9 +39,12 @@ def test_no_default_gin_starts_from_the_class_defaults(tmp_path):
 
 def test_the_operative_config_holds_the_resolved_model_and_reloads_to_it(tmp_path):
     cfgs = configure.load_configs(["--gin.ModelConfig.hidden=64"])
-    operative = gin.operative_config_str()
+    operative = configure.operative_config(cfgs)
     for field in dataclasses.fields(cfgs.model):
-        assert f"ModelConfig.{field.name} = {getattr(cfgs.model, field.name)!r}" in operative
+        assert f"\nModelConfig.{field.name} = {getattr(cfgs.model, field.name)!r}\n" in operative
+    assert "= None" not in operative.split("# Parameters for ModelConfig")[1].split("# Parameters")[0]
+    with pytest.raises(ValueError, match="no value bound"):  # gin itself is left as parsed
+        gin.query_parameter("ModelConfig.num_layers")
     path = tmp_path / "config.gin"
     path.write_text(operative)
     assert configure.load_configs(["--no_default_gin", "--gin_file", str(path)]) == cfgs
