@@ -36,17 +36,17 @@ def check_positive(name: str, value: Any, allow_none: bool = False) -> None:
 class ModelConfig:
     """A decoder-only transformer. `None` fields come from `preset`."""
 
-    preset: str = "tiny"
-    num_layers: int | None = None
-    hidden: int | None = None
-    num_heads: int | None = None
-    ffn_hidden: int | None = None
-    vocab_size: int | None = None
-    max_seq_len: int | None = None
+    preset: str = "tiny"  # a named size (holmes_jax/models/presets.py) that fills the None fields
+    num_layers: int | None = None  # transformer blocks
+    hidden: int | None = None  # model width
+    num_heads: int | None = None  # attention heads; divides hidden
+    ffn_hidden: int | None = None  # the MLP's inner width
+    vocab_size: int | None = None  # token ids the embedding holds
+    max_seq_len: int | None = None  # longest sequence (learned positions' table size)
     positions: str | None = None  # learned | rotary
     norm: str | None = None  # layernorm | rmsnorm
     mlp: str | None = None  # gelu | swiglu
-    tie_embeddings: bool | None = None
+    tie_embeddings: bool | None = None  # the output projection reuses the token embedding
     num_kv_heads: int | None = None  # grouped-query attention; unset in the preset too: num_heads
     bias: bool | None = None  # biases in the attention and MLP projections (GPT-2); unset: False
     norm_eps: float | None = None  # unset: 1e-5 (GPT-2, Megatron, LLaMA 3)
@@ -97,8 +97,8 @@ class ParallelConfig:
     """How the devices are laid out: mesh (stage, data, tensor) sizes and the pipeline."""
 
     dp: int | None = None  # None: all devices left after pp * tp
-    tp: int = 1
-    pp: int = 1
+    tp: int = 1  # tensor parallelism: devices of one node that split each layer
+    pp: int = 1  # pipeline stages
     stage_layers: tuple[int, ...] | None = None  # explicit layers per stage; wins over `partition`
     partition: str = "auto"  # auto | uniform | params | holmes-ratio
     microbatches: int = 1  # pipeline microbatches (gradient accumulation when pp = 1)
@@ -138,12 +138,12 @@ class DataConfig:
     folder, a prepared folder (`python -m holmes_jax.data prepare`), or a flat token file (`*.bin`,
     `token_dtype` integers, see holmes_jax.data)."""
 
-    source: str = "stdlib"
+    source: str = "stdlib"  # stdlib | a text file or folder (bytes) | a prepared folder | a NAME.bin token file
     token_dtype: str = "uint16"  # for token files: uint16 | uint32
     vocab_size: int | None = None  # for .bin files (the model then follows it); text is bytes (256)
-    seq_len: int = 128
-    global_batch: int = 16
-    val_fraction: float = 0.01
+    seq_len: int = 128  # tokens per sequence
+    global_batch: int = 16  # sequences per step, over all data replicas
+    val_fraction: float = 0.01  # the tail of the tokens held out for validation
     cache_dir: str | None = None  # None: ~/.cache/holmes_jax
 
     def validate(self) -> None:
@@ -158,20 +158,22 @@ class DataConfig:
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
+    """The optimisation (AdamW, warm-up then cosine decay), its length, logging and validation."""
+
     steps: int = 300  # the length of the run; the learning-rate schedule spans it
     stop_after: int | None = None  # end early after this step (a time-limited job); a rerun resumes
-    seed: int = 0
-    workdir: str = "runs/default"
-    learning_rate: float = 3e-3
-    warmup_steps: int = 20
+    seed: int = 0  # parameters' initialisation and the batch order
+    workdir: str = "runs/default"  # metrics.jsonl, tensorboard/, config.gin, plan.json, checkpoints/
+    learning_rate: float = 3e-3  # peak, reached after warmup_steps
+    warmup_steps: int = 20  # linear warm-up from 0
     min_lr_ratio: float = 0.1  # cosine decays to learning_rate * min_lr_ratio
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0
-    log_every: int = 10
-    eval_every: int = 100
-    eval_batches: int = 4
+    weight_decay: float = 0.1  # AdamW's decoupled weight decay
+    beta1: float = 0.9  # Adam's first-moment decay
+    beta2: float = 0.95  # Adam's second-moment decay
+    grad_clip: float = 1.0  # the global gradient norm is clipped to this
+    log_every: int = 10  # steps between metrics rows (and the first and last step)
+    eval_every: int = 100  # steps between validation losses (and the last step)
+    eval_batches: int = 4  # validation batches averaged per validation loss
 
     def validate(self) -> None:
         for name in ("steps", "log_every", "eval_every", "eval_batches"):
@@ -196,7 +198,9 @@ class TrainConfig:
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
-    enabled: bool = True
+    """Saving the run to WORKDIR/checkpoints and resuming from the newest."""
+
+    enabled: bool = True  # save checkpoints, and resume from the newest
     every: int = 100  # steps between saves; the last step is always saved
     keep: int = 3  # newest checkpoints kept
 

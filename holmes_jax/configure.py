@@ -5,20 +5,27 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import inspect
+import io
 import math
+import re
+import tokenize
 from pathlib import Path
 
 import gin
 
-from holmes_jax import data
+from holmes_jax import config, data
 from holmes_jax.config import CheckpointConfig, ConfigError, DataConfig, ModelConfig, ParallelConfig, TrainConfig
 from holmes_jax.models import presets
 
 DEFAULT_GIN = Path(__file__).resolve().parent.parent / "configs" / "default.gin"
-USAGE = """usage: python -m holmes_jax.train [--gin_file FILE ...] [--gin.NAME=VALUE ...]
+CLASSES = (ModelConfig, ParallelConfig, DataConfig, TrainConfig, CheckpointConfig)
+USAGE = """usage: python -m holmes_jax.train [--gin_file FILE ...] [--gin.NAME=VALUE ...] [--no_default_gin]
 
-Trains a GPT. Without --gin_file, configs/default.gin is used. NAME is a config field such as
-TrainConfig.steps, TrainConfig.workdir, ParallelConfig.dp, ParallelConfig.tp, ModelConfig.preset."""
+Trains a GPT. configs/default.gin is read first; each --gin_file is layered on top of it, in
+order, then each --gin.NAME=VALUE binding (later wins). --no_default_gin skips configs/default.gin,
+so fields not set start from the defaults of the classes (the "class default" below).
+The run writes WORKDIR/config.gin: every field as it was used, the model's preset filled in."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,8 +54,11 @@ def parse_args(argv: list[str]) -> tuple[list[str], list[str]]:
     while args:
         arg = args.pop(0)
         if arg in ("-h", "--help"):
-            print(USAGE)
+            print(USAGE + "\n\n" + fields_help())
             raise SystemExit(0)
+        if arg == "--no_default_gin":
+            files.append(None)  # a marker: load_configs leaves the base file out
+            continue
         if arg == "--gin_file" or arg.startswith("--gin_file="):
             value = arg.partition("=")[2] if "=" in arg else (args.pop(0) if args else None)
             if not value:
@@ -62,20 +72,24 @@ def parse_args(argv: list[str]) -> tuple[list[str], list[str]]:
                 value = args.pop(0)
             bindings.append(f"{name} = {_gin_value(value)}")
         else:
-            raise ConfigError(f"unknown argument {arg!r}; allowed: --gin_file FILE, --gin.NAME=VALUE, --help")
+            raise ConfigError(f"unknown argument {arg!r}; allowed: --gin_file FILE, --gin.NAME=VALUE, "
+                              f"--no_default_gin, --help")
     return files, bindings
 
 
 def load_configs(argv: list[str]) -> Configs:
-    """Parses gin files and bindings into validated configs (the model resolved from its preset)."""
+    """Parses configs/default.gin, the gin files on top of it and the bindings into validated configs
+    (the model resolved from its preset)."""
     files, bindings = parse_args(argv)
+    base = [] if None in files else [str(DEFAULT_GIN)]
+    files = [f for f in files if f is not None]
     for f in files:
         if not Path(f).is_file():
             raise ConfigError(f"--gin_file {f!r}: no such file")
     gin.clear_config()
     try:
-        gin.parse_config_files_and_bindings(files or [str(DEFAULT_GIN)], bindings)
-        cfgs = Configs(ModelConfig(), ParallelConfig(), DataConfig(), TrainConfig(), CheckpointConfig())
+        gin.parse_config_files_and_bindings(base + files, bindings)
+        cfgs = Configs(*(cls() for cls in CLASSES))
     except ConfigError:
         raise
     except Exception as e:  # gin reports unknown names and unparsable values with assorted types
@@ -86,3 +100,45 @@ def load_configs(argv: list[str]) -> Configs:
     if model.vocab_size is None and (declared := data.vocab_size(cfgs.data)):  # unset: follow the data's
         model = dataclasses.replace(model, vocab_size=data.padded_vocab(declared, math.lcm(128, cfgs.parallel.tp)))
     return dataclasses.replace(cfgs, model=presets.resolve(model))
+
+
+def operative_config(cfgs: Configs) -> str:
+    """gin's operative config with the model's fields as resolved from the preset (gin saw them
+    as None), so WORKDIR/config.gin shows the model run and reloads to it. Written into the text
+    rather than bound into gin, where the values would leak into every later ModelConfig()."""
+    text = gin.operative_config_str()
+    for field in dataclasses.fields(ModelConfig):
+        line = f"ModelConfig.{field.name} = {getattr(cfgs.model, field.name)!r}"
+        text = re.sub(rf"^ModelConfig\.{field.name} = .*$", lambda _, line=line: line, text, flags=re.MULTILINE)
+    return text
+
+
+def field_meanings() -> dict[str, str]:
+    """'Class.field' -> the trailing `# comment` of its line in holmes_jax/config.py (the one place
+    a field's meaning is written down)."""
+    source = inspect.getsource(config)
+    comments = {tok.start[0]: tok.string.lstrip("#").strip()
+                for tok in tokenize.generate_tokens(io.StringIO(source).readline) if tok.type == tokenize.COMMENT}
+    return {f"{node.name}.{item.target.id}": comments.get(item.lineno, "")
+            for node in ast.parse(source).body if isinstance(node, ast.ClassDef)
+            for item in node.body if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)}
+
+
+def fields_help() -> str:
+    """Every config field: the value configs/default.gin gives it (and the class default where
+    that differs) and what it means."""
+    gin.clear_config()
+    gin.parse_config_file(str(DEFAULT_GIN))
+    based = {cls.__name__: cls() for cls in CLASSES}
+    gin.clear_config()
+    meanings, lines = field_meanings(), []
+    for cls in CLASSES:
+        lines.append(f"{cls.__name__}: {' '.join(inspect.getdoc(cls).split(chr(10) * 2)[0].split())}")
+        for field in dataclasses.fields(cls):
+            name = f"{cls.__name__}.{field.name}"
+            value = getattr(based[cls.__name__], field.name)
+            setting = f"{name} = {value!r}"
+            if value != field.default:
+                setting += f" (class default {field.default!r})"
+            lines.append(f"  {setting:<60} {meanings.get(name, '')}".rstrip())
+    return "fields (value in configs/default.gin):\n" + "\n".join(lines)

@@ -1,6 +1,13 @@
-"""Step metrics: tokens/s, TFLOPS per device (Megatron's formula), MFU; console and metrics.jsonl."""
+"""Step metrics: tokens/s, TFLOPS per device (Megatron's formula), MFU; console, metrics.jsonl and
+TensorBoard event files."""
 
 from __future__ import annotations
+
+import collections
+import json
+from pathlib import Path
+
+from tensorboardX import SummaryWriter
 
 from holmes_jax.planning.workload import megatron_flops  # noqa: F401  (re-exported: the step metrics use it)
 
@@ -38,16 +45,29 @@ def measure_matmul_peak_tflops(devices, size: int = 512, repeats: int = 5) -> fl
 
 
 class MetricsLog:
-    """Appends one JSON object per logged step to `path` and, unless quiet, prints a progress line."""
+    """Appends one JSON object per logged step to `path`, writes each of its numbers as a TensorBoard
+    scalar (tag = the JSON key) under `path`'s folder/tensorboard, and, unless quiet, prints a progress
+    line with an ETA. `stop` is the step this run ends at (default `total_steps`)."""
 
-    def __init__(self, path, total_steps: int, quiet: bool = False):
-        self.path, self.total_steps, self.quiet = path, total_steps, quiet
+    RECENT = 5  # logged windows the ETA averages over
+
+    def __init__(self, path, total_steps: int, quiet: bool = False, stop: int | None = None):
+        self.path, self.total_steps, self.quiet = Path(path), total_steps, quiet
+        self.stop = stop or total_steps
+        self.tensorboard = SummaryWriter(str(self.path.parent / "tensorboard"))
+        self._windows = collections.deque(maxlen=self.RECENT)  # (steps, seconds) between logged rows
+        self._last_step = None
 
     def write(self, row: dict) -> None:
-        import json
-
         with open(self.path, "a") as f:
             f.write(json.dumps(row) + "\n")
+        for key, value in row.items():
+            if key != "step" and value is not None:
+                self.tensorboard.add_scalar(key, value, row["step"])
+        self.tensorboard.flush()
+        steps = row["step"] - self._last_step if self._last_step is not None else 1
+        self._windows.append((steps, steps * row["step_time_s"]))
+        self._last_step = row["step"]
         if self.quiet:
             return
         parts = [f"step {row['step']:>{len(str(self.total_steps))}}/{self.total_steps}", f"loss {row['loss']:.4f}"]
@@ -57,4 +77,24 @@ class MetricsLog:
                   f"{row['tflops_per_device']:.3g} TFLOPS/dev"]
         if row.get("mfu") is not None:
             parts.append(f"MFU {100 * row['mfu']:.1f}%")
+        if row["step"] < self.stop:
+            parts.append(f"ETA {duration(self.eta_s(row['step']))}")
         print(" | ".join(parts), flush=True)
+
+    def eta_s(self, step: int) -> float:
+        """Seconds to `stop`: the mean step time of the recent logged windows times the steps left."""
+        steps, seconds = map(sum, zip(*self._windows))
+        return seconds / steps * max(self.stop - step, 0)
+
+    def close(self) -> None:
+        self.tensorboard.close()
+
+
+def duration(seconds: float) -> str:
+    """'42s', '3m07s', '2h05m'."""
+    s = round(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"

@@ -4,8 +4,12 @@ For the Python API call `holmes_jax.plan(...)` (`holmes_jax.planning.plan`); thi
 command's entry point.
 """
 
-from holmes_jax import cli
-from holmes_jax.planning.cli import main
+import functools
+
+from holmes_jax import cli, pictures
+from holmes_jax.planning import cli as planning_cli
+
+main = functools.partial(planning_cli.main, draw=pictures.draw_plan)
 
 if __name__ == "__main__":
     cli.run(main)

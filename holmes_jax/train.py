@@ -12,11 +12,10 @@ import time
 from pathlib import Path
 from typing import Callable
 
-import gin
 import jax
 import numpy as np
 
-from holmes_jax import cli, data, distributed, metrics
+from holmes_jax import cli, configure, data, distributed, metrics
 from holmes_jax.build import Setup, build, make_eval_step, make_train_step, peak_tflops
 from holmes_jax.checkpoint import Checkpointer
 from holmes_jax.configure import Configs, load_configs
@@ -94,7 +93,8 @@ def run(cfgs: Configs, devices=None, quiet: bool = False) -> dict:
     workdir = Path(tcfg.workdir)
     if lead:
         workdir.mkdir(parents=True, exist_ok=True)
-        (workdir / "config.gin").write_text(gin.operative_config_str())
+        (workdir / "config.gin").write_text(configure.operative_config(cfgs))
+        (workdir / "plan.json").write_text(setup.plan.to_json(indent=1))  # what `holmes_jax.report` compares against
     ckpt = Checkpointer(workdir / "checkpoints", cfgs.checkpoint) if cfgs.checkpoint.enabled else None
     start = ckpt.latest_step() if ckpt else None
     if start is not None:
@@ -116,7 +116,7 @@ def run(cfgs: Configs, devices=None, quiet: bool = False) -> dict:
     peak, peak_what = peak_tflops(list(setup.mesh.devices.flat))
     say(f"MFU is against the {peak_what}")
 
-    log = metrics.MetricsLog(workdir / "metrics.jsonl", tcfg.steps, quiet) if lead else None
+    log = metrics.MetricsLog(workdir / "metrics.jsonl", tcfg.steps, quiet, stop=last) if lead else None
     logger = StepLogger(setup, make_eval_step(setup), token_data, log, peak)
     hooks = [Hook(tcfg.log_every, lambda step, state: logger.row(step, state, last))]
     if ckpt:
@@ -134,8 +134,10 @@ def run(cfgs: Configs, devices=None, quiet: bool = False) -> dict:
             say(f"interrupted: saving a checkpoint at step {step}")
             ckpt.save(step, lambda: setup.canonical(state), force=True)
         ckpt and ckpt.close()
+        log and log.close()
         raise
     ckpt and ckpt.close()
+    log and log.close()
     return summarize(logger.rows, start, setup.plan.prediction.step_time_s, say)
 
 

@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+from typing import Callable
 
 from holmes_jax import cli
-from holmes_jax.config import ModelConfig, ParallelConfig
+from holmes_jax.config import ConfigError, ModelConfig, ParallelConfig
 from holmes_jax.models import presets
 from holmes_jax.planning import partition
 from holmes_jax.planning.cost import SCHEDULES
 from holmes_jax.planning.placement import PLACEMENTS
+from holmes_jax.planning.contract import Plan
 from holmes_jax.planning.search import DEFAULT_GLOBAL_BATCH, SEARCHABLE, plan
+
+PICTURE_SUFFIXES = (".png", ".svg", ".pdf")
 
 
 def _layer_list(text: str) -> tuple[int, ...]:
@@ -41,11 +46,21 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", help="measured profile JSON (python -m holmes_jax.profile) for layer "
                                      "times and link figures instead of the topology's defaults")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--draw", metavar="FILE.png", help="also draw the plan: the step's timeline per stage and the "
+                                                      "placement on the clusters (.png, .svg or .pdf)")
     return p
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], draw: Callable[[Plan, str], None] | None = None) -> int:
+    """The plan command; `draw(plan, path)` draws pictures for --draw (holmes_jax.plan passes
+    holmes_jax.pictures.draw_plan, which needs matplotlib, kept out of this package)."""
     args = _parser().parse_args(argv)
+    if args.draw is not None:
+        if draw is None:
+            raise ConfigError("--draw is not available here; run python -m holmes_jax.plan --draw FILE.png")
+        if Path(args.draw).suffix.lower() not in PICTURE_SUFFIXES or not Path(args.draw).parent.is_dir():
+            raise ConfigError(f"--draw {args.draw!r} is not allowed; allowed: a file ending in "
+                              f"{', '.join(PICTURE_SUFFIXES)} in an existing folder")
     given = {name: getattr(args, name) for name in SEARCHABLE}
     pp = given["pp"] or (len(args.stage_layers) if args.stage_layers else 1)
     parallel = ParallelConfig(tp=given["tp"] or 1, pp=pp, dp=given["dp"], microbatches=given["microbatches"] or 1,
@@ -56,4 +71,6 @@ def main(argv: list[str]) -> int:
                   auto=[name for name, value in given.items() if value is None], allow_mixed=args.allow_mixed,
                   profile=args.profile)
     print(result.to_json() if args.json else result.explain())
+    if args.draw is not None:
+        draw(result, args.draw)
     return 0

@@ -1,0 +1,65 @@
+"""`python -m holmes_jax.report WORKDIR [--out FILE.png]`: a run's loss and validation curves and its
+measured step time against the plan's prediction, from WORKDIR/metrics.jsonl and WORKDIR/plan.json."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from holmes_jax import cli, pictures
+from holmes_jax.config import ConfigError
+from holmes_jax.planning.cli import PICTURE_SUFFIXES
+
+
+def read_rows(workdir: Path) -> list[dict]:
+    """metrics.jsonl's rows by step; where a resumed run logged a step again, its later row."""
+    path = workdir / "metrics.jsonl"
+    if not path.is_file():
+        raise ConfigError(f"WORKDIR {str(workdir)!r} holds no metrics.jsonl; allowed: the workdir of a run "
+                          f"(TrainConfig.workdir)")
+    rows = {}
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        try:
+            row = json.loads(line)
+            rows[int(row["step"])] = row
+        except (ValueError, KeyError, TypeError):
+            raise ConfigError(f"{path}:{number} is not a metrics row (one JSON object with a 'step')") from None
+    if not rows:
+        raise ConfigError(f"{path} is empty: the run logged no step yet")
+    return [rows[s] for s in sorted(rows)]
+
+
+def predicted_step_s(workdir: Path) -> float | None:
+    """The plan's predicted step time (train.run writes plan.json), or None for a run without one."""
+    path = workdir / "plan.json"
+    if not path.is_file():
+        return None
+    try:
+        return float(json.loads(path.read_text())["predicted"]["step_time_s"])
+    except (ValueError, KeyError, TypeError):
+        raise ConfigError(f"{path} is not a plan (python -m holmes_jax.plan --json)") from None
+
+
+def main(argv: list[str]) -> int:
+    p = cli.Parser(prog="python -m holmes_jax.report", description=__doc__)
+    p.add_argument("workdir", help="a run's TrainConfig.workdir")
+    p.add_argument("--out", help="the picture (.png, .svg or .pdf); default WORKDIR/report.png")
+    args = p.parse_args(argv)
+    workdir = Path(args.workdir)
+    out = Path(args.out) if args.out else workdir / "report.png"
+    if out.suffix.lower() not in PICTURE_SUFFIXES or not out.parent.is_dir():
+        raise ConfigError(f"--out {str(out)!r} is not allowed; allowed: a file ending in "
+                          f"{', '.join(PICTURE_SUFFIXES)} in an existing folder")
+    rows, predicted = read_rows(workdir), predicted_step_s(workdir)
+    pictures.draw_report(rows, predicted, str(out), title=str(workdir))
+    measured = float(np.median([r["step_time_s"] for r in rows[1:] or rows]))  # the first pays for warm-up
+    print(f"wrote {out}: steps {rows[0]['step']}-{rows[-1]['step']}, loss {rows[0]['loss']:.4g} -> "
+          f"{rows[-1]['loss']:.4g}; step time {measured * 1e3:.4g} ms (median)"
+          + (f", predicted {predicted * 1e3:.4g} ms" if predicted is not None else ", no plan.json to compare"))
+    return 0
+
+
+if __name__ == "__main__":
+    cli.run(main)

@@ -1,0 +1,92 @@
+"""The first ten minutes: gin files layered on configs/default.gin, a --help that lists every field,
+a config.gin that shows the resolved model, and console commands that exist."""
+
+import contextlib
+import dataclasses
+import importlib
+import io
+import sys
+import tomllib
+
+import gin
+import pytest
+
+from holmes_jax import configure
+from holmes_jax.config import ConfigError, ParallelConfig, TrainConfig
+from helpers import REPO
+
+
+def class_defaults(cls):
+    gin.clear_config()  # the classes are gin-configurable: bound values would stand in for the defaults
+    return cls()
+
+
+def test_a_gin_file_is_layered_on_the_default_and_bindings_on_top(tmp_path):
+    first, second = tmp_path / "a.gin", tmp_path / "b.gin"
+    first.write_text("TrainConfig.steps = 7\nTrainConfig.seed = 3\n")
+    second.write_text("TrainConfig.steps = 9\n")
+    base = configure.load_configs([])
+    cfgs = configure.load_configs(["--gin_file", str(first), f"--gin_file={second}", "--gin.TrainConfig.seed=5"])
+    assert cfgs.parallel == base.parallel != class_defaults(ParallelConfig)  # default.gin still applies
+    assert (cfgs.train.steps, cfgs.train.seed) == (9, 5)  # later files, then bindings, win
+
+
+def test_no_default_gin_starts_from_the_class_defaults(tmp_path):
+    cfgs = configure.load_configs(["--no_default_gin", "--gin.TrainConfig.steps=7"])
+    assert cfgs.parallel == class_defaults(ParallelConfig)
+    assert cfgs.train == dataclasses.replace(class_defaults(TrainConfig), steps=7)
+
+
+def test_the_operative_config_holds_the_resolved_model_and_reloads_to_it(tmp_path):
+    cfgs = configure.load_configs(["--gin.ModelConfig.hidden=64"])
+    operative = configure.operative_config(cfgs)
+    for field in dataclasses.fields(cfgs.model):
+        assert f"\nModelConfig.{field.name} = {getattr(cfgs.model, field.name)!r}\n" in operative
+    assert "= None" not in operative.split("# Parameters for ModelConfig")[1].split("# Parameters")[0]
+    with pytest.raises(ValueError, match="no value bound"):  # gin itself is left as parsed
+        gin.query_parameter("ModelConfig.num_layers")
+    path = tmp_path / "config.gin"
+    path.write_text(operative)
+    assert configure.load_configs(["--no_default_gin", "--gin_file", str(path)]) == cfgs
+
+
+def test_help_lists_every_field_with_its_default_and_meaning():
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as e:
+        configure.parse_args(["--help"])
+    assert e.value.code == 0
+    lines = out.getvalue().splitlines()
+    meanings = configure.field_meanings()
+    gin.clear_config()
+    gin.parse_config_file(str(configure.DEFAULT_GIN))
+    for cls in configure.CLASSES:
+        based = cls()
+        for field in dataclasses.fields(cls):
+            name = f"{cls.__name__}.{field.name}"
+            assert meanings[name], f"{name} has no '# meaning' comment in holmes_jax/config.py"
+            line = next(line for line in lines if line.strip().startswith(f"{name} = "))
+            assert line.strip().startswith(f"{name} = {getattr(based, field.name)!r}") and meanings[name] in line
+    assert "TrainConfig.steps = 300" in out.getvalue() and "the length of the run" in out.getvalue()
+
+
+def test_an_unknown_argument_names_the_allowed_ones():
+    with pytest.raises(ConfigError, match="--no_default_gin"):
+        configure.parse_args(["--steps=3"])
+
+
+def test_every_console_command_points_at_a_callable():
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    assert {"holmes-train", "holmes-plan", "holmes-launch", "holmes-profile", "holmes-report"} <= set(scripts)
+    for target in scripts.values():
+        module, _, name = target.partition(":")
+        assert callable(getattr(importlib.import_module(module), name)), target
+
+
+def test_holmes_plan_runs_the_plan_command(monkeypatch, capsys):
+    from holmes_jax import scripts
+
+    monkeypatch.setattr(sys, "argv", ["holmes-plan", "--topology", str(REPO / "configs/topologies/cpu_2x4.toml"),
+                                      "--model", "tiny", "--pp", "2", "--dp", "5"])
+    with pytest.raises(SystemExit) as e:
+        scripts.plan()
+    assert e.value.code == 2 and "dp = 5 is not allowed" in capsys.readouterr().err
