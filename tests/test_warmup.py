@@ -32,6 +32,20 @@ def _step_hlo(setup, state, batch) -> str:
     return build.make_train_step(setup).lower(state, batch).compile().as_text()
 
 
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """pp -> (setup, state, batch, compiled step HLO), each built once for the module."""
+    cache = {}
+
+    def get(pp):
+        if pp not in cache:
+            setup, state, batch = _setup(tmp_path_factory.mktemp(f"pp{pp}"), pp)
+            cache[pp] = setup, state, batch, _step_hlo(setup, state, batch)
+        return cache[pp]
+
+    return get
+
+
 def _clusters(setup):
     return setup.plan.topology.device_cluster[setup.plan.grid.ravel()]
 
@@ -44,11 +58,11 @@ def _boundary_pairs(setup) -> set:
 
 
 @pytest.mark.parametrize("pp, hops", [(2, (0,)), (4, (1,))])
-def test_the_step_moves_boundary_hops_in_collective_permutes_of_their_own(tmp_path, pp, hops):
-    setup, state, batch = _setup(tmp_path, pp)
+def test_the_step_moves_boundary_hops_in_collective_permutes_of_their_own(built, pp, hops):
+    setup, _, _, hlo = built(pp)
     assert setup.pipeline.boundary_hops == hops  # stage hops from the ib node to the roce node
     boundary = _boundary_pairs(setup)
-    permutes = [set(g) for op, g in warmup.collectives(_step_hlo(setup, state, batch)) if op == "collective-permute"]
+    permutes = [set(g) for op, g in warmup.collectives(hlo) if op == "collective-permute"]
     own = [p for p in permutes if p <= boundary]
     assert own and {pair for p in own for pair in p} == boundary  # every boundary pair, down and up
     assert all(p <= boundary or not p & boundary for p in permutes)  # none mixes boundary and other pairs
@@ -57,8 +71,8 @@ def test_the_step_moves_boundary_hops_in_collective_permutes_of_their_own(tmp_pa
             (0, 2), (1, 3), (4, 6), (5, 7), (2, 0), (3, 1), (6, 4), (7, 5)}
 
 
-def test_splitting_the_hops_leaves_loss_and_gradients_unchanged(tmp_path):
-    setup, state, batch = _setup(tmp_path, 4)
+def test_splitting_the_hops_leaves_loss_and_gradients_unchanged(built):
+    setup, state, batch, _ = built(4)
     split = setup.pipeline
     joined = Pipeline(split.model, setup.mesh, split.stage_layers, setup.plan.microbatches, setup.plan.schedule)
     run = lambda pipe: jax.jit(lambda p, b: pipe.loss_and_grads(p, b, setup.grad_specs))(state["params"], batch)  # noqa: E731
@@ -69,10 +83,10 @@ def test_splitting_the_hops_leaves_loss_and_gradients_unchanged(tmp_path):
 
 
 @pytest.mark.parametrize("pp", [2, 4])
-def test_the_warm_up_holds_exactly_the_steps_collectives_across_clusters(tmp_path, pp):
-    setup, state, batch = _setup(tmp_path, pp)
-    step, clusters = warmup.collectives(_step_hlo(setup, state, batch)), _clusters(setup)
-    fn, args = warmup.program(setup, _step_hlo(setup, state, batch))
+def test_the_warm_up_holds_exactly_the_steps_collectives_across_clusters(built, pp):
+    setup, _, _, hlo = built(pp)
+    step, clusters = warmup.collectives(hlo), _clusters(setup)
+    fn, args = warmup.program(setup, hlo)
     warm = warmup.collectives(fn.lower(*args).compile().as_text())
     spans = lambda g: len({int(clusters[i]) for i in g}) > 1  # noqa: E731
     boundary = _boundary_pairs(setup)
@@ -88,6 +102,7 @@ def test_the_warm_up_holds_exactly_the_steps_collectives_across_clusters(tmp_pat
     assert needed and needed <= made
 
 
+@pytest.mark.slow
 def test_no_warm_up_without_hops_across_clusters(tmp_path):
     cfgs = small_configs(tmp_path, "--gin.ParallelConfig.pp=2", "--gin.ParallelConfig.microbatches=2")
     setup = build.build(cfgs)  # an emulated one-cluster topology
@@ -96,6 +111,7 @@ def test_no_warm_up_without_hops_across_clusters(tmp_path):
     assert warmup.program(setup, _step_hlo(setup, state, batch)) is None
 
 
+@pytest.mark.slow
 def test_warm_up_runs_under_socket_before_the_first_step_and_restores_nccl_net(tmp_path, monkeypatch):
     events = []
     monkeypatch.setenv("NCCL_NET", "IB")
@@ -122,11 +138,11 @@ def test_warm_up_runs_under_socket_before_the_first_step_and_restores_nccl_net(t
     assert os.environ["NCCL_NET"] == "IB"
 
 
-def test_warm_up_leaves_nccl_net_unset_when_it_was(tmp_path, monkeypatch):
+def test_warm_up_leaves_nccl_net_unset_when_it_was(built, monkeypatch):
     monkeypatch.delenv("NCCL_NET", raising=False)
-    setup, state, batch = _setup(tmp_path, 2)
+    setup, _, _, hlo = built(2)
     lines = []
-    assert warmup.warm_up(setup, _step_hlo(setup, state, batch), lines.append)
+    assert warmup.warm_up(setup, hlo, lines.append)
     assert "NCCL_NET" not in os.environ and "stage hops 0->1" in lines[-1]
 
 
