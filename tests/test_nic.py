@@ -127,7 +127,8 @@ def test_nccl_env_leaves_the_gid_index_to_nccl_when_ports_disagree_or_sysfs_is_s
     assert "NCCL_IB_GID_INDEX" not in env and env["NCCL_IB_HCA"] == "=mlx5_0:1,mlx5_1:1"
     bare = tmp_path / "bare"
     _rdma_port(bare, "mlx5_0", 1, "Ethernet", "100 Gb/sec (4X EDR)")  # no gid_attrs in this container
-    assert nic.nccl_env(nic.Nic("roce", 100.0), bare, tmp_path / "proc") == {"NCCL_NET": "IB", "NCCL_IB_HCA": "=mlx5_0:1"}
+    assert nic.nccl_env(nic.Nic("roce", 100.0), bare, tmp_path / "proc") == {
+        "NCCL_NET": "IB", "NCCL_IB_HCA": "=mlx5_0:1"}
 
 
 def test_nccl_env_of_an_ethernet_host_is_socket_over_the_fastest_up_interface_without_a_route(tmp_path):

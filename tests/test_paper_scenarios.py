@@ -34,5 +34,5 @@ def test_targets_met_but_the_one_reported_miss(figures):
     assert figures["holmes_mixed_tflops"] > figures["naive_mixed_tflops"]
     # Holmes on the mixed cluster is predicted below the paper's figure by more than 20%
     # (docs/nccl.md says why); the bench reports exactly that and nothing else.
-    assert [m.split()[0] for m in figures["missed"]] == (
-        [] if abs(figures["holmes_mixed_tflops"] / paper["holmes_mixed_tflops"] - 1) <= 0.20 else ["holmes_mixed_tflops"])
+    holmes_off = abs(figures["holmes_mixed_tflops"] / paper["holmes_mixed_tflops"] - 1)
+    assert [m.split()[0] for m in figures["missed"]] == ([] if holmes_off <= 0.20 else ["holmes_mixed_tflops"])

@@ -75,7 +75,9 @@ def test_splitting_the_hops_leaves_loss_and_gradients_unchanged(built):
     setup, state, batch, _ = built(4)
     split = setup.pipeline
     joined = Pipeline(split.model, setup.mesh, split.stage_layers, setup.plan.microbatches, setup.plan.schedule)
-    run = lambda pipe: jax.jit(lambda p, b: pipe.loss_and_grads(p, b, setup.grad_specs))(state["params"], batch)  # noqa: E731
+    def run(pipe):
+        return jax.jit(lambda p, b: pipe.loss_and_grads(p, b, setup.grad_specs))(state["params"], batch)
+
     (loss, grads), (ref_loss, ref_grads) = run(split), run(joined)
     assert float(loss) == pytest.approx(float(ref_loss), abs=1e-6)
     for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
