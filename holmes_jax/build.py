@@ -18,6 +18,7 @@ from holmes_jax.models import gpt
 from holmes_jax.optimizer import apply_gradients, make_optimizer
 from holmes_jax.pipeline.runtime import Pipeline
 from holmes_jax.planning import Plan
+from holmes_jax.planning.communicators import cross_cluster_hops
 from holmes_jax.sharding import gradient_specs, state_shardings
 
 
@@ -102,7 +103,8 @@ def build(cfgs: Configs, devices=None) -> Setup:
     mesh = build_mesh(the_plan, devices=devices)
     par = cfgs.parallel
     model = gpt.GPT(cfgs.model)
-    pipeline = Pipeline(model, mesh, the_plan.stage_layers, the_plan.microbatches, the_plan.schedule)
+    pipeline = Pipeline(model, mesh, the_plan.stage_layers, the_plan.microbatches, the_plan.schedule,
+                        cross_cluster_hops(the_plan.topology, the_plan.grid))
     tx, schedule = make_optimizer(cfgs.train)
     canonical = jax.eval_shape(lambda: model.init(0))
     staged = jax.eval_shape(pipeline.to_staged, canonical)

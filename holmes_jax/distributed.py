@@ -12,7 +12,10 @@
 3. otherwise a single process, and `jax.distributed` is not started at all.
 
 On CPU the backend's device count (`HOLMES_CPU_DEVICES`, else the argument) and gloo collectives
-are configured first, so this must run before anything touches a JAX backend.
+are configured first, so this must run before anything touches a JAX backend. So are the network
+settings (docs/nccl.md): NCCL's variables from this host's NIC (`nic.nccl_env`), never overriding
+what the environment already sets, and the XLA flags that let hops between clusters get
+communicators of their own. They are set on every platform: without NCCL they do nothing.
 """
 
 from __future__ import annotations
@@ -31,6 +34,10 @@ from holmes_jax.mesh import nic
 COORDINATOR, NUM_PROCESSES, PROCESS_ID, CPU_DEVICES = (
     "HOLMES_COORDINATOR", "HOLMES_NUM_PROCESSES", "HOLMES_PROCESS_ID", "HOLMES_CPU_DEVICES")
 FACTS_BYTES = 1024  # one process's facts as JSON; hostnames are at most 253 characters
+# A collective-permute's clique spans only the devices it connects (not every device), and no
+# clique is split from another: a split communicator keeps its parent's network.
+XLA_NETWORK_FLAGS = ("--xla_gpu_collective_permute_connected_components=true",
+                     "--xla_gpu_enable_nccl_comm_splitting=false")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +56,30 @@ class ProcessInfo:
 
 
 _info: ProcessInfo | None = None
+_network: list[str] = []  # what `network_settings` set, one line per setting
+
+
+def network_settings(local: nic.Nic, env=None, sysfs="/sys", proc="/proc") -> list[str]:
+    """Sets NCCL's variables and the XLA flags in `env` (os.environ by default) where the user
+    has not; returns one line per setting, "(from env)" or "(derived)"."""
+    env = os.environ if env is None else env
+    lines = nic.apply_nccl_env(nic.nccl_env(local, sysfs, proc), env)
+    flags = env.get("XLA_FLAGS", "").split()
+    for flag in XLA_NETWORK_FLAGS:
+        name = flag.partition("=")[0]
+        given = [f for f in flags if f.partition("=")[0] == name]
+        if given:
+            lines.append(f"XLA_FLAGS {given[-1]} (from env)")
+        else:
+            flags.append(flag)
+            lines.append(f"XLA_FLAGS {flag} (derived)")
+    env["XLA_FLAGS"] = " ".join(flags)
+    return lines
+
+
+def network_lines() -> list[str]:
+    """The lines `initialize` got from `network_settings` (empty before it ran)."""
+    return list(_network)
 
 
 def _int(env, name: str, low: int) -> int:
@@ -119,6 +150,8 @@ def initialize(cpu_devices_per_process: int | None = None) -> ProcessInfo:
     if _info is not None:
         return _info
     method, kwargs = launch_method()
+    local = nic.detect()
+    _network[:] = network_settings(local)
     if CPU_DEVICES in os.environ:  # the launcher's --devices-per-process wins over the config
         cpu_devices_per_process = _int(os.environ, CPU_DEVICES, 1)
     if cpu_devices_per_process is not None:
@@ -133,7 +166,6 @@ def initialize(cpu_devices_per_process: int | None = None) -> ProcessInfo:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         if not jax.distributed.is_initialized():
             jax.distributed.initialize(**kwargs)
-    local = nic.detect()
     _info = ProcessInfo(jax.process_index(), jax.process_count(), socket.gethostname(), local.nic_class,
                         local.gbps, jax.local_device_count(), method)
     return _info

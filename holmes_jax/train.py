@@ -20,6 +20,7 @@ from holmes_jax.build import Setup, build, make_eval_step, make_train_step, peak
 from holmes_jax.checkpoint import Checkpointer
 from holmes_jax.configure import Configs, load_configs
 from holmes_jax.models import gpt
+from holmes_jax.pipeline import warmup
 from holmes_jax.planning.workload import megatron_flops
 
 
@@ -113,6 +114,7 @@ def run(cfgs: Configs, devices=None, quiet: bool = False) -> dict:
     mem = compiled.memory_analysis()
     say(f"compiled the train step in {time.perf_counter() - t0:.1f} s"
         + (f"; temporary memory {mem.temp_size_in_bytes / 2**20:.1f} MiB per device" if mem else ""))
+    warmup.warm_up(setup, compiled.as_text(), say)  # communicators across clusters, over sockets
     peak, peak_what = peak_tflops(list(setup.mesh.devices.flat))
     say(f"MFU is against the {peak_what}")
 

@@ -12,11 +12,35 @@ def _rdma_port(root, device, port, link_layer, rate, state="4: ACTIVE"):
     (d / "state").write_text(state + "\n")
 
 
-def _net(root, iface, speed=None):
+def _net(root, iface, speed=None, operstate=None):
     d = root / "class" / "net" / iface
     d.mkdir(parents=True)
     if speed is not None:
         (d / "speed").write_text(f"{speed}\n")
+    if operstate is not None:
+        (d / "operstate").write_text(operstate + "\n")
+
+
+IPV4_GID = "0000:0000:0000:0000:0000:ffff:0a00:00{:02x}"
+LINK_LOCAL_GID = "fe80:0000:0000:0000:0ac0:ebff:fe12:3456"
+
+
+def _gids(root, device, port, table):
+    """GID table of a port: index -> (type, gid), as sysfs shows it under gid_attrs/types and gids."""
+    d = root / "class" / "infiniband" / device / "ports" / str(port)
+    (d / "gid_attrs" / "types").mkdir(parents=True)
+    (d / "gids").mkdir()
+    for index, (kind, gid) in table.items():
+        (d / "gid_attrs" / "types" / str(index)).write_text(kind + "\n")
+        (d / "gids" / str(index)).write_text(gid + "\n")
+
+
+def _route(proc, *rows):
+    """/proc/net/route with (iface, destination, mask) rows."""
+    (proc / "net").mkdir(parents=True)
+    header = "Iface\tDestination\tGateway\tFlags\tRefCnt\tUse\tMetric\tMask\tMTU\tWindow\tIRTT"
+    lines = [f"{i}\t{dst}\t0100000A\t0003\t0\t0\t0\t{mask}\t0\t0\t0" for i, dst, mask in rows]
+    (proc / "net" / "route").write_text("\n".join([header, *lines]) + "\n")
 
 
 def test_infiniband_host(tmp_path):
@@ -63,3 +87,77 @@ def test_environment_overrides_sysfs(tmp_path):
 def test_exchange_in_one_process_is_the_local_answer():
     local = nic.Nic("roce", 100.0)
     assert nic.exchange(local) == [local]
+
+
+def test_nccl_env_of_an_infiniband_host_names_its_active_ib_ports_and_the_default_route(tmp_path):
+    sysfs, proc = tmp_path / "sys", tmp_path / "proc"
+    _rdma_port(sysfs, "mlx5_0", 1, "InfiniBand", "200 Gb/sec (4X HDR)")
+    _rdma_port(sysfs, "mlx5_1", 1, "InfiniBand", "200 Gb/sec (4X HDR)")
+    _rdma_port(sysfs, "mlx5_2", 1, "InfiniBand", "200 Gb/sec (4X HDR)", state="1: DOWN")
+    _rdma_port(sysfs, "mlx5_3", 1, "Ethernet", "100 Gb/sec (4X EDR)")  # a RoCE port: not this class
+    _net(sysfs, "ib0", 200000, "up")  # IPoIB: faster, but not where the default route goes
+    _net(sysfs, "eth0", 25000, "up")
+    _route(proc, ("ib0", "0000A8C0", "00FFFFFF"), ("eth0", "00000000", "00000000"))
+    found = nic.detect(sysfs, env={})
+    assert nic.nccl_env(found, sysfs, proc) == {
+        "NCCL_NET": "IB", "NCCL_IB_HCA": "=mlx5_0:1,mlx5_1:1", "NCCL_SOCKET_IFNAME": "=eth0"}
+
+
+def test_nccl_env_of_a_roce_host_adds_the_roce_v2_gid_of_an_ipv4_address(tmp_path):
+    sysfs, proc = tmp_path / "sys", tmp_path / "proc"
+    for device in ("mlx5_0", "mlx5_1"):
+        _rdma_port(sysfs, device, 1, "Ethernet", "100 Gb/sec (4X EDR)")
+        _gids(sysfs, device, 1, {0: ("IB/RoCE v1", LINK_LOCAL_GID), 1: ("RoCE v2", LINK_LOCAL_GID),
+                                 2: ("IB/RoCE v1", IPV4_GID.format(1)), 3: ("RoCE v2", IPV4_GID.format(1)),
+                                 4: ("RoCE v2", "0000:0000:0000:0000:0000:0000:0000:0000")})
+    _net(sysfs, "ens1f0", 100000, "up")
+    _route(proc, ("ens1f0", "00000000", "00000000"))
+    assert nic.nccl_env(nic.detect(sysfs, env={}), sysfs, proc) == {
+        "NCCL_NET": "IB", "NCCL_IB_HCA": "=mlx5_0:1,mlx5_1:1", "NCCL_IB_GID_INDEX": "3",
+        "NCCL_SOCKET_IFNAME": "=ens1f0"}
+
+
+def test_nccl_env_leaves_the_gid_index_to_nccl_when_ports_disagree_or_sysfs_is_silent(tmp_path):
+    sysfs = tmp_path / "sys"
+    _rdma_port(sysfs, "mlx5_0", 1, "Ethernet", "100 Gb/sec (4X EDR)")
+    _rdma_port(sysfs, "mlx5_1", 1, "Ethernet", "100 Gb/sec (4X EDR)")
+    _gids(sysfs, "mlx5_0", 1, {3: ("RoCE v2", IPV4_GID.format(1))})
+    _gids(sysfs, "mlx5_1", 1, {5: ("RoCE v2", IPV4_GID.format(2))})
+    env = nic.nccl_env(nic.Nic("roce", 200.0), sysfs, tmp_path / "proc")
+    assert "NCCL_IB_GID_INDEX" not in env and env["NCCL_IB_HCA"] == "=mlx5_0:1,mlx5_1:1"
+    bare = tmp_path / "bare"
+    _rdma_port(bare, "mlx5_0", 1, "Ethernet", "100 Gb/sec (4X EDR)")  # no gid_attrs in this container
+    assert nic.nccl_env(nic.Nic("roce", 100.0), bare, tmp_path / "proc") == {
+        "NCCL_NET": "IB", "NCCL_IB_HCA": "=mlx5_0:1"}
+
+
+def test_nccl_env_of_an_ethernet_host_is_socket_over_the_fastest_up_interface_without_a_route(tmp_path):
+    sysfs = tmp_path / "sys"
+    _net(sysfs, "lo", 100000, "unknown")
+    _net(sysfs, "eth0", 10000, "up")
+    _net(sysfs, "eth1", 25000, "up")
+    _net(sysfs, "eth2", 100000, "down")  # fastest, but down
+    assert nic.nccl_env(nic.detect(sysfs, env={}), sysfs, tmp_path / "no-proc") == {
+        "NCCL_NET": "Socket", "NCCL_SOCKET_IFNAME": "=eth1"}
+    assert nic.nccl_env(nic.Nic("ethernet", None), tmp_path / "empty", tmp_path / "no-proc") == {"NCCL_NET": "Socket"}
+
+
+def test_apply_nccl_env_never_overrides_the_user_and_says_where_each_value_came_from():
+    env = {"NCCL_SOCKET_IFNAME": "bond0", "PATH": "/bin"}
+    lines = nic.apply_nccl_env({"NCCL_NET": "IB", "NCCL_IB_HCA": "=mlx5_0:1", "NCCL_SOCKET_IFNAME": "=eth0"}, env)
+    assert env == {"NCCL_SOCKET_IFNAME": "bond0", "PATH": "/bin", "NCCL_NET": "IB", "NCCL_IB_HCA": "=mlx5_0:1"}
+    assert lines == ['NCCL_NET="IB" (derived)', 'NCCL_IB_HCA="=mlx5_0:1" (derived)',
+                     'NCCL_SOCKET_IFNAME="bond0" (from env)']
+
+
+def test_network_settings_add_the_xla_flags_unless_the_user_chose_them(tmp_path):
+    from holmes_jax import distributed
+
+    env = {"XLA_FLAGS": "--xla_dump_to=/tmp/d --xla_gpu_enable_nccl_comm_splitting=true", "NCCL_NET": "Socket"}
+    lines = distributed.network_settings(nic.Nic("infiniband", 200.0), env, tmp_path / "sys", tmp_path / "proc")
+    assert env["NCCL_NET"] == "Socket"  # the user's choice stands
+    assert env["XLA_FLAGS"].split() == ["--xla_dump_to=/tmp/d", "--xla_gpu_enable_nccl_comm_splitting=true",
+                                        "--xla_gpu_collective_permute_connected_components=true"]
+    assert lines == ['NCCL_NET="Socket" (from env)',
+                     "XLA_FLAGS --xla_gpu_collective_permute_connected_components=true (derived)",
+                     "XLA_FLAGS --xla_gpu_enable_nccl_comm_splitting=true (from env)"]

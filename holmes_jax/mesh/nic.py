@@ -5,6 +5,13 @@ whose sysfs misleads, and for emulated clusters); RDMA ports under
 `/sys/class/infiniband/*/ports/*/` (link_layer InfiniBand -> infiniband, Ethernet -> roce; speed
 from `rate`, e.g. "200 Gb/sec (4X HDR)"); else plain Ethernet, its speed from
 `/sys/class/net/*/speed` (Mb/s). The sysfs root is a parameter so tests can pass a fake tree.
+
+`nccl_env()` turns the answer into NCCL settings for this host (docs/nccl.md says why each):
+InfiniBand and RoCE -> NCCL_NET=IB and NCCL_IB_HCA naming the active HCA ports of that class
+(RoCE also NCCL_IB_GID_INDEX, the port's RoCE v2 GID of an IPv4 address); Ethernet ->
+NCCL_NET=Socket. Every class gets NCCL_SOCKET_IFNAME, the interface of the default route: NCCL's
+own choice would start with IPoIB (`ib*`) interfaces, which do not reach other clusters, and
+the socket transport carries the hops between clusters.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from holmes_jax.config import ConfigError
 from holmes_jax.planning.topology import NIC_CLASSES
 
 ENV = "HOLMES_NIC_CLASS"
+NCCL_VARIABLES = ("NCCL_NET", "NCCL_IB_HCA", "NCCL_IB_GID_INDEX", "NCCL_SOCKET_IFNAME")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,8 +40,8 @@ def _read(path: Path) -> str | None:
         return None
 
 
-def _rdma_ports(sysfs: Path) -> list[tuple[str, float]]:
-    """(class, Gb/s) of each active RDMA port."""
+def _rdma_ports(sysfs: Path) -> list[tuple[str, float, Path]]:
+    """(class, Gb/s, sysfs directory) of each active RDMA port."""
     ports = []
     for port in sorted((sysfs / "class" / "infiniband").glob("*/ports/*")):
         layer, rate, state = (_read(port / name) for name in ("link_layer", "rate", "state"))
@@ -46,7 +54,7 @@ def _rdma_ports(sysfs: Path) -> list[tuple[str, float]]:
             gbps = float(rate.split()[0]) if rate else 0.0
         except ValueError:
             gbps = 0.0
-        ports.append((nic_class, gbps))
+        ports.append((nic_class, gbps, port))
     return ports
 
 
@@ -72,7 +80,7 @@ def detect(sysfs: str | os.PathLike = "/sys", env: dict | None = None) -> Nic:
     if ports:
         # A host with both kinds trains over the faster fabric; InfiniBand wins a tie.
         totals: dict[str, float] = {}
-        for nic_class, gbps in ports:
+        for nic_class, gbps, _ in ports:
             totals[nic_class] = totals.get(nic_class, 0.0) + gbps
         best = max(totals, key=lambda c: (totals[c], c == "infiniband"))
         return Nic(best, totals[best] or None)
@@ -91,3 +99,74 @@ def exchange(local: Nic) -> list[Nic]:
     mine = np.array([NIC_CLASSES.index(local.nic_class), -1.0 if local.gbps is None else local.gbps], np.float32)
     rows = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, 2)
     return [Nic(NIC_CLASSES[int(code)], None if gbps < 0 else float(gbps)) for code, gbps in rows]
+
+
+def _roce_v2_gid(port: Path) -> int | None:
+    """The lowest GID index of `port` that is RoCE v2 and holds an IPv4 address (NCCL's default
+    address family), else the lowest RoCE v2 one that is set; None when sysfs does not say."""
+    found = []
+    for path in (port / "gid_attrs" / "types").glob("*"):
+        gid = _read(port / "gids" / path.name)
+        if not path.name.isdigit() or _read(path) != "RoCE v2" or not gid or not gid.strip("0:"):
+            continue
+        if gid.lower().startswith("fe80"):  # link-local: not routable between hosts
+            continue
+        found.append((not gid.lower().startswith("0000:0000:0000:0000:0000:ffff"), int(path.name)))
+    return min(found)[1] if found else None
+
+
+def _default_route_interface(sysfs: Path, proc: Path) -> str | None:
+    """The interface of the IPv4 default route (/proc/net/route), else the fastest interface that
+    is up; loopback never."""
+    text = _read(proc / "net" / "route") or ""
+    for line in text.splitlines()[1:]:
+        fields = line.split()
+        if len(fields) >= 8 and fields[1] == "00000000" and fields[7] == "00000000" and fields[0] != "lo":
+            return fields[0]
+    best = None
+    for iface in sorted((sysfs / "class" / "net").glob("*")):
+        if iface.name == "lo" or _read(iface / "operstate") != "up":
+            continue
+        speed = _read(iface / "speed") or ""
+        speed = int(speed) if speed.lstrip("-").isdigit() else 0
+        if best is None or speed > best[0]:
+            best = (speed, iface.name)
+    return best and best[1]
+
+
+def nccl_env(nic: Nic, sysfs: str | os.PathLike = "/sys", proc: str | os.PathLike = "/proc") -> dict[str, str]:
+    """NCCL settings for a host of NIC class `nic.nic_class`, from what sysfs and procfs show.
+    A setting sysfs cannot support (no HCA, no RoCE v2 GID, no interface) is left out, so NCCL
+    picks it itself. HCAs and interfaces are named with `=` (exact match): NCCL otherwise
+    matches prefixes, and mlx5_1 would also select mlx5_10."""
+    sysfs, proc = Path(sysfs), Path(proc)
+    env = {}
+    if nic.nic_class == "ethernet":
+        env["NCCL_NET"] = "Socket"
+    else:
+        env["NCCL_NET"] = "IB"
+        ports = [path for nic_class, _, path in _rdma_ports(sysfs) if nic_class == nic.nic_class]
+        if ports:
+            env["NCCL_IB_HCA"] = "=" + ",".join(f"{p.parent.parent.name}:{p.name}" for p in ports)
+        if nic.nic_class == "roce":
+            gids = {_roce_v2_gid(p) for p in ports}
+            if len(gids) == 1 and None not in gids:  # one index for all ports, as NCCL takes one
+                env["NCCL_IB_GID_INDEX"] = str(gids.pop())
+    iface = _default_route_interface(sysfs, proc)
+    if iface:
+        env["NCCL_SOCKET_IFNAME"] = "=" + iface
+    return env
+
+
+def apply_nccl_env(derived: dict[str, str], env=None) -> list[str]:
+    """Sets each derived variable the user has not set in `env` (os.environ by default); returns
+    one line per NCCL variable in force, saying whether it came from the environment or was derived."""
+    env = os.environ if env is None else env
+    lines = []
+    for name in NCCL_VARIABLES:
+        if name in env:
+            lines.append(f'{name}="{env[name]}" (from env)')
+        elif name in derived:
+            env[name] = derived[name]
+            lines.append(f'{name}="{derived[name]}" (derived)')
+    return lines

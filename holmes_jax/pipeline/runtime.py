@@ -22,6 +22,10 @@ sends moves a buffer across every boundary (idle ones send zeros). A tick in whi
 skips that transfer (GPipe's forward ticks move no gradients, its backward ticks no
 activations): the skip is decided per tick, the same on every stage, so the collective stays
 matched. The last stage's forward is folded into its backward, which recomputes it anyway.
+
+Each transfer is two `ppermute`s when some hops cross clusters (`boundary_hops`): one holding only
+those hops, one the rest. Each becomes a collective of its own, so XLA gives the crossing hops
+communicators of their own, which `boundary_warmup` creates before the first step (docs/nccl.md).
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from holmes_jax.models.gpt import GPT
 from holmes_jax.planning import schedule as schedules
@@ -55,13 +59,17 @@ def map_blocks(fn, tree):
 
 
 class Pipeline:
-    def __init__(self, model: GPT, mesh: Mesh, stage_layers: tuple[int, ...], microbatches: int, schedule: str):
+    def __init__(self, model: GPT, mesh: Mesh, stage_layers: tuple[int, ...], microbatches: int, schedule: str,
+                 boundary_hops: tuple[int, ...] = ()):
         self.model, self.mesh = model, mesh
+        self.boundary_hops = tuple(sorted(set(boundary_hops)))  # stages s whose hop s -> s + 1 crosses clusters
         self.stage_layers = tuple(int(n) for n in stage_layers)
         self.stages = len(self.stage_layers)
         if mesh.shape["stage"] != self.stages or sum(self.stage_layers) != model.cfg.num_layers:
             raise ValueError(f"stage_layers {self.stage_layers} do not fit mesh {dict(mesh.shape)} and "
                              f"{model.cfg.num_layers} layers")
+        if not set(self.boundary_hops) <= set(range(self.stages - 1)):
+            raise ValueError(f"boundary_hops {self.boundary_hops} are not hops of {self.stages} stages")
         self.max_layers = max(self.stage_layers)
         self.table = schedules.build(schedule, self.stages, microbatches)
         index = np.full((self.stages, self.max_layers), -1)
@@ -94,6 +102,37 @@ class Pipeline:
     def mask_updates(self, updates):
         real = jnp.asarray(self.real_layers)
         return map_blocks(lambda u: u * real.reshape(real.shape + (1,) * (u.ndim - 2)).astype(u.dtype), updates)
+
+    # ------------------------------------------------------------------ transfers
+
+    def hop_pairs(self, down: bool) -> tuple[list, list]:
+        """The `stage` permutation of one transfer (activations down, or gradients up), split into
+        the pairs of hops that cross clusters and the rest; either may be empty."""
+        pairs = [((s, s + 1) if down else (s + 1, s), s in self.boundary_hops) for s in range(self.stages - 1)]
+        return [p for p, crossing in pairs if crossing], [p for p, crossing in pairs if not crossing]
+
+    def _transfer(self, x, down: bool):
+        moved = [lax.ppermute(x, "stage", pairs) for pairs in self.hop_pairs(down) if pairs]
+        return moved[0] if len(moved) == 1 else moved[0] + moved[1]  # each stage receives from one of them
+
+    def boundary_warmup(self, micro_batch: int, seq: int):
+        """(jitted program, its input) moving an activation-shaped buffer across the boundary hops
+        only, down and up, as the step's boundary ppermutes do (same mesh, specs, shape, dtype); None
+        without boundary hops. `micro_batch` is per data replica."""
+        if not self.boundary_hops:
+            return None
+        dtype = jnp.dtype(self.model.cfg.compute_dtype)
+        spec = P("stage", "data")
+
+        def program(x):
+            down, up = (lax.ppermute(x[0], "stage", self.hop_pairs(d)[0]) for d in (True, False))
+            return (down + up)[None]
+
+        fn = jax.shard_map(program, mesh=self.mesh, axis_names={"stage", "data"}, in_specs=spec, out_specs=spec,
+                           check_vma=False)
+        shape = (self.stages, micro_batch * self.mesh.shape["data"], seq, self.model.cfg.hidden)
+        x = jax.device_put(jnp.zeros(shape, dtype), NamedSharding(self.mesh, spec))
+        return jax.jit(fn), x
 
     # ------------------------------------------------------------------ the step
 
@@ -159,10 +198,8 @@ class Pipeline:
 
             grads, loss_sum, g_out = lax.cond(bwd >= 0, backward, lambda g, l: (g, l, act), grads, loss_sum)
             if p > 1:  # each transfer only in ticks where some stage sends (the same on every stage)
-                x_in = lax.cond(x_moves, lambda: lax.ppermute(x_out, "stage", [(i, i + 1) for i in range(p - 1)]),
-                                lambda: act)
-                g_in = lax.cond(g_moves, lambda: lax.ppermute(g_out, "stage", [(i + 1, i) for i in range(p - 1)]),
-                                lambda: act)
+                x_in = lax.cond(x_moves, lambda: self._transfer(x_out, down=True), lambda: act)
+                g_in = lax.cond(g_moves, lambda: self._transfer(g_out, down=False), lambda: act)
             return (stash, gstash, x_in, g_in, grads, loss_sum), None
 
         zeros = jax.tree.map(jnp.zeros_like, (blocks, shared))

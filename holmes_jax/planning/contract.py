@@ -12,6 +12,7 @@ import numpy as np
 
 from holmes_jax.config import ModelConfig
 from holmes_jax.planning import workload
+from holmes_jax.planning.communicators import Communicator, communicators
 from holmes_jax.planning.cost import Prediction
 from holmes_jax.planning.placement import AXES, Placement
 from holmes_jax.planning.topology import Link, Topology
@@ -64,6 +65,11 @@ class Plan:
         return workload.micro_batch(self.global_batch, self.dp, self.microbatches)
 
     @property
+    def communicators(self) -> tuple[Communicator, ...]:
+        """Each stage's data and tensor communicators and each stage boundary, with its fabric."""
+        return communicators(self.topology, self.grid)
+
+    @property
     def flops_formula(self) -> str:
         return FLOPS_FORMULA[self.model.remat]
 
@@ -86,6 +92,7 @@ class Plan:
                            for m, p in self.partitions.items()},
             "device_grid": self.grid.tolist(),
             "notes": list(self.notes),
+            "communicators": [c.to_dict() for c in self.communicators],
         }
 
     def to_json(self, indent: int | None = None) -> str:
@@ -115,6 +122,11 @@ class Plan:
             lines += ["", _table(["boundary", "activations cross", "per microbatch, each way"],
                                  [[f"{s} -> {s + 1}", _route_text(r), _seconds(pr.p2p_s[s])]
                                   for s, r in enumerate(pl.boundary_routes)])]
+        lines += ["", _table(["communicators", "stages", "groups x size", "nic classes", "transport"],
+                             [[c.kind, "->".join(map(str, c.stages)), f"{c.groups} x {c.size}", "+".join(c.nic_classes),
+                               c.transport + (" (own cliques, across clusters)" if c.kind == "stage_boundary"
+                                              and c.spans_clusters else "")]
+                              for c in self.communicators])] if self.communicators else []
         if pl.mixed_stages:
             lines += ["", "stages spanning clusters: " + "; ".join(
                 f"{s} ({pl.stage_clusters[s]}, data groups {'+'.join(pl.data_groups_nic[s])})"
