@@ -14,6 +14,9 @@ from typing import Any
 import gin
 
 
+REMAT = ("none", "full", "dots")
+
+
 class ConfigError(ValueError):
     """Bad user input: a config field, a topology entry, a flag or an infeasible plan."""
 
@@ -47,7 +50,15 @@ class ModelConfig:
     mlp: str | None = None  # gelu | swiglu
     tie_embeddings: bool | None = None
     compute_dtype: str = "float32"  # float32 | bfloat16; master weights stay float32
-    remat: bool = False  # recompute each block's activations in the backward pass
+    # What each block's backward keeps vs recomputes: none (keeps every residual, no recompute),
+    # full (keeps the block's input, recomputes its forward), dots (keeps the weight matmuls'
+    # outputs, recomputes attention's s x s products, norms and activations). The old booleans
+    # still work: True means full, False none.
+    remat: str = "none"
+
+    def __post_init__(self):
+        if isinstance(self.remat, bool):
+            object.__setattr__(self, "remat", "full" if self.remat else "none")
 
     @property
     def head_dim(self) -> int:
@@ -68,7 +79,7 @@ class ModelConfig:
         _check_choice("ModelConfig.mlp", self.mlp, ("gelu", "swiglu"))
         _check_choice("ModelConfig.tie_embeddings", self.tie_embeddings, (True, False))
         _check_choice("ModelConfig.compute_dtype", self.compute_dtype, ("float32", "bfloat16"))
-        _check_choice("ModelConfig.remat", self.remat, (True, False))
+        _check_choice("ModelConfig.remat", self.remat, REMAT)
 
 
 @gin.configurable

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 
-def megatron_flops(batch: int, seq_len: int, num_layers: int, hidden: int, vocab: int, recompute: bool) -> float:
+def megatron_flops(batch: int, seq_len: int, num_layers: int, hidden: int, vocab: int, recompute) -> float:
     """FLOPs of one training iteration by Megatron's formula (what the Holmes paper's TFLOPS use).
 
     With activation recompute: 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h));
     without: 72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h)).
+    `recompute`: a `ModelConfig.remat` policy or a bool. Only 'full' counts as recompute: Megatron's
+    formula has no term for 'dots', which recomputes attention's s x s products only (the
+    formula's s/(6h) share), so its TFLOPS are those of the work without recompute.
     """
     b, s, l, h, v = batch, seq_len, num_layers, hidden, vocab
-    if recompute:
+    if recompute in (True, "full"):
         return 96.0 * b * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
     return 72.0 * b * s * l * h * h * (1 + s / (6 * h) + v / (12 * l * h))
 

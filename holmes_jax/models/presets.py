@@ -70,14 +70,16 @@ def layer_params(cfg: ModelConfig) -> int:
 def model_costs(cfg: ModelConfig, micro_batch: int, seq_len: int) -> ModelCosts:
     """Analytic costs of a resolved config for one microbatch of `micro_batch` sequences.
 
-    FLOPs count multiply-adds as 2 and the backward pass as twice the forward; with `remat` the
-    backward also repeats the forward (what Megatron's 96 vs 72 coefficient expresses).
+    FLOPs count multiply-adds as 2 and the backward pass as twice the forward, plus what the remat
+    policy recomputes: the whole forward for 'full' (Megatron's 96 vs 72 coefficient), attention's
+    s x s products for 'dots'.
     """
     h, f, v = cfg.hidden, cfg.ffn_hidden, cfg.vocab_size
     tokens = micro_batch * seq_len
     matmul_params = 4 * h * h + (3 if cfg.mlp == "swiglu" else 2) * h * f
-    layer_fwd = 2.0 * tokens * matmul_params + 4.0 * micro_batch * seq_len * seq_len * h
-    layer_bwd = 2.0 * layer_fwd + (layer_fwd if cfg.remat else 0.0)
+    attention = 4.0 * micro_batch * seq_len * seq_len * h
+    layer_fwd = 2.0 * tokens * matmul_params + attention
+    layer_bwd = 2.0 * layer_fwd + {"none": 0.0, "dots": attention, "full": layer_fwd}[cfg.remat]
     layer = PartCost(layer_params(cfg), layer_fwd, layer_bwd)
 
     embed_params = v * h + (cfg.max_seq_len * h if cfg.positions == "learned" else 0)
