@@ -8,10 +8,12 @@ so they move between partitions and pp values (`to_canonical` / `to_staged`).
 
 The step is one `jax.shard_map` region manual over `stage` and `data` (`tensor` stays automatic,
 so tensor-parallel shardings keep working inside). A scan walks the schedule's ticks; each tick a
-stage stores what arrived, runs its forward (if the table says so), then its backward: the stage's
-forward recomputed from its stashed input under `jax.vjp`, so only stage inputs are kept alive
-(GPipe: m of them, 1F1B: at most p). Activations then move one stage down and gradients one stage
-up with `lax.ppermute`. Gradients accumulate locally and are reduced over `data` once, after the
+stage stores what arrived, runs its forward (if the table says so), keeping each layer's vjp
+residuals (what `ModelConfig.remat` saves: everything for 'none', the layer input for 'full'),
+then its backward from the residuals it kept (`_Layers`): each layer's forward runs once per
+microbatch, plus what the policy recomputes. Residuals of the microbatches in flight live in a
+ring (GPipe: m of them, 1F1B: at most p). Activations then move one stage down and gradients one
+stage up with `lax.ppermute`. Gradients accumulate locally and are reduced over `data` once, after the
 scan (reduce-scattered where ZeRO-1 shards them): one reduction per step, not per microbatch.
 
 The embedding runs on the first stage and the head and loss on the last, each under `lax.cond`:
@@ -21,7 +23,8 @@ tied embedding's gradient is summed over `stage` once per step, and a tick in wh
 sends moves a buffer across every boundary (idle ones send zeros). A tick in which none does
 skips that transfer (GPipe's forward ticks move no gradients, its backward ticks no
 activations): the skip is decided per tick, the same on every stage, so the collective stays
-matched. The last stage's forward is folded into its backward, which recomputes it anyway.
+matched. The last stage runs each microbatch's forward and backward together in one tick (one
+`jax.vjp`), so it keeps no residuals between ticks.
 """
 
 from __future__ import annotations
