@@ -9,14 +9,22 @@ host's cores, so an idle stage frees its core for the others: the measured ratio
 pipeline adds (bubble work it fails to skip, p2p, bookkeeping), while the theoretical
 (m + p - 1) / m is what the bubble costs on devices that cannot lend each other their time.
 Then the compiled step's temporary memory per device (`memory_analysis`) as m grows with the
-microbatch size held fixed: GPipe keeps every microbatch's stage input alive, 1F1B at most p.
+microbatch size held fixed: GPipe keeps what every microbatch's backward needs alive, 1F1B at most p
+microbatches' worth.
 
-    python bench/pipeline.py [--rounds 3] [--steps 2]
+stage_work_ratio: the compute of a stage other than the last, per microbatch, as the runtime runs
+it (its forward tick, which keeps the layers' residuals, plus its backward tick, which uses them;
+two separate jitted calls, so the residuals are materialised as in the stash) over a plain
+`jax.value_and_grad` forward + backward of the same layers (no remat) on the same microbatch and
+device. About 1 with remat 'none' (each layer's forward runs once), about 4/3 with 'full'.
+
+    python bench/pipeline.py [--rounds 3] [--steps 2] [--remat none|full|dots]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -27,28 +35,70 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 import numpy as np  # noqa: E402
 
+import jax.numpy as jnp  # noqa: E402
+
 from holmes_jax import build, configure, data  # noqa: E402
+from holmes_jax.models import gpt  # noqa: E402
+from holmes_jax.pipeline.runtime import _Layers  # noqa: E402
 
 MODEL = ["--gin.ModelConfig.num_layers=4", "--gin.ModelConfig.hidden=128", "--gin.ModelConfig.num_heads=4",
          "--gin.DataConfig.seq_len=64", "--gin.DataConfig.global_batch=128", "--gin.CheckpointConfig.enabled=False"]
 
 
-def _setup(pp: int, m: int, schedule: str, *extra: str) -> build.Setup:
+def _setup(pp: int, m: int, schedule: str, remat: str, *extra: str) -> build.Setup:
     return build.build(configure.load_configs(MODEL + [f"--gin.ParallelConfig.pp={pp}", f"--gin.ParallelConfig.microbatches={m}",
-                                                   f"--gin.ParallelConfig.schedule={schedule}", *extra]))
+                                                   f"--gin.ParallelConfig.schedule={schedule}",
+                                                   f"--gin.ModelConfig.remat='{remat}'", *extra]))
 
 
-def temp_bytes_fixed_microbatch(pp: int, m: int, schedule: str) -> int:
+def temp_bytes_fixed_microbatch(pp: int, m: int, schedule: str, remat: str) -> int:
     """Compiled temporary memory with 8 sequences of 256 tokens per microbatch per data shard."""
     dp = 8 // pp
-    setup = _setup(pp, m, schedule, "--gin.DataConfig.seq_len=256", f"--gin.DataConfig.global_batch={8 * dp * m}")
+    setup = _setup(pp, m, schedule, remat, "--gin.DataConfig.seq_len=256", f"--gin.DataConfig.global_batch={8 * dp * m}")
     state = jax.eval_shape(setup.init_state)
     batch = jax.ShapeDtypeStruct((m, 8 * dp, 257), np.int32, sharding=setup.batch_sharding)
     return int(build.make_train_step(setup).lower(state, batch).compile().memory_analysis().temp_size_in_bytes)
 
 
-def prepare(pp: int, m: int, schedule: str, tokens):
-    setup = _setup(pp, m, schedule)
+def stage_work_ratio(pp: int, m: int, remat: str, rounds: int, repeats: int = 5) -> float:
+    """One stage's forward tick + backward tick over a plain value_and_grad of its layers (see the
+    module doc), on the first device, with the step's per-device microbatch; the best of the rounds
+    (the host is shared: the fastest round is the one least disturbed)."""
+    cfgs = configure.load_configs(MODEL + [f"--gin.ModelConfig.remat='{remat}'"])
+    micro_batch = cfgs.data.global_batch // ((8 // pp) * m)
+    layers = cfgs.model.num_layers // pp
+    model, plain_model = gpt.GPT(cfgs.model), gpt.GPT(dataclasses.replace(cfgs.model, remat="none"))
+    device = jax.devices()[0]
+    blocks = jax.device_put(jax.tree.map(lambda x: x[:layers], model.init(0)["blocks"]), device)
+    rng = np.random.default_rng(0)
+    shape = (micro_batch, cfgs.data.seq_len, cfgs.model.hidden)
+    x, g = (jax.device_put(jnp.asarray(rng.standard_normal(shape), jnp.float32), device) for _ in range(2))
+
+    forward = jax.jit(lambda b, x: _Layers(model, b, x, None).forward(x))
+    backward = jax.jit(lambda b, kept, g: _Layers(model, b, g, None).backward(kept, g))
+    plain = jax.jit(jax.value_and_grad(lambda b, x, g: jnp.vdot(plain_model.blocks(b, x), g), argnums=(0, 1)))
+
+    def stage():
+        return backward(blocks, forward(blocks, x)[1], g)
+
+    def baseline():
+        return plain(blocks, x, g)
+
+    times = {stage: [], baseline: []}
+    for fn in times:
+        jax.block_until_ready(fn())  # compile and warm up
+    for _ in range(rounds):
+        for fn, ts in times.items():
+            t = time.perf_counter()
+            for _ in range(repeats):
+                out = fn()
+            jax.block_until_ready(out)
+            ts.append((time.perf_counter() - t) / repeats)
+    return float(min(times[stage]) / min(times[baseline]))
+
+
+def prepare(pp: int, m: int, schedule: str, remat: str, tokens):
+    setup = _setup(pp, m, schedule, remat)
     state = setup.init_state()
     batches = [setup.batch("train", k, tokens) for k in range(2)]
     compiled = build.make_train_step(setup).lower(state, batches[0]).compile()
@@ -70,12 +120,13 @@ def main(argv):
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--microbatches", default="4,8,16")
+    parser.add_argument("--remat", default="none", choices=("none", "full", "dots"))
     args = parser.parse_args(argv)
     tokens = data.load(configure.load_configs(MODEL).data)
     ms = [int(x) for x in args.microbatches.split(",")]
     piped = [(pp, m, sched) for m in ms for pp in (2, 4) for sched in ("gpipe", "1f1b")]
     baselines = sorted({(1, m // pp, "gpipe") for pp, m, _ in piped})
-    runs = {c: prepare(*c, tokens) for c in baselines + piped}
+    runs = {c: prepare(*c, args.remat, tokens) for c in baselines + piped}
     times = {c: [] for c in runs}
     for _ in range(args.rounds):
         for c in runs:
@@ -85,21 +136,31 @@ def main(argv):
     for pp, m, sched in piped:
         base = median[(1, m // pp, "gpipe")]
         rows.append({"pp": pp, "m": m, "schedule": sched, "step_s": median[(pp, m, sched)], "baseline_s": base,
-                     "measured_ratio": median[(pp, m, sched)] / base, "theory_ratio": (m + pp - 1) / m})
+                     "measured_ratio": median[(pp, m, sched)] / base, "theory_ratio": (m + pp - 1) / m,
+                     "remat": args.remat})
     del runs
-    print("temp MiB: compiled temporary memory per device with 8 x 256 tokens per microbatch and data shard")
-    print(f"{'pp':>3} {'m':>3} {'schedule':>8} {'step ms':>9} {'pp=1 ms':>9} {'measured':>9} {'theory':>7} {'temp MiB':>9}")
+    work = {(pp, m): stage_work_ratio(pp, m, args.remat, args.rounds) for pp, m, _ in piped}
     for row in rows:
-        row["temp_bytes"] = temp_bytes_fixed_microbatch(row["pp"], row["m"], row["schedule"])
+        row["stage_work_ratio"] = work[(row["pp"], row["m"])]
+    print(f"remat {args.remat}; temp MiB: compiled temporary memory per device with 8 x 256 tokens per microbatch "
+          f"and data shard; stage work: a non-last stage's forward + backward tick over plain value_and_grad")
+    print(f"{'pp':>3} {'m':>3} {'schedule':>8} {'step ms':>9} {'pp=1 ms':>9} {'measured':>9} {'theory':>7} {'temp MiB':>9} "
+          f"{'stage work':>10}")
+    for row in rows:
+        row["temp_bytes"] = temp_bytes_fixed_microbatch(row["pp"], row["m"], row["schedule"], args.remat)
         print(f"{row['pp']:>3} {row['m']:>3} {row['schedule']:>8} {row['step_s'] * 1e3:>9.1f} {row['baseline_s'] * 1e3:>9.1f} "
-              f"{row['measured_ratio']:>9.3f} {row['theory_ratio']:>7.3f} {row['temp_bytes'] / 2**20:>9.2f}")
+              f"{row['measured_ratio']:>9.3f} {row['theory_ratio']:>7.3f} {row['temp_bytes'] / 2**20:>9.2f} "
+              f"{row['stage_work_ratio']:>10.3f}")
     worst = max(r["measured_ratio"] / r["theory_ratio"] for r in rows)
     print(f"worst measured / theory: {worst:.3f} (target <= 1.15)")
     for pp in (2, 4):
         for sched in ("gpipe", "1f1b"):
             mem = [r["temp_bytes"] for r in rows if r["pp"] == pp and r["schedule"] == sched]
             print(f"pp={pp} {sched:>5} temp MiB over m: " + ", ".join(f"{b / 2**20:.2f}" for b in mem))
-    print(json.dumps({"rows": rows, "worst_measured_over_theory": worst}))
+    print(f"stage work ratio (non-last stage tick work / plain value_and_grad), remat {args.remat}: "
+          + ", ".join(f"pp={pp} m={m}: {r:.3f}" for (pp, m), r in work.items()))
+    print(json.dumps({"rows": rows, "worst_measured_over_theory": worst, "remat": args.remat,
+                      "stage_work_ratio": {f"pp={pp},m={m}": r for (pp, m), r in work.items()}}))
 
 
 if __name__ == "__main__":

@@ -14,6 +14,9 @@ from typing import Any
 import gin
 
 
+REMAT = ("none", "full", "dots")
+
+
 class ConfigError(ValueError):
     """Bad user input: a config field, a topology entry, a flag or an infeasible plan."""
 
@@ -52,9 +55,17 @@ class ModelConfig:
     norm_eps: float | None = None  # unset: 1e-5 (GPT-2, Megatron, LLaMA 3)
     rope_base: float | None = None  # rotary frequency base (LLaMA 3: 500000); unset: 10000
     compute_dtype: str = "float32"  # float32 | bfloat16; master weights stay float32
-    remat: bool = False  # recompute each block's activations in the backward pass
+    # What each block's backward keeps vs recomputes: none (keeps every residual, no recompute),
+    # full (keeps the block's input, recomputes its forward), dots (keeps the weight matmuls'
+    # outputs, recomputes attention's s x s products, norms and activations). The old booleans
+    # still work: True means full, False none.
+    remat: str = "none"
     attention: str = "auto"  # auto (cuDNN flash attention on CUDA GPUs in bf16) | xla | cudnn
     init_from: str | None = None  # a Hugging Face folder (GPT-2 or LLaMA) a fresh run starts from
+
+    def __post_init__(self):
+        if isinstance(self.remat, bool):
+            object.__setattr__(self, "remat", "full" if self.remat else "none")
 
     @property
     def head_dim(self) -> int:
@@ -84,7 +95,7 @@ class ModelConfig:
         check_choice("ModelConfig.mlp", self.mlp, ("gelu", "swiglu"))
         check_choice("ModelConfig.tie_embeddings", self.tie_embeddings, (True, False))
         check_choice("ModelConfig.compute_dtype", self.compute_dtype, ("float32", "bfloat16"))
-        check_choice("ModelConfig.remat", self.remat, (True, False))
+        check_choice("ModelConfig.remat", self.remat, REMAT)
         check_choice("ModelConfig.attention", self.attention, ("auto", "xla", "cudnn"))
         if self.init_from is not None and (not isinstance(self.init_from, str) or not self.init_from):
             raise ConfigError(f"ModelConfig.init_from = {self.init_from!r} is not allowed; "

@@ -9,8 +9,6 @@ from pathlib import Path
 
 from tensorboardX import SummaryWriter
 
-from holmes_jax.planning.workload import megatron_flops  # noqa: F401  (re-exported: the step metrics use it)
-
 
 # Dense bf16 peak TFLOP/s of one device, by the start of `device.device_kind` (lower case).
 _PEAK_TFLOPS = {"nvidia a100": 312.0, "nvidia h100": 989.0, "nvidia h200": 989.0, "nvidia h800": 989.0}

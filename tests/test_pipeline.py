@@ -25,7 +25,7 @@ def reference(tmp_path_factory):
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-@pytest.mark.parametrize("pp, layers", [(2, None), (2, "(5,1)"), (4, None), (4, "(1,2,2,1)")])
+@pytest.mark.parametrize("pp, layers", [(2, None), (2, "(5,1)"), (4, None), (4, "(1,2,2,1)"), (4, "(2,1,2,1)")])
 def test_loss_and_every_gradient_match_one_stage(tmp_path, reference, schedule, pp, layers):
     bindings = [f"--gin.ParallelConfig.pp={pp}", f"--gin.ParallelConfig.schedule={schedule}"]
     if layers:
@@ -38,6 +38,21 @@ def test_loss_and_every_gradient_match_one_stage(tmp_path, reference, schedule, 
     for (path, g), r in zip(flat, ref_flat):
         np.testing.assert_allclose(g, r, atol=1e-5, rtol=0, err_msg=jax.tree_util.keystr(path))
     assert max(float(np.abs(r).max()) for r in ref_flat) > 1e-3  # the comparison is not of zeros
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("remat", ["full", "dots"])
+@pytest.mark.parametrize("pp, layers, schedule", [(1, None, "gpipe"), (2, "(4,2)", "1f1b"), (4, "(2,1,2,1)", "gpipe")])
+def test_every_remat_policy_gives_the_same_gradients(tmp_path, reference, remat, pp, layers, schedule):
+    bindings = [f"--gin.ModelConfig.remat='{remat}'", f"--gin.ParallelConfig.pp={pp}",
+                f"--gin.ParallelConfig.schedule={schedule}"]
+    if layers:
+        bindings.append(f"--gin.ParallelConfig.stage_layers={layers}")
+    loss, grads = _loss_and_canonical_grads(tmp_path, *bindings)
+    ref_loss, ref_grads = reference  # remat 'none', one stage
+    assert loss == pytest.approx(ref_loss, abs=1e-5)
+    for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(ref_grads)):
+        np.testing.assert_allclose(g, r, atol=1e-5, rtol=0, err_msg=jax.tree_util.keystr(path))
 
 
 @pytest.mark.slow
@@ -92,7 +107,7 @@ def _called_computations(hlo: str) -> dict[str, set[str]]:
             calls[current] = set()
         elif current:
             for group in re.findall(r"(?:body|condition|to_apply|calls|branch_computations|true_computation|"
-                                    r"false_computation)=\{?([%\w.\-, ]+)\}?", line):
+                                    r"false_computation)=\{?(%?[\w.\-]+(?:,\s*%[\w.\-]+)*)\}?", line):
                 calls[current].update(name.strip().lstrip("%") for name in group.split(","))
     return calls
 
@@ -127,3 +142,66 @@ def test_gradients_are_reduced_over_data_once_per_step_not_per_microbatch(tmp_pa
     assert not reductions(in_loop), reductions(in_loop)[:2]
     # Data groups of the mesh (stage, data, tensor) = (2, 4, 1): devices {0,1,2,3} and {4,5,6,7}.
     assert any("{0,1,2,3},{4,5,6,7}" in l.replace(" ", "") for l in outside), outside[:3]
+
+
+def _score_products(hlo: str, heads: int, seq: int) -> dict[str, int]:
+    """Computation name -> its dot instructions shaped like attention scores (heads x seq x seq per
+    sequence, micro batch 1): the forward's q.k product and the backward's gradient of the softmax
+    weights; none of the model's other products has that shape."""
+    found, current = {}, None
+    for line in hlo.splitlines():
+        if not line.startswith(" ") and line.strip().endswith("{"):
+            current = re.match(r"^(?:ENTRY )?%?([\w.\-]+)", line.strip()).group(1)
+        shape = re.search(r"= f32\[([\d,]+)\]\{[^}]*\} dot\(", line)
+        if shape and [int(d) for d in shape.group(1).split(",") if d != "1"] == [heads, seq, seq]:
+            found[current] = found.get(current, 0) + 1
+    return found
+
+
+def _reached(calls: dict[str, set[str]], counts: dict[str, int], root: str) -> int:
+    seen, todo = set(), [root]
+    while todo:
+        c = todo.pop()
+        if c not in seen:
+            seen.add(c)
+            todo.extend(calls.get(c, ()))
+    return sum(counts.get(c, 0) for c in seen)
+
+
+@pytest.mark.slow
+def test_without_remat_each_layer_runs_its_forward_once_per_microbatch(tmp_path):
+    """Counts the attention-score products in the compiled pp = 2 step. A layer's forward and
+    backward hold one each (jax.value_and_grad of the model shows the same); a recomputed forward
+    adds one. Each tick a stage runs one branch of the backward's `lax.cond`: the last stage its
+    forward and backward together, the others the backward from the residuals their forward kept.
+    So a stage other than the last runs the forward branch's products and the residual branch's
+    per microbatch; with remat 'none' that must be what value_and_grad runs, with 'full' more."""
+    heads, seq = 4, 32
+    per_microbatch = {}
+    for remat in ("none", "full"):
+        cfgs = small_configs(tmp_path, "--gin.ModelConfig.num_layers=4", "--gin.ParallelConfig.pp=2",
+                             "--gin.ParallelConfig.microbatches=4", f"--gin.ModelConfig.remat='{remat}'",
+                             f"--gin.ModelConfig.num_heads={heads}", f"--gin.DataConfig.seq_len={seq}")
+        assert cfgs.data.global_batch == 4 * 4  # micro batch 1 on each of the 4 data shards
+        setup = build.build(cfgs)
+        state = setup.init_state()
+        batch = setup.batch("train", 0, data.load(cfgs.data))
+        hlo = build.make_train_step(setup).lower(state, batch).compile().as_text()
+        counts, calls = _score_products(hlo, heads, seq), _called_computations(hlo)
+        plain = sum(_score_products(jax.jit(jax.value_and_grad(setup.model.loss)).lower(
+            setup.model.init(0), batch[0, :1]).compile().as_text(), heads, seq).values())
+        # the backward's cond: the one conditional whose two branches both hold score products
+        conds = [re.search(r"branch_computations=\{%?([\w.\-]+), %?([\w.\-]+)\}", line)
+                 for line in hlo.splitlines() if " conditional(" in line]
+        branches = [[_reached(calls, counts, b) for b in c.groups()] for c in conds if c]
+        both = [b for b in branches if min(b) > 0]
+        assert len(both) == 1, branches
+        from_residuals, last_stage = both[0]  # lax.cond(is_last, ...): branch 0 is the false one
+        total = sum(counts.values())
+        forward = total - from_residuals - last_stage  # the forward tick's branch
+        assert last_stage == plain, (remat, last_stage, plain)
+        per_microbatch[remat] = (forward, forward + from_residuals, plain)
+    none, full = per_microbatch["none"], per_microbatch["full"]
+    assert none[2] == 2 and full[2] == 3  # value_and_grad: forward + backward, and a recompute with 'full'
+    assert none[0] == 1 and none[1] == none[2], per_microbatch  # forward once, nothing recomputed
+    assert full[1] == full[2] > none[1], per_microbatch

@@ -133,6 +133,16 @@ def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
     return jnp.mean(logz - picked)
 
 
+# ModelConfig.remat -> the jax.checkpoint policy of each block (None: no checkpoint, the backward
+# keeps every residual). 'dots' keeps the outputs of the weight matmuls and recomputes the rest
+# (attention's s x s products, norms, activations) in the backward.
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
 class GPT:
     """Pure functions of a resolved `ModelConfig` over params `{"embed", "blocks", "head"}`."""
 
@@ -158,15 +168,22 @@ class GPT:
     def embed(self, params: dict, tokens: jax.Array) -> jax.Array:
         return nnx.merge(self._defs["embed"], params["embed"])(tokens)
 
+    def layer(self, layer_params: dict, h: jax.Array) -> jax.Array:
+        """One block under the config's remat policy: what its backward keeps and what it recomputes."""
+
+        def run(layer_params, h):
+            return nnx.merge(self._defs["blocks"], layer_params)(h)
+
+        policy = REMAT_POLICIES[self.cfg.remat]
+        return run(layer_params, h) if policy is None else jax.checkpoint(run, policy=policy)(layer_params, h)
+
     def blocks(self, block_params: dict, x: jax.Array, n_layers: jax.Array | None = None) -> jax.Array:
         """Runs the layers of `block_params` (leading layer axis) over `x` in order. With `n_layers`,
         only the first `n_layers` run: later ones are padding, skipped (and so get zero gradient)."""
 
         def layer(h, layer_params):
-            return nnx.merge(self._defs["blocks"], layer_params)(h)
+            return self.layer(layer_params, h)
 
-        if self.cfg.remat:
-            layer = jax.checkpoint(layer)
         if n_layers is None:
             return jax.lax.scan(lambda h, lp: (layer(h, lp), None), x, block_params)[0]
 

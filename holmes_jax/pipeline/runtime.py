@@ -8,10 +8,12 @@ so they move between partitions and pp values (`to_canonical` / `to_staged`).
 
 The step is one `jax.shard_map` region manual over `stage` and `data` (`tensor` stays automatic,
 so tensor-parallel shardings keep working inside). A scan walks the schedule's ticks; each tick a
-stage stores what arrived, runs its forward (if the table says so), then its backward: the stage's
-forward recomputed from its stashed input under `jax.vjp`, so only stage inputs are kept alive
-(GPipe: m of them, 1F1B: at most p). Activations then move one stage down and gradients one stage
-up with `lax.ppermute`. Gradients accumulate locally and are reduced over `data` once, after the
+stage stores what arrived, runs its forward (if the table says so), keeping each layer's vjp
+residuals (what `ModelConfig.remat` saves: everything for 'none', the layer input for 'full'),
+then its backward from the residuals it kept (`_Layers`): each layer's forward runs once per
+microbatch, plus what the policy recomputes. Residuals of the microbatches in flight live in a
+ring (GPipe: m of them, 1F1B: at most p). Activations then move one stage down and gradients one
+stage up with `lax.ppermute`. Gradients accumulate locally and are reduced over `data` once, after the
 scan (reduce-scattered where ZeRO-1 shards them): one reduction per step, not per microbatch.
 
 The embedding runs on the first stage and the head and loss on the last, each under `lax.cond`:
@@ -21,7 +23,8 @@ tied embedding's gradient is summed over `stage` once per step, and a tick in wh
 sends moves a buffer across every boundary (idle ones send zeros). A tick in which none does
 skips that transfer (GPipe's forward ticks move no gradients, its backward ticks no
 activations): the skip is decided per tick, the same on every stage, so the collective stays
-matched. The last stage's forward is folded into its backward, which recomputes it anyway.
+matched. The last stage runs each microbatch's forward and backward together in one tick (one
+`jax.vjp`), so it keeps no residuals between ticks.
 
 Each transfer is two `ppermute`s when some hops cross clusters (`boundary_hops`): one holding only
 those hops, one the rest. Each becomes a collective of its own, so XLA gives the crossing hops
@@ -36,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from holmes_jax.models.gpt import GPT
@@ -56,6 +60,87 @@ def _when(pred, then, otherwise):
 def map_blocks(fn, tree):
     """Applies `fn` to the leaves under a `blocks` key (parameters and their optimizer moments)."""
     return jax.tree_util.tree_map_with_path(lambda path, x: fn(x) if _is_block_leaf(path) else x, tree)
+
+
+def _depends_on_input(jaxpr, dynamic: list[bool]) -> list[bool]:
+    """Which outputs of `jaxpr` may depend on the inputs flagged in `dynamic`. Conservative: an
+    equation's outputs all depend on its inputs, except inside calls (jit, checkpoint), which are
+    followed output by output."""
+    marked = {v for v, d in zip(jaxpr.invars, dynamic) if d}
+    is_marked = lambda v: not isinstance(v, Literal) and v in marked  # noqa: E731
+    for eqn in jaxpr.eqns:
+        inputs = [is_marked(v) for v in eqn.invars]
+        if not any(inputs):
+            continue
+        inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+        inner = inner.jaxpr if isinstance(inner, ClosedJaxpr) else inner
+        if isinstance(inner, Jaxpr) and (len(inner.invars), len(inner.outvars)) == (len(eqn.invars), len(eqn.outvars)):
+            marked.update(v for v, d in zip(eqn.outvars, _depends_on_input(inner, inputs)) if d)
+        else:
+            marked.update(eqn.outvars)
+    return [is_marked(v) for v in jaxpr.outvars]
+
+
+class _Layers:
+    """A stage's layers split into a forward that keeps what the backward needs and that backward.
+
+    The forward takes each layer's `jax.vjp` and keeps the residuals that depend on the
+    microbatch (what the remat policy saves: every activation the backward reads for 'none', the
+    layer's input for 'full'), stacked over the stage's layers. Residuals that depend only on the
+    parameters (their compute-dtype casts, constants) are not kept: the backward rebuilds them
+    from a vjp of the layer at a zero input, whose other work XLA drops as dead code. So each
+    layer's forward runs once per microbatch, plus what the policy recomputes.
+    """
+
+    def __init__(self, model: GPT, blocks: dict, act: jax.Array, n_layers):
+        self.model, self.blocks, self.act, self.n_layers = model, blocks, act, n_layers
+        self.depth = jax.tree.leaves(blocks)[0].shape[0]
+        one = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), blocks)
+        residuals = jax.make_jaxpr(lambda lp, h: jax.tree.leaves(jax.vjp(model.layer, lp, h)[1]))(one, act)
+        self.dynamic = _depends_on_input(residuals.jaxpr, [False] * len(jax.tree.leaves(one)) + [True])
+        # (depth, ...) per kept residual: one microbatch's stash entry
+        self.kept = [jax.ShapeDtypeStruct((self.depth,) + a.shape, a.dtype)
+                     for a, d in zip(residuals.out_avals, self.dynamic) if d]
+
+    def _each_layer(self, run, skip, carry, xs, reverse=False):
+        """Scans the layers; padding layers (at or past n_layers) take `skip`."""
+
+        def step(carry, xs):
+            *layer, i = xs
+            if self.n_layers is None:
+                return run(carry, *layer)
+            return lax.cond(i < self.n_layers, run, skip, carry, *layer)
+
+        return lax.scan(step, carry, xs + (jnp.arange(self.depth),), reverse=reverse)
+
+    def forward(self, x):
+        """The stage's output and its kept residuals (one (depth, ...) array each)."""
+
+        def run(h, lp):
+            out, vjp = jax.vjp(self.model.layer, lp, h)
+            return out, [r for r, d in zip(jax.tree.leaves(vjp), self.dynamic) if d]
+
+        def skip(h, lp):
+            return h, [jnp.zeros(k.shape[1:], k.dtype) for k in self.kept]
+
+        return self._each_layer(run, skip, x, (self.blocks,))
+
+    def backward(self, kept, g):
+        """(gradients of the stage's blocks, gradient of its input) from one microbatch's kept
+        residuals and the gradient of its output."""
+
+        def run(g, lp, kept):
+            _, vjp = jax.vjp(self.model.layer, lp, jnp.zeros_like(self.act))  # the parameter-only residuals
+            leaves, tree = jax.tree.flatten(vjp)
+            stashed = iter(kept)
+            g_lp, g_h = tree.unflatten([next(stashed) if d else r for r, d in zip(leaves, self.dynamic)])(g)
+            return g_h, g_lp
+
+        def skip(g, lp, kept):
+            return g, jax.tree.map(jnp.zeros_like, lp)
+
+        g_x, g_blocks = self._each_layer(run, skip, g, (self.blocks, kept), reverse=True)
+        return g_blocks, g_x
 
 
 class Pipeline:
@@ -169,6 +254,7 @@ class Pipeline:
         m, micro_batch, seq = batch.shape[0], batch.shape[1], batch.shape[2] - 1
         scale = 1.0 / (m * lax.axis_size("data"))  # each microbatch's share of the global mean
         act = jnp.zeros((micro_batch, seq, model.cfg.hidden), jnp.dtype(model.cfg.compute_dtype))
+        layers = _Layers(model, blocks, act, n_layers) if p > 1 else None
 
         def stage_fn(blocks, shared, x, tokens):
             x = _when(is_first, lambda: model.embed(shared, tokens[:, :-1]).astype(act.dtype), lambda: x)
@@ -177,18 +263,25 @@ class Pipeline:
             return x, loss
 
         def tick(carry, xs):
-            stash, gstash, x_in, g_in, grads, loss_sum = carry
+            stash, res, gstash, x_in, g_in, grads, loss_sum = carry
             row, (x_moves, g_moves) = xs
             fwd, bwd, x_arrival, g_arrival = (r[s] for r in row)
             stash = lax.cond(x_arrival >= 0, lambda: stash.at[x_arrival % table.x_slots].set(x_in), lambda: stash)
             gstash = lax.cond(g_arrival >= 0, lambda: gstash.at[g_arrival % table.g_slots].set(g_in), lambda: gstash)
 
-            def forward():
-                return stage_fn(blocks, shared, stash[fwd % table.x_slots], batch[fwd])[0]
+            def forward(res):  # not on the last stage: it runs its forward inside its backward
+                tokens = batch[fwd]
+                x = _when(is_first, lambda: model.embed(shared, tokens[:, :-1]).astype(act.dtype),
+                          lambda: stash[fwd % table.x_slots])
+                x, kept = layers.forward(x)
+                return x, [r.at[fwd % table.x_slots].set(k) for r, k in zip(res, kept)]
 
-            x_out = act if p == 1 else lax.cond((fwd >= 0) & ~is_last, forward, lambda: act)
+            if p > 1:
+                x_out, res = lax.cond((fwd >= 0) & ~is_last, forward, lambda res: (act, res), res)
+            else:
+                x_out = act
 
-            def backward(grads, loss_sum):
+            def backward_from_input(grads, loss_sum):  # the last stage: forward and backward at once
                 tokens = batch[bwd]
                 (_, loss), vjp = jax.vjp(lambda b, sh, x: stage_fn(b, sh, x, tokens), blocks, shared,
                                          stash[bwd % table.x_slots])
@@ -196,18 +289,33 @@ class Pipeline:
                 grads = jax.tree.map(jnp.add, grads, (g_blocks, g_shared))
                 return grads, loss_sum + loss * scale, g_x
 
+            def backward_from_residuals(grads, loss_sum):  # other stages: the forward's residuals
+                g_blocks, g_x = layers.backward([r[bwd % table.x_slots] for r in res], gstash[bwd % table.g_slots])
+                tokens = batch[bwd]
+                g_shared = _when(is_first, lambda: jax.vjp(lambda sh: model.embed(sh, tokens[:, :-1]).astype(act.dtype),
+                                                            shared)[1](g_x)[0],
+                                 lambda: jax.tree.map(jnp.zeros_like, shared))
+                grads = jax.tree.map(jnp.add, grads, (g_blocks, g_shared))
+                return grads, loss_sum, g_x
+
+            def backward(grads, loss_sum):
+                if p == 1:
+                    return backward_from_input(grads, loss_sum)
+                return lax.cond(is_last, backward_from_input, backward_from_residuals, grads, loss_sum)
+
             grads, loss_sum, g_out = lax.cond(bwd >= 0, backward, lambda g, l: (g, l, act), grads, loss_sum)
             if p > 1:  # each transfer only in ticks where some stage sends (the same on every stage)
                 x_in = lax.cond(x_moves, lambda: self._transfer(x_out, down=True), lambda: act)
                 g_in = lax.cond(g_moves, lambda: self._transfer(g_out, down=False), lambda: act)
-            return (stash, gstash, x_in, g_in, grads, loss_sum), None
+            return (stash, res, gstash, x_in, g_in, grads, loss_sum), None
 
         zeros = jax.tree.map(jnp.zeros_like, (blocks, shared))
-        carry = (jnp.zeros((table.x_slots,) + act.shape, act.dtype), jnp.zeros((table.g_slots,) + act.shape, act.dtype),
-                 act, act, zeros, jnp.zeros((), jnp.float32))
+        res = [] if layers is None else [jnp.zeros((table.x_slots,) + r.shape, r.dtype) for r in layers.kept]
+        carry = (jnp.zeros((table.x_slots,) + act.shape, act.dtype), res,
+                 jnp.zeros((table.g_slots,) + act.shape, act.dtype), act, act, zeros, jnp.zeros((), jnp.float32))
         rows = tuple(jnp.asarray(r) for r in (table.fwd, table.bwd, table.x_arrivals(), table.g_arrivals()))
         moves = tuple(jnp.asarray(m) for m in schedules.transfers(table.fwd, table.bwd))
-        (_, _, _, _, (g_blocks, g_shared), loss_sum), _ = lax.scan(tick, carry, (rows, moves))
+        (_, _, _, _, _, (g_blocks, g_shared), loss_sum), _ = lax.scan(tick, carry, (rows, moves))
         # The one gradient reduction of the step, over `data` (reduce-scatter for ZeRO-1 leaves,
         # all-reduce otherwise); the shared embedding and head, used on the first and last stage,
         # are summed over `stage` first. Block leaves here lack the leading stage axis: dim - 1.

@@ -41,7 +41,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--placement", choices=PLACEMENTS, default="holmes")
     p.add_argument("--schedule", choices=SCHEDULES, help="default: chosen by the cost model")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="activation dtype")
-    p.add_argument("--remat", action="store_true", help="the model recomputes activations in the backward pass")
+    p.add_argument("--remat", nargs="?", const="full", default="none", choices=REMAT,
+                   help="what each block's backward recomputes: none (default), full (--remat alone), dots")
     p.add_argument("--allow-mixed", action="store_true", help="let a stage span clusters instead of refusing")
     p.add_argument("--profile", help="measured profile JSON (python -m holmes_jax.profile) for layer "
                                      "times and link figures instead of the topology's defaults")

@@ -71,7 +71,7 @@ class Plan:
 
     @property
     def flops_formula(self) -> str:
-        return FLOPS_FORMULA[self.model.remat]
+        return FLOPS_FORMULA[self.model.remat == "full"]
 
     def to_dict(self) -> dict:
         pl = self.placement
@@ -103,7 +103,7 @@ class Plan:
         pl, pr, m = self.placement, self.prediction, self.model
         lines = [
             f"plan: {m.preset} ({m.num_layers} layers, hidden {m.hidden}, {m.compute_dtype}"
-            f"{', recompute' if m.remat else ''}) on topology {self.topology.name!r}: {self.grid.size} devices, "
+            f"{'' if m.remat == 'none' else f', remat {m.remat}'}) on topology {self.topology.name!r}: {self.grid.size} devices, "
             f"{len(self.topology.clusters)} cluster(s)",
             f"mesh stage={self.pp} data={self.dp} tensor={self.tp} | placement {pl.method} | schedule {self.schedule}, "
             f"{self.microbatches} microbatches of {self.micro_batch} "

@@ -3,11 +3,12 @@
 One training step as the pipeline runtime runs it (holmes_jax.pipeline.runtime):
 
 1. The schedule's tick table (GPipe or 1F1B) is walked in lockstep. In a tick each stage runs its
-   forward of one microbatch (if the table says so), then its backward, which recomputes the
-   stage's forward from the stashed input: so a backward costs forward + backward. The last
-   stage runs no separate forward. A forward takes its layers' FLOPs (the embedding on the first
-   stage, head and loss on the last) divided by tensor parallelism, at the device's achievable
-   FLOP/s, plus its tensor-parallel all-reduces over the node's link.
+   forward of one microbatch (if the table says so), keeping what the backward needs, then its
+   backward from that. The last stage runs its forward inside its backward's tick. A forward
+   takes its layers' FLOPs (the embedding on the first stage, head and loss on the last) divided
+   by tensor parallelism, at the device's achievable FLOP/s, plus its tensor-parallel
+   all-reduces over the node's link; a backward's FLOPs include what the remat policy
+   recomputes (the layer costs carry them).
 2. A tick ends with up to two ppermutes, activations one stage down and then gradients one stage
    up (micro_batch * seq * hidden * bytes, split over the tp ranks), over each boundary's link,
    each only in ticks where some stage sends one (GPipe: activations in its forward ticks,
@@ -20,7 +21,8 @@ One training step as the pipeline runtime runs it (holmes_jax.pipeline.runtime):
    the optimizer step, at the device's measured seconds per parameter (ZeRO-1: its 1/dp share).
 4. The step ends when the last stage finishes its update.
 5. Memory per device: weights, gradients and Adam state (ZeRO-1 shards the latter over data),
-   plus each layer's stash for every microbatch in flight (GPipe: all m; 1F1B: p - s on stage s).
+   plus each layer's stash (what the remat policy keeps) for every microbatch in flight (GPipe:
+   all m; 1F1B: p - s on stage s).
    A split over some device's memory is infinitely slow.
 6. The runtime pads every stage to the longest stage's layer count, so sync, update and memory
    are those of the padded stage: an uneven split moves more gradient bytes than an even one.
@@ -69,7 +71,7 @@ class Work:
     head: Part  # final norm, output projection and loss
     boundary_bytes: float  # activations of one microbatch at a stage boundary, each way
     tp_allreduces_fwd: int = 2  # per layer (Megatron: after attention and after the MLP)
-    tp_allreduces_bwd: int = 2  # per layer; 4 with activation recompute (the repeated forward's two)
+    tp_allreduces_bwd: int = 2  # per layer; 4 with full recompute (the repeated forward's two)
     layer_stash_bytes: float = 0.0  # what one layer keeps of one in-flight microbatch for its backward, per device
     grad_bytes_per_param: float = 4.0  # float32 gradients
     param_bytes_per_param: float = 4.0  # float32 master weights (what ZeRO-1 all-gathers)
@@ -116,11 +118,11 @@ class Prediction:
 def _ticks(schedule: str, p: int, m: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The runtime's tick table as masks: (ticks, p) "runs a separate forward", (ticks, p) "runs a
     backward", each stage's last busy tick, and (ticks,) how many transfers end each tick (0-2:
-    activations down, gradients up, each only where some stage sends). The last stage has no
-    separate forward: its backward recomputes the forward anyway (pipeline.runtime)."""
+    activations down, gradients up, each only where some stage sends). The last stage runs each
+    forward in the tick of its backward (pipeline.runtime)."""
     fwd, bwd = schedules.ticks(schedule, p, m)
     forward, backward = fwd >= 0, bwd >= 0
-    forward[:, -1] = False
+    forward[:, -1] = backward[:, -1]
     busy = forward | backward
     last = np.array([np.flatnonzero(busy[:, s]).max() for s in range(p)])
     x_moves, g_moves = schedules.transfers(fwd, bwd)
@@ -132,9 +134,8 @@ def simulate(fwd_s, bwd_s, p2p_s, microbatches: int, schedule: str = "gpipe") ->
 
     fwd_s, bwd_s: (p, *batch) seconds of one microbatch's forward and backward on each stage;
     p2p_s: (p - 1, *batch) seconds of one transfer across each boundary (a 1-D vector broadcasts
-    over the batch). Each tick a stage runs its forward (if any), then its backward, which
-    recomputes the forward from the stashed input (so it costs forward + backward); then the
-    activations move down if any stage sent one, and the gradients up if any stage sent one, one
+    over the batch). Each tick a stage runs its forward (if any), then its backward (the last
+    stage runs both in its backward's ticks); then the activations move down if any stage sent one, and the gradients up if any stage sent one, one
     ppermute after the other. A ppermute is a collective, so every tick lasts as long as its
     slowest stage plus its transfers over the slowest boundary.
     Returns ((p, *batch), (*batch)).
@@ -150,7 +151,7 @@ def simulate(fwd_s, bwd_s, p2p_s, microbatches: int, schedule: str = "gpipe") ->
         hop = p2p.max(axis=0)
     end, stage_end = np.zeros(batch), np.zeros((p,) + batch)
     for t in range(forward.shape[0]):
-        work = forward[t].reshape(shape) * fwd_s + backward[t].reshape(shape) * (fwd_s + bwd_s)
+        work = forward[t].reshape(shape) * fwd_s + backward[t].reshape(shape) * bwd_s
         end = end + work.max(axis=0) + transfers[t] * hop
         stage_end[last == t] = end
     return stage_end, end
@@ -249,10 +250,8 @@ class CostModel:
                 "fits": (memory <= self._memory).all(axis=1)}
 
     def _all_microbatches(self, t: dict) -> np.ndarray:
-        """(batch, stages) one stage's compute over the step: a separate forward per microbatch
-        where the tick table has them (not on the last stage), and a backward that recomputes it."""
-        separate = _ticks(self.schedule, self.num_stages, self.microbatches)[0].any(axis=0)
-        return self.microbatches * (separate * t["fwd"] + t["fwd"] + t["bwd"])
+        """(batch, stages) one stage's compute over the step: a forward and a backward per microbatch."""
+        return self.microbatches * (t["fwd"] + t["bwd"])
 
     def _evaluate(self, splits) -> dict[str, np.ndarray]:
         t = self.stage_terms(splits)
@@ -269,9 +268,8 @@ class CostModel:
 
     def lower_bounds(self, splits) -> np.ndarray:
         """(batch,) what the ticks cannot beat, without walking them: no tick is shorter than any
-        one stage's work in it, so the schedule lasts at least the busiest stage's m microbatches
-        (a separate forward, except on the last stage, and a backward that recomputes it) plus
-        every transfer the ticks make; then the slowest sync and update. Infinite where a stage does not
+        one stage's work in it, so the schedule lasts at least the busiest stage's m forwards and
+        backwards plus every transfer the ticks make; then the slowest sync and update. Infinite where a stage does not
         fit in memory."""
         t = self.stage_terms(splits)
         transfers = _ticks(self.schedule, self.num_stages, self.microbatches)[3].sum()

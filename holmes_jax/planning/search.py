@@ -5,8 +5,8 @@ dp, microbatches, schedule) are searched: every layout that fits the topology, t
 batch and device memory is screened with a cheap split (the time-balanced one for `auto`),
 simulated in the order of its lower bound until no bound can win, and the best few get the full
 partition search. Predictions come from holmes_jax.planning.cost; TFLOPS use Megatron's formula
-(holmes_jax.planning.workload.megatron_flops), the recompute variant when the model recomputes
-activations.
+(holmes_jax.planning.workload.megatron_flops), the recompute variant when the model's remat
+policy is 'full'.
 
 With a measured profile (`profile=`, `--profile FILE`, `ParallelConfig.profile`; written by
 `python -m holmes_jax.profile`) the cost model uses measured numbers instead of the
@@ -68,7 +68,7 @@ def _cost_model(cfg: ModelConfig, pl: Placement, global_batch: int, seq_len: int
         layers, device_flops, update, dp_links, boundaries = _with_profile(
             prof, cfg, costs, micro_batch, seq_len, pl, topo, dp_links, boundaries, notes)
     work = cost.Work(costs.embed, layers, costs.head, costs.activation_bytes,
-                     tp_allreduces_bwd=4 if cfg.remat else 2, layer_stash_bytes=_stash_bytes(cfg, costs, tp, seq_len),
+                     tp_allreduces_bwd=4 if cfg.remat == "full" else 2, layer_stash_bytes=_stash_bytes(cfg, costs, tp, seq_len),
                      sync_collectives=costs.param_leaves)
     stages = [cost.Stage(device_flops[s], tp, pl.tensor_routes[s], dp, dp_links[s],
                          pl.device_memory[s], update[s]) for s in range(pp)]
@@ -160,12 +160,18 @@ def _with_profile(prof, cfg: ModelConfig, costs: workload.ModelCosts, micro_batc
 
 
 def _stash_bytes(cfg: ModelConfig, costs: workload.ModelCosts, tp: int, seq_len: int) -> float:
-    """Activations one layer keeps per in-flight microbatch on one device: its input with
-    recompute, else Korthikanti et al.'s s*b*h*(10 + 24/t + 5*a*s/(h*t)) bytes (16-bit
-    activations, tensor parallel without sequence parallelism), scaled to the compute dtype."""
-    if cfg.remat:
+    """Activations one layer keeps per in-flight microbatch on one device, by remat policy: 'full'
+    its input; 'dots' its input, the attention projection's output and the column-parallel
+    matmuls' outputs (q, k, v, the MLP's first one(s)), split over tp; 'none' Korthikanti et
+    al.'s s*b*h*(10 + 24/t + 5*a*s/(h*t)) bytes (16-bit activations, tensor parallel without
+    sequence parallelism), scaled to the compute dtype: an estimate, the runtime keeps what JAX's
+    autodiff saves."""
+    h, f = cfg.hidden, cfg.ffn_hidden
+    if cfg.remat == "full":
         return costs.activation_bytes
-    a, h = cfg.num_heads, cfg.hidden
+    if cfg.remat == "dots":
+        return costs.activation_bytes * (2 + (3 * h + (2 if cfg.mlp == "swiglu" else 1) * f) / (h * tp))
+    a = cfg.num_heads
     return costs.activation_bytes / 2 * (10 + 24 / tp + 5 * a * seq_len / (h * tp))
 
 

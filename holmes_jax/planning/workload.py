@@ -55,14 +55,16 @@ def layer_params(cfg: ModelConfig) -> int:
 def model_costs(cfg: ModelConfig, micro_batch: int, seq_len: int) -> ModelCosts:
     """Analytic costs of a resolved config for one microbatch of `micro_batch` sequences.
 
-    FLOPs count multiply-adds as 2 and the backward pass as twice the forward; with `remat` the
-    backward also repeats the forward (what Megatron's 96 vs 72 coefficient expresses).
+    FLOPs count multiply-adds as 2 and the backward pass as twice the forward, plus what the remat
+    policy recomputes: the whole forward for 'full' (Megatron's 96 vs 72 coefficient), attention's
+    s x s products for 'dots'.
     """
     h, v = cfg.hidden, cfg.vocab_size
     tokens = micro_batch * seq_len
     # Every query head attends (grouped-query attention shares k and v, not the s x s products).
-    layer_fwd = 2.0 * tokens * _matmul_params(cfg) + 4.0 * micro_batch * seq_len * seq_len * h
-    layer_bwd = 2.0 * layer_fwd + (layer_fwd if cfg.remat else 0.0)
+    attention = 4.0 * micro_batch * seq_len * seq_len * h
+    layer_fwd = 2.0 * tokens * _matmul_params(cfg) + attention
+    layer_bwd = 2.0 * layer_fwd + {"none": 0.0, "dots": attention, "full": layer_fwd}[cfg.remat]
     layer = Part(layer_params(cfg), layer_fwd, layer_bwd)
 
     embed_params = v * h + (cfg.max_seq_len * h if cfg.positions == "learned" else 0)
@@ -79,13 +81,16 @@ def model_costs(cfg: ModelConfig, micro_batch: int, seq_len: int) -> ModelCosts:
     return ModelCosts(embed, (layer,) * cfg.num_layers, head, act_bytes, block_leaves + embed_leaves + head_leaves)
 
 
-def megatron_flops(batch: int, seq_len: int, num_layers: int, hidden: int, vocab: int, recompute: bool) -> float:
+def megatron_flops(batch: int, seq_len: int, num_layers: int, hidden: int, vocab: int, recompute) -> float:
     """FLOPs of one training iteration by Megatron's formula (what the Holmes paper's TFLOPS use).
 
     With activation recompute: 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h));
     without: 72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h)).
+    `recompute`: a `ModelConfig.remat` policy or a bool. Only 'full' counts as recompute: Megatron's
+    formula has no term for 'dots', which recomputes attention's s x s products only (the
+    formula's s/(6h) share), so its TFLOPS are those of the work without recompute.
     """
     b, s, l, h, v = batch, seq_len, num_layers, hidden, vocab
-    if recompute:
+    if recompute in (True, "full"):
         return 96.0 * b * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
     return 72.0 * b * s * l * h * h * (1 + s / (6 * h) + v / (12 * l * h))

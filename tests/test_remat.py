@@ -1,0 +1,59 @@
+"""Remat policies: the config, the analytic costs, the TFLOPS formula and the planner's stash sizes."""
+
+import gin
+import jax
+import jax.numpy as jnp
+import pytest
+
+from holmes_jax.planning import search as plan, workload
+from holmes_jax.config import ConfigError, ModelConfig
+from holmes_jax.planning.workload import megatron_flops
+from holmes_jax.models import gpt, presets
+from holmes_jax.pipeline.runtime import _Layers
+
+
+def test_the_old_booleans_name_policies_and_others_are_refused():
+    assert ModelConfig(remat=True).remat == "full" and ModelConfig(remat=False).remat == "none"
+    gin.parse_config("ModelConfig.remat = True")
+    assert ModelConfig().remat == "full"
+    with pytest.raises(ConfigError, match=r"ModelConfig.remat = 'some'.*'none', 'full', 'dots'"):
+        presets.resolve(ModelConfig(remat="some"))
+
+
+def test_the_backward_counts_what_each_policy_recomputes():
+    costs = {r: workload.model_costs(presets.resolve(ModelConfig(preset="125m", remat=r)), 2, 1024).layers[0]
+             for r in ("none", "dots", "full")}
+    fwd = costs["none"].fwd_flops
+    attention = 4.0 * 2 * 1024 * 1024 * 768  # the two s x s products
+    assert costs["none"].bwd_flops == 2 * fwd
+    assert costs["dots"].bwd_flops == 2 * fwd + attention
+    assert costs["full"].bwd_flops == 3 * fwd
+
+
+def test_megatron_formula_counts_only_full_recompute():
+    args = (8, 2048, 24, 2048, 51200)
+    without, recompute = megatron_flops(*args, False), megatron_flops(*args, True)
+    assert recompute > without
+    assert megatron_flops(*args, "full") == recompute
+    assert megatron_flops(*args, "dots") == megatron_flops(*args, "none") == without
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("mlp", ["gelu", "swiglu"])
+def test_planned_stash_is_what_the_runtime_keeps(dtype, mlp):
+    """'full' and 'dots': the planner's bytes per layer and microbatch are the residuals the
+    pipeline's forward keeps; 'none' (an estimate) keeps the most."""
+    micro_batch, seq = 2, 64
+    stash = {}
+    for remat in ("none", "dots", "full"):
+        cfg = presets.resolve(ModelConfig(preset="tiny", num_layers=2, mlp=mlp, compute_dtype=dtype, remat=remat))
+        model = gpt.GPT(cfg)
+        blocks = jax.eval_shape(lambda: model.init(0))["blocks"]
+        act = jnp.zeros((micro_batch, seq, cfg.hidden), jnp.dtype(dtype))
+        kept = _Layers(model, blocks, act, None).kept
+        runtime = sum(k.size * k.dtype.itemsize for k in kept) / cfg.num_layers
+        planned = plan._stash_bytes(cfg, workload.model_costs(cfg, micro_batch, seq), 1, seq)
+        stash[remat] = runtime
+        if remat != "none":
+            assert planned == runtime, (remat, planned, runtime)
+    assert stash["full"] < stash["dots"] < stash["none"]
