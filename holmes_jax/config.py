@@ -55,11 +55,9 @@ class ModelConfig:
     norm_eps: float | None = None  # unset: 1e-5 (GPT-2, Megatron, LLaMA 3)
     rope_base: float | None = None  # rotary frequency base (LLaMA 3: 500000); unset: 10000
     compute_dtype: str = "float32"  # float32 | bfloat16; master weights stay float32
-    # What each block's backward keeps vs recomputes: none (keeps every residual, no recompute),
-    # full (keeps the block's input, recomputes its forward), dots (keeps the weight matmuls'
-    # outputs, recomputes attention's s x s products, norms and activations). The old booleans
-    # still work: True means full, False none.
-    remat: str = "none"
+    # none keeps every residual; full keeps the block's input and recomputes its forward; dots keeps
+    # the weight matmuls' outputs and recomputes the rest. Old booleans: True is full, False none.
+    remat: str = "none"  # what each block's backward recomputes: none | full | dots
     attention: str = "auto"  # auto (cuDNN flash attention on CUDA GPUs in bf16) | xla | cudnn
     init_from: str | None = None  # a Hugging Face folder (GPT-2 or LLaMA) a fresh run starts from
 

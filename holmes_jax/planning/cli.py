@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Callable
 
 from holmes_jax import cli
-from holmes_jax.config import ConfigError, ModelConfig, ParallelConfig
+from holmes_jax.config import REMAT, ConfigError, ModelConfig, ParallelConfig
 from holmes_jax.models import presets
 from holmes_jax.planning import partition
 from holmes_jax.planning.cost import SCHEDULES
