@@ -8,6 +8,9 @@ fails (a full disk) is a `RunError`."""
 
 from __future__ import annotations
 
+import logging
+import os
+import re
 from pathlib import Path
 
 import jax
@@ -19,9 +22,24 @@ from holmes_jax.config import CheckpointConfig, ConfigError
 SHOWN_MISMATCHES = 4  # arrays named in the error when a checkpoint does not fit
 
 
+class _QuietOrbax(logging.Filter):
+    """Drops orbax's log records: it logs each failed save with tracebacks from several threads,
+    and every failure reaches us as an exception that we report in one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return f"{os.sep}orbax{os.sep}" not in record.pathname
+
+
+logging.getLogger("absl").addFilter(_QuietOrbax())
+
+
 def _reason(error: Exception) -> str:
-    """The first line of an error, without TensorStore's spec dump."""
-    lines = str(error).strip().splitlines()
+    """What went wrong, in a few words: the operating system's message when there is one (a full
+    disk), else the error's first line without TensorStore's spec dump."""
+    text = str(error).strip()
+    if os_error := re.search(r": ([^:\n]+) \[os_error_code='\d+'\]", text):
+        return os_error.group(1)
+    lines = text.splitlines()
     return (lines[0].split(" See full TensorStore")[0] if lines else "") or type(error).__name__
 
 
@@ -58,7 +76,8 @@ class Checkpointer:
             try:
                 self._manager.save(step, args=ocp.args.StandardSave(state_fn()), force=True)
             except Exception as e:
-                raise RunError(f"cannot write checkpoint step {step} in {self.directory}: {_reason(e)}") from None
+                raise RunError(f"cannot write checkpoints in {self.directory} (saving step {step}, or the one "
+                               f"before it in the background): {_reason(e)}") from None
 
     def restore(self, step: int, target):
         """`target`: arrays or `jax.ShapeDtypeStruct`s carrying the shardings to restore onto."""
@@ -121,6 +140,6 @@ class Checkpointer:
         try:
             self._manager.wait_until_finished()
         except Exception as e:
-            raise RunError(f"cannot write a checkpoint in {self.directory}: {_reason(e)}") from None
+            raise RunError(f"cannot write checkpoints in {self.directory}: {_reason(e)}") from None
         finally:
             self._manager.close()

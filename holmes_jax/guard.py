@@ -84,7 +84,7 @@ class BadSteps:
         self.in_a_row += 1
         self.first = step if self.in_a_row == 1 else self.first
         self.say(f"step {step}: loss {float(out['loss']):.4g}, gradient norm {float(out['grad_norm']):.4g}: "
-                 f"not finite, update skipped ({self.in_a_row} in a row; the run stops at {self.limit})")
+                 f"not finite, update skipped ({self.in_a_row} in a row; TrainConfig.max_bad_steps = {self.limit})")
 
     def check(self, step: int, newest_checkpoint: int | None) -> None:
         """Raises `RunError` once `limit` steps in a row were skipped."""
