@@ -61,7 +61,10 @@ def mismatches(saved, target) -> list[str]:
 class Checkpointer:
     def __init__(self, directory: str | Path, cfg: CheckpointConfig):
         self.cfg, self.directory = cfg, Path(directory).absolute()
-        options = ocp.CheckpointManagerOptions(max_to_keep=cfg.keep, create=True, enable_async_checkpointing=True)
+        # cleanup_tmp_directories: a save that failed (a full disk) leaves a temporary directory;
+        # the next run removes it instead of keeping the space taken.
+        options = ocp.CheckpointManagerOptions(max_to_keep=cfg.keep, create=True, enable_async_checkpointing=True,
+                                               cleanup_tmp_directories=True)
         self._manager = ocp.CheckpointManager(self.directory, options=options,
                                              item_handlers=ocp.StandardCheckpointHandler())
 

@@ -229,6 +229,12 @@ def test_an_unusable_workdir_is_bad_input(tmp_path, make, reason):
         _run(workdir)
 
 
+def test_a_failed_metrics_write_is_a_run_error(tmp_path):
+    (tmp_path / "metrics.jsonl").mkdir()  # the file cannot be opened for appending
+    with pytest.raises(cli.RunError, match=r"cannot write .*metrics.jsonl: Is a directory"):
+        _run(tmp_path, "--gin.TrainConfig.steps=1", "--gin.CheckpointConfig.enabled=False")
+
+
 @pytest.mark.slow
 def test_a_full_disk_while_saving_exits_1_with_one_error_line(tmp_path):
     if os.geteuid() != 0:
