@@ -116,15 +116,20 @@ def build(cfgs: Configs, devices=None) -> Setup:
 
 
 def make_train_step(setup: Setup):
-    """The jitted step: the pipeline's loss and gradients over all microbatches, one AdamW update."""
+    """The jitted step: the pipeline's loss and gradients over all microbatches, one AdamW update.
+    A step whose loss or gradient norm is not finite keeps the old parameters and optimizer state
+    (`skipped` in its outputs) but still counts: `step` numbers batches, so a resumed run lines up."""
     tx, pipeline = setup.tx, setup.pipeline
 
     def step(state, batch):
         loss, grads = pipeline.loss_and_grads(state["params"], batch, setup.grad_specs)
         params, opt_state, norm = apply_gradients(tx, setup.cfgs.train.grad_clip, state["params"], state["opt_state"],
                                                   grads, pipeline.mask_updates)
-        new_state = {"params": params, "opt_state": opt_state, "step": state["step"] + 1}
-        return new_state, {"loss": loss, "grad_norm": norm}
+        good = jnp.isfinite(loss) & jnp.isfinite(norm)
+        keep = functools.partial(jax.tree.map, lambda new, old: jnp.where(good, new, old))
+        new_state = {"params": keep(params, state["params"]), "opt_state": keep(opt_state, state["opt_state"]),
+                     "step": state["step"] + 1}
+        return new_state, {"loss": loss, "grad_norm": norm, "skipped": ~good}
 
     return jax.jit(step, in_shardings=(setup.state_shardings, setup.batch_sharding),
                    out_shardings=(setup.state_shardings, None), donate_argnums=0)

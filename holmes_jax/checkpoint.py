@@ -1,30 +1,86 @@
 """Checkpoints through orbax's CheckpointManager: periodic async saves, keep the newest K, and
-restore onto any mesh (the restore target's shardings decide where each array lands)."""
+restore onto any mesh (the restore target's shardings decide where each array lands).
+
+Resuming checks what it restores: a checkpoint that cannot be read is set aside
+(`<step>.damaged`) and the next older one is used; one whose array shapes do not fit the
+configured model is a `ConfigError`, found from its metadata before any data is read. A save that
+fails (a full disk) is a `RunError`."""
 
 from __future__ import annotations
 
+import logging
+import os
+import re
 from pathlib import Path
 
 import jax
 import orbax.checkpoint as ocp
 
-from holmes_jax.config import CheckpointConfig
+from holmes_jax.cli import RunError
+from holmes_jax.config import CheckpointConfig, ConfigError
+
+SHOWN_MISMATCHES = 4  # arrays named in the error when a checkpoint does not fit
+
+
+class _QuietOrbax(logging.Filter):
+    """Drops orbax's log records: it logs each failed save with tracebacks from several threads,
+    and every failure reaches us as an exception that we report in one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return f"{os.sep}orbax{os.sep}" not in record.pathname
+
+
+logging.getLogger("absl").addFilter(_QuietOrbax())
+
+
+def _reason(error: Exception) -> str:
+    """What went wrong, in a few words: the operating system's message when there is one (a full
+    disk), else the error's first line without TensorStore's spec dump."""
+    text = str(error).strip()
+    if os_error := re.search(r": ([^:\n]+) \[os_error_code='\d+'\]", text):
+        return os_error.group(1)
+    lines = text.splitlines()
+    return (lines[0].split(" See full TensorStore")[0] if lines else "") or type(error).__name__
+
+
+def _shapes(tree) -> dict[str, tuple]:
+    leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: hasattr(x, "shape"))[0]
+    return {jax.tree_util.keystr(path, simple=True, separator="."): tuple(leaf.shape) for path, leaf in leaves}
+
+
+def mismatches(saved, target) -> list[str]:
+    """'name: shape in the checkpoint, shape configured' for every array that differs; parameters
+    only when any differ (the optimizer moments repeat them)."""
+    have, want = _shapes(saved), _shapes(target)
+    names = sorted(n for n in have.keys() | want.keys() if have.get(n) != want.get(n))
+    names = [n for n in names if n.startswith("params.")] or names
+    show = lambda shape: "absent" if shape is None else str(shape)
+    return [f"{n}: {show(have.get(n))} in the checkpoint, {show(want.get(n))} configured" for n in names]
 
 
 class Checkpointer:
     def __init__(self, directory: str | Path, cfg: CheckpointConfig):
-        self.cfg = cfg
-        options = ocp.CheckpointManagerOptions(max_to_keep=cfg.keep, create=True, enable_async_checkpointing=True)
-        self._manager = ocp.CheckpointManager(Path(directory).absolute(), options=options)
+        self.cfg, self.directory = cfg, Path(directory).absolute()
+        # cleanup_tmp_directories: a save that failed (a full disk) leaves a temporary directory;
+        # the next run removes it instead of keeping the space taken.
+        options = ocp.CheckpointManagerOptions(max_to_keep=cfg.keep, create=True, enable_async_checkpointing=True,
+                                               cleanup_tmp_directories=True)
+        self._manager = ocp.CheckpointManager(self.directory, options=options,
+                                             item_handlers=ocp.StandardCheckpointHandler())
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
 
     def save(self, step: int, state_fn, force: bool = False) -> None:
-        """Saves `state_fn()` every `cfg.every` steps, or now when `force` (the last step, an
-        interruption). A function, so the checkpoint layout is only built on steps that save."""
+        """Saves `state_fn()` every `cfg.every` steps, or now when `force` (the last step, a
+        signal). A function, so the checkpoint layout is only built on steps that save. A failed
+        write (this save's, or the previous async one's) is a `RunError`."""
         if (force or step % self.cfg.every == 0) and step != self._manager.latest_step():
-            self._manager.save(step, args=ocp.args.StandardSave(state_fn()), force=True)
+            try:
+                self._manager.save(step, args=ocp.args.StandardSave(state_fn()), force=True)
+            except Exception as e:
+                raise RunError(f"cannot write checkpoints in {self.directory} (saving step {step}, or the one "
+                               f"before it in the background): {_reason(e)}") from None
 
     def restore(self, step: int, target):
         """`target`: arrays or `jax.ShapeDtypeStruct`s carrying the shardings to restore onto."""
@@ -33,7 +89,60 @@ class Checkpointer:
         )
         return self._manager.restore(step, args=ocp.args.StandardRestore(abstract))
 
+    def restore_newest(self, target, say) -> tuple[int, dict] | None:
+        """(step, state) of the newest checkpoint that reads, or None when there is none. Says in
+        one line each which checkpoint could not be read and which one is used instead."""
+        steps = sorted(self._manager.all_steps(), reverse=True)
+        damaged = []
+        for step in steps:
+            try:
+                saved = self._manager.item_metadata(step)
+                if saved is None:
+                    raise FileNotFoundError("its metadata is missing")
+            except Exception as e:
+                damaged.append(step)
+                say(f"checkpoint step {step} cannot be read ({_reason(e)}); trying an older one")
+                continue
+            if wrong := mismatches(saved.tree, target):
+                more = f" (and {len(wrong) - SHOWN_MISMATCHES} more)" if len(wrong) > SHOWN_MISMATCHES else ""
+                raise ConfigError(f"checkpoint step {step} in {self.directory} does not fit the configured model: "
+                                  f"{'; '.join(wrong[:SHOWN_MISMATCHES])}{more}. Set the ModelConfig the run that "
+                                  f"wrote it used, or choose another TrainConfig.workdir")
+            try:
+                state = self.restore(step, target)
+            except Exception as e:
+                damaged.append(step)
+                say(f"checkpoint step {step} cannot be read ({_reason(e)}); trying an older one")
+                continue
+            if damaged:
+                self._set_aside(damaged)
+                say(f"using checkpoint step {step} instead; the damaged ones are renamed <step>.damaged")
+            return step, state
+        if steps:
+            raise RunError(f"no checkpoint in {self.directory} can be read (steps {', '.join(map(str, steps))}); "
+                           "move that directory away to start afresh")
+        return None
+
+    def _set_aside(self, steps: list[int]) -> None:
+        """Renames damaged step directories so that orbax ignores them and the run can save those
+        steps again. Process 0 renames; every process waits for it."""
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("holmes_jax: restored")
+        if jax.process_index() == 0:
+            for step in steps:
+                aside, n = self.directory / f"{step}.damaged", 1
+                while aside.exists():  # set aside before, at the same step
+                    aside, n = self.directory / f"{step}.damaged{n}", n + 1
+                (self.directory / str(step)).rename(aside)
+        multihost_utils.sync_global_devices("holmes_jax: damaged checkpoints set aside")
+        self._manager.reload()
+
     def close(self) -> None:
         """Waits for async saves to finish: a run must never exit with a checkpoint half-written."""
-        self._manager.wait_until_finished()
-        self._manager.close()
+        try:
+            self._manager.wait_until_finished()
+        except Exception as e:
+            raise RunError(f"cannot write checkpoints in {self.directory}: {_reason(e)}") from None
+        finally:
+            self._manager.close()

@@ -1,17 +1,38 @@
-"""What every command-line entry point shares: bad input ends in one `error:` line and exit 2."""
+"""What every command-line entry point shares: one stderr line and an exit status that says why.
+
+  0    done
+  1    a failure during the run (`RunError`): the loss stayed non-finite, a disk is full
+  2    bad input (`ConfigError`): a config field, a flag, a topology file, a workdir, a checkpoint
+       that does not fit the configured model
+  128 + N  stopped by signal N after saving (`Stopped`): 130 SIGINT (Ctrl-C), 143 SIGTERM,
+       129 SIGHUP; rerun the same command to resume
+"""
 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from typing import Callable, NoReturn
 
 from holmes_jax.config import ConfigError
 
 
-def fail(message: str) -> NoReturn:
+class RunError(Exception):
+    """A failure during a run, not bad input: `error: ...` and exit status 1."""
+
+
+class Stopped(Exception):
+    """A run stopped by signal `signum` after saving what it had: exit status 128 + signum."""
+
+    def __init__(self, signum: int, message: str):
+        super().__init__(message)
+        self.status = 128 + signum
+
+
+def fail(message: str, status: int = 2) -> NoReturn:
     print(f"error: {message}", file=sys.stderr)
-    raise SystemExit(2)
+    raise SystemExit(status)
 
 
 class Parser(argparse.ArgumentParser):
@@ -30,11 +51,19 @@ def positive_int(text: str) -> int:
 
 
 def run(main: Callable[[list[str]], int | None], argv: list[str] | None = None) -> NoReturn:
-    """Runs `main(argv)`, turning `ConfigError` into `error: ...` on stderr and exit status 2."""
+    """Runs `main(argv)`, turning our exceptions into one stderr line and the status above."""
     try:
         code = main(sys.argv[1:] if argv is None else argv)
     except ConfigError as e:
         fail(str(e))
+    except RunError as e:
+        fail(str(e), 1)
+    except Stopped as e:
+        print(str(e), file=sys.stderr)
+        raise SystemExit(e.status) from None
+    except KeyboardInterrupt:  # Ctrl-C before a command took over SIGINT: nothing to save yet
+        print("interrupted", file=sys.stderr)
+        raise SystemExit(128 + signal.SIGINT) from None
     raise SystemExit(code or 0)
 
 

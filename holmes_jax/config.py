@@ -183,9 +183,10 @@ class TrainConfig:
     log_every: int = 10  # steps between metrics rows (and the first and last step)
     eval_every: int = 100  # steps between validation losses (and the last step)
     eval_batches: int = 4  # validation batches averaged per validation loss
+    max_bad_steps: int = 5  # steps in a row with a non-finite loss or gradient norm (skipped) before the run fails
 
     def validate(self) -> None:
-        for name in ("steps", "log_every", "eval_every", "eval_batches"):
+        for name in ("steps", "log_every", "eval_every", "eval_batches", "max_bad_steps"):
             check_positive(f"TrainConfig.{name}", getattr(self, name))
         check_positive("TrainConfig.stop_after", self.stop_after, allow_none=True)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:

@@ -3,14 +3,17 @@
 Each process gets `HOLMES_COORDINATOR` (127.0.0.1 and a free port), `HOLMES_NUM_PROCESSES`,
 `HOLMES_PROCESS_ID` (what `holmes_jax.distributed.initialize` reads), optionally its CPU device
 count and NIC class. Output is streamed line by line as "[rank i] ...". When one process fails
-the others are stopped (SIGTERM, then SIGKILL after a grace period) and its status is returned;
-Ctrl-C or a SIGTERM to the launcher is passed on to all, then SIGKILL after the grace period.
-Status 0 only when all succeed.
+the others are stopped (SIGTERM, then SIGKILL after a grace period) and its status is returned.
+SIGINT (Ctrl-C), SIGTERM or SIGHUP to the launcher is passed on to all (a training process saves a
+checkpoint and exits), then SIGKILL after the grace period; the status is 128 + the signal. If
+the launcher itself is killed (even SIGKILL), its processes get SIGTERM from the kernel (Linux
+parent-death signal), so none runs on orphaned. Status 0 only when all succeed.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import signal
 import socket
@@ -25,6 +28,9 @@ from holmes_jax.config import ConfigError, check_positive
 from holmes_jax.planning.topology import NIC_CLASSES
 
 TIMED_OUT = 124  # the status `timeout(1)` uses
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+_libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -69,6 +75,19 @@ def _pump(pipe, prefix: str, stream, lock: threading.Lock) -> None:
     pipe.close()
 
 
+def _die_with(parent: int) -> Callable[[], None] | None:
+    """A `preexec_fn`: the child gets SIGTERM (it saves and exits) when `parent` dies, however."""
+    if _libc is None:
+        return None
+
+    def set_parent_death_signal():
+        _libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os._exit(128 + signal.SIGTERM)
+
+    return set_parent_death_signal
+
+
 def _stop(procs: list[subprocess.Popen], first: int, grace_s: float) -> None:
     """Signals each still-running process group with `first`, then SIGKILL after `grace_s`."""
     for sig in (first, signal.SIGKILL):
@@ -98,7 +117,7 @@ def _status(code: int) -> int:
 
 def launch(cmd: Sequence[str], n: int, devices_per_process: int | None = None, port: int | None = None,
            env: dict | None = None, nic_classes: Sequence[str] | None = None, coordinator_host: str = "127.0.0.1",
-           wrap: Callable[[int], list[str]] | None = None, grace_s: float = 5.0,
+           wrap: Callable[[int], list[str]] | None = None, grace_s: float = 30.0,
            timeout_s: float | None = None) -> int:
     """Runs `cmd` as processes 0 .. n-1 of one job and returns the job's exit status.
     `wrap(rank)` is a command prefix per process (the emulator's `ip netns exec HOST ...`);
@@ -109,20 +128,23 @@ def launch(cmd: Sequence[str], n: int, devices_per_process: int | None = None, p
     procs, pumps = [], []
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     first_signal, code = signal.SIGTERM, None
-    # Ctrl-C or a SIGTERM to us (a job scheduler's) must stop the children, which live in their own
-    # sessions and would outlive us; set explicitly, since a background shell may have ignored SIGINT.
-    handled = (signal.SIGINT, signal.SIGTERM) if threading.current_thread() is threading.main_thread() else ()
+    # Ctrl-C, a SIGTERM or a SIGHUP to us (a job scheduler's, a closed terminal's) must reach the
+    # children, which live in their own sessions; set explicitly, since a background shell may have
+    # ignored SIGINT.
+    handled = FORWARDED if threading.current_thread() is threading.main_thread() else ()
     previous = {sig: signal.signal(sig, _raise_signalled) for sig in handled}
     try:
+        # All started before any output thread: a preexec_fn must not run while other threads do.
         for rank in range(n):
             penv = process_env(rank, n, coordinator, devices_per_process, nic_classes and nic_classes[rank], env)
             argv = [*(wrap(rank) if wrap else []), *cmd]
             try:
-                p = subprocess.Popen(argv, env=penv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, start_new_session=True)
+                procs.append(subprocess.Popen(argv, env=penv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                              stderr=subprocess.PIPE, start_new_session=True,
+                                              preexec_fn=_die_with(os.getpid())))
             except OSError as e:
                 raise ConfigError(f"cannot run {argv[0]!r}: {e.strerror}") from None
-            procs.append(p)
+        for rank, p in enumerate(procs):
             for pipe, stream in ((p.stdout, out), (p.stderr, err)):
                 t = threading.Thread(target=_pump, args=(pipe, f"[rank {rank}] ", stream, lock), daemon=True)
                 t.start()
@@ -145,10 +167,15 @@ def launch(cmd: Sequence[str], n: int, devices_per_process: int | None = None, p
                 time.sleep(0.05)
     except _Signalled as e:
         first_signal, code = e.signum, 128 + e.signum
+        with lock:
+            print(f"launch: {signal.Signals(e.signum).name} passed on to all; SIGKILL after {grace_s:g} s",
+                  file=err, flush=True)
     finally:
+        for sig in previous:  # a second Ctrl-C must not cut the grace period short
+            signal.signal(sig, signal.SIG_IGN)
+        _stop(procs, first_signal, grace_s)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        _stop(procs, first_signal, grace_s)
         for t in pumps:
             t.join(timeout=5)
     return code
@@ -169,7 +196,8 @@ def parser(prog: str = "python -m holmes_jax.launch") -> argparse.ArgumentParser
     p.add_argument("--port", type=int, help="coordinator port (default: a free one)")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="extra environment, repeatable")
     p.add_argument("--nic-classes", help="one NIC class per process, comma-separated, e.g. infiniband,roce")
-    p.add_argument("--grace", type=float, default=5.0, help="seconds between SIGTERM and SIGKILL")
+    p.add_argument("--grace", type=float, default=30.0,
+                   help="seconds the processes get to save and exit after a stop signal, before SIGKILL")
     p.add_argument("--timeout", type=float, help="stop everything after this many seconds (status 124)")
     return p
 

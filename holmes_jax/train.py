@@ -2,12 +2,16 @@
 
 configs (holmes_jax.configure) -> plan, mesh, model, optimizer state and jitted steps
 (holmes_jax.build; restored when the workdir holds a checkpoint) -> the loop: batch, step, metrics,
-periodic validation and checkpoints -> summary. See docs/design.md, "One run".
+periodic validation and checkpoints -> summary. See docs/design.md, "One run". What ends a run
+early (signals, a loss that stays non-finite) is in holmes_jax.guard; exit statuses in holmes_jax.cli.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import signal
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable
@@ -15,9 +19,10 @@ from typing import Callable
 import jax
 import numpy as np
 
-from holmes_jax import cli, configure, data, distributed, metrics
+from holmes_jax import cli, configure, data, distributed, guard, metrics
 from holmes_jax.build import Setup, build, make_eval_step, make_train_step, peak_tflops
 from holmes_jax.checkpoint import Checkpointer
+from holmes_jax.config import ConfigError
 from holmes_jax.configure import Configs, load_configs
 from holmes_jax.models import gpt
 from holmes_jax.pipeline import warmup
@@ -36,11 +41,21 @@ class Hook:
 
 
 def train_steps(compiled, setup: Setup, state: dict, start: int, last: int, token_data: data.TokenData):
-    """The loop itself: yields (step, state, outputs) after each step; batches are a pure function
-    of (seed, step), so a resumed run sees the batches an uninterrupted one would."""
+    """The loop itself: yields (step, state, outputs on the host) after each step. Batches are a
+    pure function of (seed, step), so a resumed run sees the batches an uninterrupted one would;
+    the next one is built while the device runs the step."""
+    batch = _train_batch(setup, start + 1, token_data)
     for step in range(start + 1, last + 1):
-        state, out = compiled(state, setup.batch("train", step - 1, token_data))
-        yield step, state, out
+        state, out = compiled(state, batch)
+        guard.fault_point("step", step)
+        if step < last:
+            batch = _train_batch(setup, step + 1, token_data)
+        yield step, state, jax.device_get(out)
+
+
+def _train_batch(setup: Setup, step: int, token_data: data.TokenData) -> jax.Array:
+    guard.fault_point("batch", step)
+    return setup.batch("train", step - 1, token_data)
 
 
 class StepLogger:
@@ -57,12 +72,13 @@ class StepLogger:
         self.pending, self.t_last, self.rows = [], time.perf_counter(), []
 
     def collect(self, out) -> None:
-        self.pending.append(out)  # device arrays: reading them waits, so only rows do
+        self.pending.append(out)
 
     def row(self, step: int, state: dict, last: int) -> None:
-        outs = jax.device_get(self.pending)
+        outs = self.pending
         elapsed = (time.perf_counter() - self.t_last) / len(outs)
         row = {"step": step, "loss": float(outs[-1]["loss"]), "grad_norm": float(outs[-1]["grad_norm"]),
+               "skipped": sum(bool(o["skipped"]) for o in outs),  # steps since the last row whose update was skipped
                "lr": float(self.setup.schedule(step - 1)), "step_time_s": elapsed,
                "tokens_per_s": self.tokens_per_step / elapsed,
                "tflops_per_device": self.flops_per_device / elapsed / 1e12}
@@ -74,11 +90,28 @@ class StepLogger:
         self.pending, self.t_last = [], time.perf_counter()
 
 
+def prepare_workdir(path: str) -> Path:
+    """Creates the workdir and checks that it takes files; a path that cannot be a writable
+    directory is bad input."""
+    workdir = Path(path)
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=workdir).close()
+    except OSError as e:
+        reason = "it is a file" if workdir.is_file() else e.strerror
+        raise ConfigError(f"TrainConfig.workdir = {path!r} cannot be used: {reason}; "
+                          "allowed: a directory this process can create and write") from None
+    return workdir
+
+
 def run(cfgs: Configs, devices=None, quiet: bool = False) -> dict:
     """Trains per `cfgs`; returns the summary. Everything is validated before the workdir is touched.
-    With several processes, all of them step and checkpoint; process 0 alone prints and writes."""
+    With several processes, all of them step and checkpoint; process 0 alone prints and writes.
+    Raises `cli.Stopped` after a signal (the step's checkpoint written) and `cli.RunError` when
+    the loss stays non-finite or a write fails."""
     lead = jax.process_index() == 0
     say = (lambda *a: None) if quiet or not lead else (lambda *a: print(*a, flush=True))
+    guard.injected_fault()  # a malformed HOLMES_FAULT is bad input: found before anything runs
     token_data = data.load(cfgs.data)
     token_data.check_model_vocab(cfgs.model.vocab_size)
     setup = build(cfgs, devices)
@@ -91,22 +124,31 @@ def run(cfgs: Configs, devices=None, quiet: bool = False) -> dict:
     say(f"data: {token_data.description}")
     say(setup.plan.explain())
 
-    workdir = Path(tcfg.workdir)
-    if lead:
-        workdir.mkdir(parents=True, exist_ok=True)
-        (workdir / "config.gin").write_text(configure.operative_config(cfgs))
-        (workdir / "plan.json").write_text(setup.plan.to_json(indent=1))  # what `holmes_jax.report` compares against
+    workdir = prepare_workdir(tcfg.workdir)
     ckpt = Checkpointer(workdir / "checkpoints", cfgs.checkpoint) if cfgs.checkpoint.enabled else None
-    start = ckpt.latest_step() if ckpt else None
-    if start is not None:
-        state = setup.staged(ckpt.restore(start, setup.abstract_canonical()))
+    try:
+        return _resume_and_train(cfgs, setup, token_data, workdir, ckpt, say, quiet)
+    except OSError as e:  # metrics.jsonl, config.gin; checkpoint writes report their own
+        raise cli.RunError(f"cannot write {e.filename or workdir}: {e.strerror}") from None
+    finally:
+        ckpt and ckpt.close()
+
+
+def _resume_and_train(cfgs: Configs, setup: Setup, token_data, workdir: Path, ckpt: Checkpointer | None, say,
+                      quiet: bool) -> dict:
+    lead, tcfg = jax.process_index() == 0, cfgs.train
+    restored = ckpt.restore_newest(setup.abstract_canonical(), say) if ckpt else None
+    if restored:
+        start, state = restored[0], setup.staged(restored[1])
         say(f"resumed from checkpoint at step {start}")
     else:
         state, start = setup.init_state(), 0
+    if lead:  # only now: a checkpoint that does not fit must not leave this run's config behind
+        (workdir / "config.gin").write_text(configure.operative_config(cfgs))
+        (workdir / "plan.json").write_text(setup.plan.to_json(indent=1))  # what `holmes_jax.report` compares against
     last = min(tcfg.steps, tcfg.stop_after or tcfg.steps)
     if start >= last:
         say(f"nothing to do: the checkpoint is at step {start}, the run ends at step {last}")
-        ckpt and ckpt.close()
         return {"steps": start}
 
     t0 = time.perf_counter()
@@ -120,26 +162,31 @@ def run(cfgs: Configs, devices=None, quiet: bool = False) -> dict:
 
     log = metrics.MetricsLog(workdir / "metrics.jsonl", tcfg.steps, quiet, stop=last) if lead else None
     logger = StepLogger(setup, make_eval_step(setup), token_data, log, peak)
+    bad = guard.BadSteps(tcfg.max_bad_steps, say)
+    save = lambda step, state, force: ckpt and ckpt.save(step, lambda: setup.canonical(state), force=force)
     hooks = [Hook(tcfg.log_every, lambda step, state: logger.row(step, state, last))]
     if ckpt:
-        hooks.append(Hook(cfgs.checkpoint.every, lambda step, state: ckpt.save(step, lambda: setup.canonical(state),
-                                                                            force=step == last)))
-    step = start
-    try:
+        # A skipped step's state is the last good one: saved under this step it would push good
+        # checkpoints out of the newest `keep` while the loss diverges.
+        hooks.append(Hook(cfgs.checkpoint.every, lambda step, state: bad.in_a_row or save(step, state, step == last)))
+    vote = guard.StopVote(setup.mesh)
+    # The log closes (its TensorBoard events flushed) however the loop ends.
+    with guard.Signals() as signals, contextlib.closing(log) if log else contextlib.nullcontext():
         for step, state, out in train_steps(compiled, setup, state, start, last, token_data):
             logger.collect(out)
+            bad.add(step, out)
+            stopping = vote.vote(signals.signum)  # the same signal (or None) on every process
             for hook in hooks:
-                if hook.due(step, start + 1, last):
+                if stopping or hook.due(step, start + 1, last):
                     hook.fn(step, state)
-    except KeyboardInterrupt:
-        if ckpt and step > start:
-            say(f"interrupted: saving a checkpoint at step {step}")
-            ckpt.save(step, lambda: setup.canonical(state), force=True)
-        ckpt and ckpt.close()
-        log and log.close()
-        raise
-    ckpt and ckpt.close()
-    log and log.close()
+            bad.check(step, ckpt and ckpt.latest_step())
+            if stopping:
+                # Even a skipped step: its state is what an uninterrupted run holds after it.
+                save(step, state, True)
+                sig = signal.Signals(stopping)
+                raise cli.Stopped(sig, f"stopped by {sig.name} after step {step}; " + (
+                    f"checkpoint saved at step {step}: run the same command again to resume" if ckpt
+                    else "checkpoints are off, nothing saved"))
     return summarize(logger.rows, start, setup.plan.prediction.step_time_s, say)
 
 

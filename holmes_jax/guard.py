@@ -1,0 +1,119 @@
+"""What ends a run early, and how every process ends it after the same step.
+
+- `Signals`: SIGINT, SIGTERM and SIGHUP only set a flag. The loop lets the step in flight finish,
+  saves a checkpoint of it and raises `cli.Stopped` (exit status 128 + the signal number).
+- `StopVote`: with several processes, a one-number-per-device all-reduce after each step, so all
+  stop after the same one. (JAX's `multihost_utils.reached_preemption_sync_point` reacts to
+  SIGTERM only, and only under `jax.distributed`.)
+- `BadSteps`: steps whose loss or gradient norm was not finite (the jitted step skipped their
+  update); too many in a row end the run with `cli.RunError` (exit status 1).
+- `fault_point`: the one place a test injects a fault, from `HOLMES_FAULT`.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from holmes_jax.cli import RunError
+from holmes_jax.config import ConfigError
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+FAULT_ENV = "HOLMES_FAULT"
+FAULT_POINTS = ("batch", "step")
+
+
+class Signals:
+    """A context in which SIGINT, SIGTERM and SIGHUP set `signum` (the first one wins) instead of
+    interrupting; the previous handlers come back on exit. Outside the main thread Python cannot
+    handle signals, so there it does nothing."""
+
+    def __init__(self):
+        self.signum: int | None = None
+        self._previous: dict = {}
+
+    def _set(self, signum, frame) -> None:
+        if self.signum is None:
+            self.signum = signum
+
+    def __enter__(self) -> "Signals":
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {sig: signal.signal(sig, self._set) for sig in STOP_SIGNALS}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+class StopVote:
+    """`vote(signum)`: the same signal number (or None) on every process, the largest any process
+    caught. One process needs no collective; several reduce one number per device in the mesh."""
+
+    def __init__(self, mesh):
+        self._mesh = mesh
+        if jax.process_count() > 1:
+            self._numbers = NamedSharding(mesh, P(mesh.axis_names))
+            self._max = jax.jit(jnp.max, out_shardings=NamedSharding(mesh, P()))
+
+    def vote(self, signum: int | None) -> int | None:
+        if jax.process_count() == 1:
+            return signum
+        numbers = jax.make_array_from_callback((self._mesh.devices.size,), self._numbers,
+                                               lambda index: np.full((1,), signum or 0, np.int32))
+        return int(self._max(numbers)) or None
+
+
+class BadSteps:
+    """Counts steps in a row whose update was skipped (non-finite loss or gradient norm)."""
+
+    def __init__(self, limit: int, say):
+        self.limit, self.say = limit, say
+        self.in_a_row, self.first = 0, None
+
+    def add(self, step: int, out: dict) -> None:
+        if not out["skipped"]:
+            self.in_a_row = 0
+            return
+        self.in_a_row += 1
+        self.first = step if self.in_a_row == 1 else self.first
+        self.say(f"step {step}: loss {float(out['loss']):.4g}, gradient norm {float(out['grad_norm']):.4g}: "
+                 f"not finite, update skipped ({self.in_a_row} in a row; TrainConfig.max_bad_steps = {self.limit})")
+
+    def check(self, step: int, newest_checkpoint: int | None) -> None:
+        """Raises `RunError` once `limit` steps in a row were skipped."""
+        if self.in_a_row < self.limit:
+            return
+        where = (f"the newest checkpoint is step {newest_checkpoint}" if newest_checkpoint is not None
+                 else "no checkpoint was written")
+        raise RunError(f"the loss or gradient norm was not finite for {self.in_a_row} steps in a row "
+                       f"(steps {self.first}-{step}); stopped ({where}). Lower TrainConfig.learning_rate or "
+                       f"TrainConfig.grad_clip, or raise TrainConfig.max_bad_steps")
+
+
+def injected_fault() -> tuple[int, str, int] | None:
+    """(signal, point, step) from `HOLMES_FAULT=signal:INT|TERM|HUP:batch|step:STEP`, or None."""
+    text = os.environ.get(FAULT_ENV)
+    if not text:
+        return None
+    kind, name, point, step = (text.split(":") + [""] * 4)[:4]
+    if (kind != "signal" or f"SIG{name}" not in {s.name for s in STOP_SIGNALS} or point not in FAULT_POINTS
+            or not step.isdigit() or text.count(":") != 3):
+        raise ConfigError(f"{FAULT_ENV} = {text!r} is not allowed; allowed: signal:INT|TERM|HUP:batch|step:STEP, "
+                          f"e.g. signal:TERM:batch:3")
+    return signal.Signals[f"SIG{name}"], point, int(step)
+
+
+def fault_point(point: str, step: int) -> None:
+    """Sends this process the signal `HOLMES_FAULT` names when the loop reaches `point` of `step`:
+    'batch' while the step's batch is built (the step before still running), 'step' right after the
+    step is dispatched."""
+    fault = injected_fault()
+    if fault is not None and fault[1:] == (point, step):
+        os.kill(os.getpid(), fault[0])

@@ -1,0 +1,338 @@
+"""When things go wrong: non-finite steps, signals (injected with HOLMES_FAULT), damaged or
+mismatched checkpoints, unusable workdirs and full disks, and the launcher's signal handling."""
+
+import glob
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from holmes_jax import build, cli, data, guard, train
+from holmes_jax.checkpoint import Checkpointer
+from holmes_jax.config import ConfigError
+from helpers import REPO, read_metrics, run_module, small_configs
+
+ONE_DEVICE = ["--gin.ParallelConfig.dp=1", "--gin.ParallelConfig.cpu_devices=1"]
+# small_configs' model and data as command-line flags, for runs in a subprocess
+FLAGS = ONE_DEVICE + [
+    "--gin.ParallelConfig.pp=1", "--gin.ParallelConfig.microbatches=1", "--gin.ModelConfig.num_layers=2",
+    "--gin.ModelConfig.hidden=64", "--gin.ModelConfig.num_heads=4", "--gin.ModelConfig.ffn_hidden=128",
+    "--gin.DataConfig.seq_len=32", "--gin.DataConfig.global_batch=16", "--gin.TrainConfig.log_every=1",
+    "--gin.TrainConfig.eval_every=1000", "--gin.TrainConfig.warmup_steps=1", "--gin.TrainConfig.learning_rate=0.01",
+]
+
+
+def _run(workdir, *bindings, fault=None, monkeypatch=None):
+    """train.run on one device, quietly; `fault`: a HOLMES_FAULT value for this run only."""
+    if fault:
+        monkeypatch.setenv(guard.FAULT_ENV, fault)
+    try:
+        return train.run(small_configs(workdir, *bindings), devices=jax.devices()[:1], quiet=True)
+    finally:
+        monkeypatch and monkeypatch.delenv(guard.FAULT_ENV, raising=False)
+
+
+def _losses(workdir) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(workdir)}
+
+
+def _finite(tree) -> bool:
+    return all(bool(np.isfinite(np.asarray(x)).all()) for x in jax.tree.leaves(tree))
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """Losses of steps 1..6 of a run nothing stops."""
+    workdir = tmp_path_factory.mktemp("uninterrupted")
+    _run(workdir)
+    return _losses(workdir)
+
+
+# --------------------------------------------------------------------------- non-finite steps
+
+
+def test_a_non_finite_step_keeps_the_state_and_still_counts(tmp_path):
+    cfgs = small_configs(tmp_path, *ONE_DEVICE, "--gin.TrainConfig.learning_rate=1e6")
+    setup = build.build(cfgs, jax.devices()[:1])
+    step, tokens = build.make_train_step(setup), data.load(cfgs.data)
+    state, before, skipped = setup.init_state(), None, []
+    for k in range(6):
+        before = jax.device_get(state)
+        state, out = step(state, setup.batch("train", k, tokens))
+        skipped.append(bool(out["skipped"]))
+        assert bool(out["skipped"]) == (not np.isfinite(float(out["loss"])) or not np.isfinite(float(out["grad_norm"])))
+    assert skipped[0] is False and skipped[-1] is True  # lr 1e6 diverges within six steps
+    after = jax.device_get(state)
+    assert int(after["step"]) == 6
+    jax.tree.map(np.testing.assert_array_equal, after["params"], before["params"])
+    jax.tree.map(np.testing.assert_array_equal, after["opt_state"], before["opt_state"])
+    assert _finite(after["params"]) and _finite(after["opt_state"])
+
+
+@pytest.mark.slow
+def test_a_diverging_run_exits_1_and_keeps_its_finite_checkpoints(tmp_path):
+    r = run_module("holmes_jax.train", *FLAGS, f"--gin.TrainConfig.workdir={tmp_path}", "--gin.TrainConfig.steps=20",
+                   "--gin.TrainConfig.learning_rate=1e6", "--gin.CheckpointConfig.every=1",
+                   "--gin.CheckpointConfig.keep=3", "--gin.TrainConfig.max_bad_steps=3", timeout=300)
+    assert r.returncode == 1, r.stderr[-3000:]
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and "not finite for 3 steps in a row" in lines[0], r.stderr
+    rows = read_metrics(tmp_path)
+    bad = [row["step"] for row in rows if row["skipped"]]
+    assert len(bad) == 3 and bad == list(range(bad[0], bad[0] + 3)) and rows[-1]["step"] == bad[-1]
+    assert "not finite, update skipped (1 in a row" in r.stdout
+    good = [row["step"] for row in rows if not row["skipped"]]
+    steps = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
+    assert steps == good[-3:]  # the newest finite checkpoints survive the bad steps
+    assert f"the newest checkpoint is step {good[-1]}" in lines[0]
+    cfgs = small_configs(tmp_path, *ONE_DEVICE)
+    ckpt = Checkpointer(tmp_path / "checkpoints", cfgs.checkpoint)
+    target = build.build(cfgs, jax.devices()[:1]).abstract_canonical()
+    for step in steps:
+        assert _finite(ckpt.restore(step, target)), step
+    ckpt.close()
+
+
+def test_bad_steps_stop_at_the_limit_and_reset_on_a_good_step():
+    said = []
+    bad = guard.BadSteps(2, said.append)
+    nan = {"skipped": True, "loss": float("nan"), "grad_norm": float("nan")}
+    bad.add(1, nan)
+    bad.add(2, {"skipped": False, "loss": 1.0, "grad_norm": 1.0})
+    bad.add(3, nan)
+    bad.check(3, 2)
+    bad.add(4, nan)
+    with pytest.raises(cli.RunError, match=r"2 steps in a row \(steps 3-4\).*newest checkpoint is step 2"):
+        bad.check(4, 2)
+    assert [s.split(":")[0] for s in said] == ["step 1", "step 3", "step 4"]
+
+
+def test_max_bad_steps_must_be_positive(tmp_path):
+    with pytest.raises(ConfigError, match="TrainConfig.max_bad_steps = 0"):
+        small_configs(tmp_path, "--gin.TrainConfig.max_bad_steps=0")
+
+
+# --------------------------------------------------------------------------- signals
+
+
+@pytest.mark.parametrize("fault, stopped_after", [
+    ("signal:TERM:step:3", 3),  # while step 3 runs
+    pytest.param("signal:INT:batch:3", 2, marks=pytest.mark.slow),  # while step 3's batch is built, step 2 running
+    pytest.param("signal:HUP:step:5", 5, marks=pytest.mark.slow),
+])
+def test_a_signal_saves_the_step_in_flight_and_resume_gives_the_same_losses(tmp_path, monkeypatch, uninterrupted,
+                                                                             fault, stopped_after):
+    with pytest.raises(cli.Stopped, match=f"after step {stopped_after}; checkpoint saved") as stopped:
+        _run(tmp_path, fault=fault, monkeypatch=monkeypatch)
+    assert stopped.value.status == 128 + signal.Signals["SIG" + fault.split(":")[1]]
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handlers restored
+    assert sorted(_losses(tmp_path)) == list(range(1, stopped_after + 1))
+    ckpt = Checkpointer(tmp_path / "checkpoints", small_configs(tmp_path).checkpoint)
+    assert ckpt.latest_step() == stopped_after
+    ckpt.close()
+    _run(tmp_path)
+    got = _losses(tmp_path)
+    assert sorted(got) == list(range(1, 7))
+    for step, loss in uninterrupted.items():
+        assert got[step] == pytest.approx(loss, abs=1e-6), step
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, status", [("TERM", 143), ("INT", 130)])
+def test_a_signalled_run_exits_128_plus_the_signal_with_one_line(tmp_path, name, status):
+    env_fault = f"{guard.FAULT_ENV}=signal:{name}:step:2"
+    r = subprocess.run(["env", env_fault, sys.executable, "-m", "holmes_jax.train", *FLAGS,
+                        f"--gin.TrainConfig.workdir={tmp_path}", "--gin.TrainConfig.steps=6"],
+                       capture_output=True, text=True, timeout=300, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert r.returncode == status, r.stderr[-3000:]
+    assert r.stderr.strip().splitlines() == [
+        f"stopped by SIG{name} after step 2; checkpoint saved at step 2: run the same command again to resume"]
+    assert (tmp_path / "checkpoints" / "2").is_dir()
+
+
+@pytest.mark.parametrize("value", ["signal:KILL:step:3", "signal:TERM:loop:3", "signal:TERM:step:x", "nan:3",
+                                   "signal:TERM:step:3:4"])
+def test_a_malformed_fault_is_bad_input(monkeypatch, value):
+    monkeypatch.setenv(guard.FAULT_ENV, value)
+    with pytest.raises(ConfigError, match=guard.FAULT_ENV):
+        guard.injected_fault()
+
+
+def test_one_process_votes_alone():
+    vote = guard.StopVote(jax.make_mesh((8,), ("data",)))
+    assert vote.vote(None) is None and vote.vote(signal.SIGTERM) == signal.SIGTERM
+
+
+# --------------------------------------------------------------------------- checkpoints on resume
+
+
+def _damage_truncate(step_dir: Path) -> None:
+    for f in glob.glob(str(step_dir / "default" / "ocdbt.process_0" / "d" / "*")):
+        os.truncate(f, 10)
+
+
+def _damage_metadata(step_dir: Path) -> None:
+    (step_dir / "default" / "_METADATA").unlink()
+
+
+@pytest.mark.parametrize("damage", [_damage_truncate, pytest.param(_damage_metadata, marks=pytest.mark.slow)])
+def test_a_damaged_checkpoint_is_set_aside_and_the_one_before_used(tmp_path, capsys, uninterrupted, damage):
+    train.run(small_configs(tmp_path, *ONE_DEVICE, "--gin.TrainConfig.stop_after=3", "--gin.CheckpointConfig.every=1"),
+              devices=jax.devices()[:1], quiet=True)
+    damage(tmp_path / "checkpoints" / "3")
+    capsys.readouterr()
+    train.run(small_configs(tmp_path, *ONE_DEVICE), devices=jax.devices()[:1])
+    said = capsys.readouterr().out.splitlines()
+    assert any(line.startswith("checkpoint step 3 cannot be read (") for line in said), said
+    assert "resumed from checkpoint at step 2" in said
+    assert (tmp_path / "checkpoints" / "3.damaged").is_dir()
+    got = _losses(tmp_path)  # steps 3 written twice: the second (resumed) rows come last
+    for step, loss in uninterrupted.items():
+        assert got[step] == pytest.approx(loss, abs=1e-6), step
+
+
+def test_no_readable_checkpoint_is_a_run_error(tmp_path):
+    _run(tmp_path, "--gin.TrainConfig.steps=1")
+    _damage_metadata(tmp_path / "checkpoints" / "1")
+    with pytest.raises(cli.RunError, match=r"no checkpoint in .* can be read \(steps 1\)"):
+        _run(tmp_path, "--gin.TrainConfig.steps=2")
+
+
+def test_a_checkpoint_of_another_model_is_bad_input_and_config_gin_stays(tmp_path):
+    _run(tmp_path, "--gin.TrainConfig.steps=1")
+    config = (tmp_path / "config.gin").read_text()
+    with pytest.raises(ConfigError, match=r"does not fit the configured model: params\..*\(2, 64, 64\) in the "
+                                          r"checkpoint, \(3, 64, 64\) configured") as e:
+        _run(tmp_path, "--gin.TrainConfig.steps=2", "--gin.ModelConfig.num_layers=3")
+    assert "opt_state" not in str(e.value)  # the parameters name it; their moments repeat them
+    with pytest.raises(ConfigError, match=r"\(2, 64\) in the checkpoint, \(2, 128\) configured"):
+        _run(tmp_path, "--gin.TrainConfig.steps=2", "--gin.ModelConfig.hidden=128")
+    assert (tmp_path / "config.gin").read_text() == config
+
+
+# --------------------------------------------------------------------------- workdir and disk
+
+
+@pytest.mark.parametrize("make, reason", [
+    (lambda tmp: (tmp / "file").write_text("x") and tmp / "file", "it is a file"),
+    (lambda tmp: Path("/proc/holmes_jax_test_workdir"), "cannot be used"),
+])
+def test_an_unusable_workdir_is_bad_input(tmp_path, make, reason):
+    workdir = make(tmp_path)
+    with pytest.raises(ConfigError, match=f"TrainConfig.workdir = '{workdir}' cannot be used"):
+        _run(workdir)
+
+
+def test_a_failed_metrics_write_is_a_run_error(tmp_path):
+    (tmp_path / "metrics.jsonl").mkdir()  # the file cannot be opened for appending
+    with pytest.raises(cli.RunError, match=r"cannot write .*metrics.jsonl: Is a directory"):
+        _run(tmp_path, "--gin.TrainConfig.steps=1", "--gin.CheckpointConfig.enabled=False")
+
+
+@pytest.mark.slow
+def test_a_full_disk_while_saving_exits_1_with_one_error_line(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(disk)]).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        # A checkpoint of the tiny model takes about 1 MiB: the second or third save fills the disk.
+        r = run_module("holmes_jax.train", *FLAGS, f"--gin.TrainConfig.workdir={disk / 'wd'}",
+                       "--gin.TrainConfig.steps=6", "--gin.CheckpointConfig.every=1", timeout=300)
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+    assert r.returncode == 1, r.stderr[-3000:]
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: cannot write checkpoints in "), r.stderr[-3000:]
+    assert lines[0].endswith("No space left on device")
+
+
+# --------------------------------------------------------------------------- the launcher
+
+
+def _children(pid: int) -> list[int]:
+    """PIDs whose parent is `pid`."""
+    found = []
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            fields = Path(stat).read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.split("/")[2]))
+    return found
+
+
+def _gone(pid: int, within_s: float = 30) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        if state == "Z":  # exited; its parent (gone too) leaves the reaping to init
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_workers_get_sigterm_when_the_launcher_is_killed(tmp_path):
+    # Each worker says it is ready, then sleeps; on SIGTERM it writes a file (its "save") and exits.
+    script = ("import os, signal, sys, time\n"
+              "def save(*_): open(os.path.join(sys.argv[1], os.environ['HOLMES_PROCESS_ID']), 'w').close(); sys.exit(0)\n"
+              "signal.signal(signal.SIGTERM, save); print('ready', flush=True); time.sleep(300)")
+    p = subprocess.Popen([sys.executable, "-m", "holmes_jax.launch", "-n", "2", "--", sys.executable, "-c", script,
+                          str(tmp_path)], cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=subprocess.PIPE,
+                         text=True)
+    try:
+        assert sorted(p.stdout.readline().strip() for _ in range(2)) == ["[rank 0] ready", "[rank 1] ready"]
+        workers = _children(p.pid)
+        assert len(workers) == 2
+        p.kill()
+        p.wait()
+        assert all(_gone(w) for w in workers)
+        assert sorted(f.name for f in tmp_path.iterdir()) == ["0", "1"]
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_a_signal_to_the_launcher_makes_two_workers_save_and_exit(tmp_path, sig):
+    env = {k: v for k, v in dict(os.environ, PYTHONPATH=str(REPO)).items() if not k.startswith(("HOLMES_", "JAX_"))}
+    p = subprocess.Popen([sys.executable, "-m", "holmes_jax.launch", "-n", "2", "--devices-per-process", "1",
+                          "--grace", "60", "--", sys.executable, "-m", "holmes_jax.train", *FLAGS[2:],
+                          f"--gin.TrainConfig.workdir={tmp_path}", "--gin.TrainConfig.steps=10000",
+                          "--gin.CheckpointConfig.every=10000"],
+                         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        workers = []
+        for line in p.stdout:  # the first progress line: both processes are stepping
+            workers = workers or _children(p.pid)
+            if line.startswith("[rank 0] step "):
+                break
+        assert len(workers) == 2
+        p.send_signal(sig)
+        _, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == 128 + sig, err[-3000:]
+    stopped = [line for line in err.splitlines() if f"stopped by {sig.name} after step" in line]
+    assert len(stopped) == 2, err[-3000:]  # both ranks, after the same step
+    step = int(stopped[0].split("after step ")[1].split(";")[0])
+    assert all(f"after step {step};" in line for line in stopped)
+    assert (tmp_path / "checkpoints" / str(step)).is_dir()
+    assert all(_gone(w, 5) for w in workers)
