@@ -47,7 +47,7 @@ class Segment:
 
 def timeline(plan: Plan) -> list[Segment]:
     """The step as the cost model walks it (holmes_jax.planning.cost.simulate): tick by tick each
-    stage runs its forward (none on the last stage: its backward recomputes it), then its
+    stage runs its forward (the last stage runs it inside its backward's tick), then its
     backward; the tick lasts as long as its slowest stage, then activations and gradients cross
     the slowest boundary where any stage sends them; after the last tick each stage syncs its
     gradients and runs the optimizer step."""
@@ -63,8 +63,8 @@ def timeline(plan: Plan) -> list[Segment]:
             if fwd[tick, s] >= 0 and s < p - 1:
                 segments.append(Segment(s, at, pr.stage_fwd_s[s], "forward", int(fwd[tick, s])))
                 at += pr.stage_fwd_s[s]
-            if bwd[tick, s] >= 0:
-                seconds = pr.stage_fwd_s[s] + pr.stage_bwd_s[s]
+            if bwd[tick, s] >= 0:  # the last stage runs the microbatch's forward in the same tick
+                seconds = pr.stage_bwd_s[s] + (pr.stage_fwd_s[s] if s == p - 1 else 0.0)
                 segments.append(Segment(s, at, seconds, "backward", int(bwd[tick, s])))
                 at += seconds
             longest = max(longest, at - now)

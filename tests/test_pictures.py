@@ -35,7 +35,7 @@ def test_the_timeline_ends_where_the_cost_model_says(name):
         mine = [g for g in segments if g.stage == s]
         assert max(g.start + g.seconds for g in mine) == pytest.approx(pr.stage_finish_s[s], rel=1e-12)
         forwards = sorted(g.microbatch for g in mine if g.kind == "forward")
-        assert forwards == ([] if s == p.pp - 1 else list(range(p.microbatches)))  # the last stage recomputes
+        assert forwards == ([] if s == p.pp - 1 else list(range(p.microbatches)))  # the last stage's forward runs in its backward's tick
         assert sorted(g.microbatch for g in mine if g.kind == "backward") == list(range(p.microbatches))
         busy = sorted((g.start, g.start + g.seconds) for g in mine)
         assert all(a[1] <= b[0] + 1e-12 for a, b in zip(busy, busy[1:]))  # a stage does one thing at a time

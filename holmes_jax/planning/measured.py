@@ -12,11 +12,14 @@ from holmes_jax.planning.topology import Link
 
 
 def _link_json(link: Link | None) -> dict | None:
-    return None if link is None else {"gbps": link.gbps, "latency_s": link.latency_s}
+    # bytes_per_s round-trips exactly; gbps is for people reading the file (and older profiles)
+    return None if link is None else {"gbps": link.gbps, "bytes_per_s": link.bytes_per_s, "latency_s": link.latency_s}
 
 
 def _json_link(raw: dict | None) -> Link | None:
-    return None if not raw else Link(raw["gbps"] * 1e9 / 8, raw["latency_s"])
+    if not raw:
+        return None
+    return Link(raw["bytes_per_s"] if "bytes_per_s" in raw else raw["gbps"] * 1e9 / 8, raw["latency_s"])
 
 
 @dataclasses.dataclass(frozen=True)
