@@ -15,8 +15,9 @@ from holmes_jax import data, metrics, planning
 from holmes_jax.configure import Configs
 from holmes_jax.mesh.devices import build_mesh, local_topology, ordered_devices
 from holmes_jax.models import gpt
-from holmes_jax.optimizer import apply_gradients, make_optimizer
+from holmes_jax.optimizer import make_optimizer
 from holmes_jax.pipeline.runtime import Pipeline
+from holmes_jax.pipeline.update import make_update
 from holmes_jax.planning import Plan
 from holmes_jax.sharding import gradient_specs, state_shardings
 
@@ -109,13 +110,15 @@ def build(cfgs: Configs, devices=None) -> Setup:
 
 
 def make_train_step(setup: Setup):
-    """The jitted step: the pipeline's loss and gradients over all microbatches, one AdamW update."""
-    tx, pipeline = setup.tx, setup.pipeline
+    """The jitted step: the pipeline's loss and gradients over all microbatches, one AdamW update
+    of each stage's real layers."""
+    pipeline = setup.pipeline
+    specs = jax.tree.map(lambda s: s.spec, setup.state_shardings)
+    update = make_update(pipeline, setup.tx, setup.cfgs.train.grad_clip, specs, setup.grad_specs)
 
     def step(state, batch):
         loss, grads = pipeline.loss_and_grads(state["params"], batch, setup.grad_specs)
-        params, opt_state, norm = apply_gradients(tx, setup.cfgs.train.grad_clip, state["params"], state["opt_state"],
-                                                  grads, pipeline.mask_updates)
+        params, opt_state, norm = update(state["params"], state["opt_state"], grads)
         new_state = {"params": params, "opt_state": opt_state, "step": state["step"] + 1}
         return new_state, {"loss": loss, "grad_norm": norm}
 
