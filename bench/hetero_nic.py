@@ -30,6 +30,7 @@ heterogeneous profile's layer times only, links from the topology (its data grou
 profiled ones).
 
 Run (root): python bench/hetero_nic.py     Last line: one JSON object of the figures.
+Sizing (no root): python bench/hetero_nic.py --size   The cost model's (a)-(e) for candidate rates.
 """
 
 from __future__ import annotations
@@ -99,9 +100,7 @@ def run(bed: Testbed, module_args: list[str]) -> int:
     cmd = [sys.executable, "-m", *module_args]
     if bed.pin:  # one core per process: rank r on core r
         cmd = ["sh", "-c", 'exec taskset -c "$HOLMES_PROCESS_ID" "$@"', "pin", *cmd]
-    if bed.cpu is not None:
-        cmd = [*bed.cpu.prefix(), *cmd]
-    return bed.ec.run(cmd, devices_per_process=1, timeout_s=RUN_TIMEOUT_S)
+    return bed.ec.run(cmd, devices_per_process=1, timeout_s=RUN_TIMEOUT_S, cpu=bed.cpu)
 
 
 def measure_profile(bed: Testbed, path: Path, workdir: Path, topology: Path):
@@ -143,7 +142,58 @@ WHAT = {"a": f"homogeneous {IB_MBIT:g} Mbit/s", "b": "hetero, naive", "c": "hete
         "f": "slow roce CPUs, uniform", "g": "slow roce CPUs, auto+profile"}
 
 
+# `--size`: the cost model's view of candidate testbeds before measuring, from a stand-in profile
+# of this model on the 4-process testbed (per layer and microbatch: forward 2.5 ms, backward 9 ms;
+# TCP reaches ~60% of a shaped NIC's rate and ~95% of the uplink's; the optimizer 5 ns a parameter).
+STAND_IN = {"fwd_s": 2.5e-3, "bwd_s": 9e-3, "nic_efficiency": 0.6, "uplink_efficiency": 0.95, "update_s": 5e-9}
+
+
+def size(candidates=((1000, 200), (500, 100), (250, 100), (250, 200), (125, 100))) -> None:
+    """Prints the predicted (a)-(e) for each (roce Mbit/s, uplink Mbit/s) candidate."""
+    from holmes_jax.config import ModelConfig, ParallelConfig
+    from holmes_jax.models.presets import resolve
+    from holmes_jax.planning import plan, workload
+    from holmes_jax.planning.measured import Profile
+    from holmes_jax.planning.topology import Link
+
+    cfg = ModelConfig(**MODEL)
+    micro_batch = GLOBAL_BATCH // (2 * MICROBATCHES)
+    flops = workload.model_costs(resolve(cfg), micro_batch, SEQ).layers[0].fwd_flops
+    sin = STAND_IN
+
+    def link(mbit, efficiency):
+        return Link(mbit * efficiency * 1e6 / 8, 0.5e-3)
+
+    print(f"{'roce':>6} {'uplink':>6} | " + " ".join(f"{k:>6}" for k in "abcde") + " | d layers  e layers | "
+          "d/c   d/e   b/d   d/a  | hop")
+    with tempfile.TemporaryDirectory() as tmp:
+        for roce, uplink in candidates:
+            row = {}
+            for key, (ib_r, roce_r, up, placement, partition) in {
+                    "a": (IB_MBIT, IB_MBIT, IB_MBIT, "holmes", "uniform"), "b": (IB_MBIT, roce, uplink, "naive", "uniform"),
+                    "c": (IB_MBIT, roce, uplink, "holmes", "uniform"), "d": (IB_MBIT, roce, uplink, "holmes", "auto"),
+                    "e": (IB_MBIT, roce, uplink, "holmes", "holmes-ratio")}.items():
+                topo = Path(tmp) / "t.toml"
+                topo.write_text(topology_toml(ib_r, roce_r, up, {"intra": sin["nic_efficiency"],
+                                                                 "inter": sin["uplink_efficiency"]}, 0.05))
+                links = () if key == "b" else (link(ib_r, sin["nic_efficiency"]), link(roce_r, sin["nic_efficiency"]))
+                hop = link(up / CLUSTERS[0][2], sin["uplink_efficiency"])
+                prof = Profile("stand-in", micro_batch, SEQ, flops, sin["fwd_s"], sin["bwd_s"], links, (hop,),
+                               sin["update_s"])
+                par = ParallelConfig(pp=2, dp=2, tp=1, microbatches=MICROBATCHES, schedule="gpipe",
+                                     placement=placement, partition=partition, cpu_devices=1)
+                row[key] = plan(topo, cfg, par, global_batch=GLOBAL_BATCH, seq_len=SEQ, profile=prof)
+            t = {k: p.prediction.step_time_s for k, p in row.items()}
+            print(f"{roce:>6} {uplink:>6} | " + " ".join(f"{t[k] * 1e3:>6.0f}" for k in "abcde")
+                  + f" | {','.join(map(str, row['d'].stage_layers)):<9} {','.join(map(str, row['e'].stage_layers)):<8}"
+                  f" | {t['d'] / t['c']:.2f}  {t['d'] / t['e']:.2f}  {t['b'] / t['d']:.2f}  {t['d'] / t['a']:.2f}"
+                  f" | {row['d'].prediction.p2p_s[0] * 1e3:.0f} ms")
+
+
 def main() -> int:
+    if sys.argv[1:] == ["--size"]:
+        size()
+        return 0
     reason = emulate.unavailable_reason()
     if reason:
         print(f"bench/hetero_nic.py: cannot run: the emulated cluster {reason}", file=sys.stderr)

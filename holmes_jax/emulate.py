@@ -161,7 +161,7 @@ class CpuLimits:
     hosts that share the machine's cores behave like devices of fixed speed.
 
         with CpuLimits([0.5, 0.5, 0.25, 0.25]) as cpu:
-            ec.run([*cpu.prefix(), "python", ...])
+            ec.run(["python", ...], cpu=cpu)
     """
 
     PERIOD_US = 10_000  # short: a capped process that used its share waits at most this long (mid-collective too)
@@ -321,12 +321,16 @@ class EmulatedCluster:
                 host.hostname]
 
     def run(self, cmd: Sequence[str], devices_per_process: int | None = None, env: dict | None = None,
-            timeout_s: float | None = None, grace_s: float = 5.0) -> int:
-        """`cmd` as one process per host (`holmes_jax.launch`), the coordinator on host 0."""
+            timeout_s: float | None = None, grace_s: float = 5.0, cpu: CpuLimits | None = None) -> int:
+        """`cmd` as one process per host (`holmes_jax.launch`), the coordinator on host 0; with
+        `cpu`, each process under its rank's CPU cap (entered before the namespace, whose own
+        /sys hides the cgroup tree)."""
+        def wrap(rank):
+            return [*(cpu.prefix() if cpu else []), *self.exec_prefix(self.hosts[rank])]
+
         return launch.launch(cmd, len(self.hosts), devices_per_process, COORDINATOR_PORT, env,
                              [h.nic_class for h in self.hosts], coordinator_host=self.hosts[0].address,
-                             wrap=lambda rank: self.exec_prefix(self.hosts[rank]), grace_s=grace_s,
-                             timeout_s=timeout_s)
+                             wrap=wrap, grace_s=grace_s, timeout_s=timeout_s)
 
     def expected_mbit(self, src: Host, dst: Host) -> float:
         return src.mbit if src.cluster == dst.cluster else min(src.mbit, self.inter_mbit)
