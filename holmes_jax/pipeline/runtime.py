@@ -28,6 +28,7 @@ matched. The last stage's forward is folded into its backward, which recomputes 
 from __future__ import annotations
 
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -80,7 +81,7 @@ class Pipeline:
         """Slot ranges [start, stop) that are real on the same stages: those with more than `start`
         layers. The first, [0, fewest layers), is real everywhere; even stages have only that one."""
         cuts = sorted({0, *self.stage_layers})
-        return tuple(zip(cuts[:-1], cuts[1:]))
+        return tuple(itertools.pairwise(cuts))
 
     def stage_n_layers(self):
         """This stage's real layer count inside the shard_map (None when every stage has as many)."""
