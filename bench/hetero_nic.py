@@ -2,36 +2,40 @@
 side by side on the emulated heterogeneous-NIC testbed (holmes_jax.emulate; root only).
 
 Testbed: 2 clusters of 2 hosts (network namespaces), one process per host with 1 CPU device:
-"ib" hosts' NICs shaped to 2000 Mbit/s, "roce" hosts' to 1000 Mbit/s, each cluster's uplink to
-200 Mbit/s (shared by its 2 hosts: 100 Mbit/s each when both send). Configurations, each a real
-`python -m holmes_jax.train` run of STEPS steps (pp 2, dp 2, GPipe, 4 microbatches):
+"ib" hosts' NICs shaped to 2000 Mbit/s, "roce" hosts' to 250 Mbit/s (8x slower, as the paper's
+InfiniBand against its slowest class), each cluster's uplink to 100 Mbit/s (shared by its 2
+hosts). Every process is capped at cores / hosts CPUs (cgroup), so a stage that idles does not
+lend its time to the other: the hosts behave as devices of a fixed speed, as the cost model
+assumes. Configurations, each a real `python -m holmes_jax.train` run of STEPS steps (pp 2,
+dp 2, GPipe, 4 microbatches, 16 layers):
 
   (a) homogeneous fast network (every NIC and the uplinks at 2000 Mbit/s), Holmes placement
   (b) heterogeneous network, naive placement: each stage's data group spans the slow uplink
   (c) heterogeneous, Holmes placement (stage 0 on ib, stage 1 on roce), uniform partition
   (d) heterogeneous, Holmes placement, auto partition from a profile measured in the cluster
+  (e) heterogeneous, Holmes placement, Holmes' own rule: layers in proportion to NIC Gb/s
+  (f) fast network, the roce cluster's processes capped at half the others' CPU time, uniform
+  (g) as (f), auto partition from a profile measured on that testbed (it times each stage)
 
-The model (8 layers, hidden 192) and the uplink are sized with the ring all-reduce formula 2(n-1)/n * S/W: a stage's
-gradients (4 layers x 0.44 M parameters x 4 B = 7.1 MB) take about 0.57 s to sync over a
-100 Mbit/s share of the uplink (ZeRO-1 reduce-scatter + all-gather over a ring of 2: S/W), while
-the pipeline's hops across it (micro batch 1 x seq 64 x hidden 192 x 4 B = 49 KB from each of the
-2 hosts at once, 8 per step: GPipe moves activations in its 4 forward ticks and gradients in its
-4 backward ticks) take about 4 ms each, 31 ms a step; inside the ib cluster the sync takes about
-30 ms. Both targets pull the uplink's rate apart: at 100 Mbit/s the hops alone cost (d) 16% of
-(a)'s step, at 300 Mbit/s the naive sync no longer doubles it.
+Sized with the cost model before measuring (`docs/uneven.md`): a roce stage's gradients cost
+about 60 ms per layer to reduce and gather at 250 Mbit/s, near a layer's share of the pipeline
+(~70 ms), so moving layers to the ib stage pays; the uplink's hops (49 KB each, 8 a step) stay
+near 10 ms each. (f)/(g) leave out when the machine cannot cap a process's CPU time.
 
 Predictions: the plan's step time, from the topology TOML written here (NIC Gb/s = the shaped
 rates, efficiency = measured TCP throughput / shaped rate, the inter-cluster link per host = the
 uplink's share) and a profile measured on each testbed (`python -m holmes_jax.profile`,
-all 4 processes at once, so CPU sharing is in the layer times). (a), (c) and (d) use their
-testbed's whole profile (their layout is the profiled one); (b) uses the heterogeneous profile's
-layer times only, links from the topology (its data groups are not the profiled ones).
+all 4 processes at once). (a), (c)-(g) use their testbed's whole profile; (b) uses the
+heterogeneous profile's layer times only, links from the topology (its data groups are not the
+profiled ones).
 
 Run (root): python bench/hetero_nic.py     Last line: one JSON object of the figures.
+Sizing (no root): python bench/hetero_nic.py --size   The cost model's (a)-(e) for candidate rates.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -45,12 +49,13 @@ from pathlib import Path
 from holmes_jax import emulate
 
 CLUSTERS = [("ib", "infiniband", 2), ("roce", "roce", 2)]
-IB_MBIT, ROCE_MBIT, INTER_MBIT = 2000.0, 1000.0, 200.0
+IB_MBIT, ROCE_MBIT, INTER_MBIT = 2000.0, 250.0, 100.0
 STEPS = 16
 WARMUP_STEPS = 4  # not timed: the first steps run slower (allocations, TCP windows opening)
-MODEL = {"preset": "tiny", "num_layers": 8, "hidden": 192, "num_heads": 4, "ffn_hidden": 768}
+MODEL = {"preset": "tiny", "num_layers": 16, "hidden": 192, "num_heads": 4, "ffn_hidden": 768}
 SEQ, GLOBAL_BATCH, MICROBATCHES = 64, 8, 4
-RUN_TIMEOUT_S = 300
+RUN_TIMEOUT_S = 600
+SLOW_SHARE = 0.5  # (f), (g): the roce cluster's processes get this share of the others' CPU time
 
 
 def gin_args(workdir: Path, topology: Path, placement: str, partition: str, profile: Path | None) -> list[str]:
@@ -82,20 +87,29 @@ def topology_toml(ib_mbit: float, roce_mbit: float, inter_mbit: float, efficienc
             f"efficiency = {efficiency['inter']:.4f}\nlatency_us = 100\n")
 
 
-def run(ec: emulate.EmulatedCluster, module_args: list[str], pin: bool) -> int:
+@dataclasses.dataclass
+class Testbed:
+    """An emulated cluster and how its processes run: pinned to a core each, or CPU-capped."""
+
+    ec: emulate.EmulatedCluster
+    pin: bool
+    cpu: emulate.CpuLimits | None = None
+
+
+def run(bed: Testbed, module_args: list[str]) -> int:
     cmd = [sys.executable, "-m", *module_args]
-    if pin:  # one core per process: rank r on core r
+    if bed.pin:  # one core per process: rank r on core r
         cmd = ["sh", "-c", 'exec taskset -c "$HOLMES_PROCESS_ID" "$@"', "pin", *cmd]
-    return ec.run(cmd, devices_per_process=1, timeout_s=RUN_TIMEOUT_S)
+    return bed.ec.run(cmd, devices_per_process=1, timeout_s=RUN_TIMEOUT_S, cpu=bed.cpu)
 
 
-def measure_profile(ec: emulate.EmulatedCluster, path: Path, workdir: Path, topology: Path, pin: bool):
-    """The profile of the Holmes layout, measured by all processes in `ec`; None if that failed."""
+def measure_profile(bed: Testbed, path: Path, workdir: Path, topology: Path):
+    """The profile of the Holmes layout, measured by all processes of `bed`; None if that failed."""
     from holmes_jax.planning.measured import Profile
 
     t = time.perf_counter()
-    rc = run(ec, ["holmes_jax.profile", "--out", str(path), "--repeats", "5",
-                  *gin_args(workdir, topology, "holmes", "uniform", None)], pin)
+    rc = run(bed, ["holmes_jax.profile", "--out", str(path), "--repeats", "5",
+                   *gin_args(workdir, topology, "holmes", "uniform", None)])
     if rc:
         print(f"hetero_nic: the profile run ({path.name}) failed with status {rc}", file=sys.stderr)
         return None
@@ -103,16 +117,16 @@ def measure_profile(ec: emulate.EmulatedCluster, path: Path, workdir: Path, topo
     print(f"hetero_nic: {path.name} in {time.perf_counter() - t:.0f} s: layer fwd {prof.layer_fwd_s * 1e3:.2f} ms, "
           f"bwd {prof.layer_bwd_s * 1e3:.2f} ms; data groups "
           + ", ".join(f"{l.gbps * 1e3:.0f} Mbit/s + {l.latency_s * 1e3:.2f} ms" if l else "-" for l in prof.data_links)
-          + "; boundary " + ", ".join(f"{l.gbps * 1e3:.0f} Mbit/s + {l.latency_s * 1e3:.2f} ms" for l in prof.stage_links),
-          flush=True)
+          + "; boundary " + ", ".join(f"{l.gbps * 1e3:.0f} Mbit/s + {l.latency_s * 1e3:.2f} ms" for l in prof.stage_links)
+          + "; stage layer times x " + (", ".join(f"{v:.2f}" for v in prof.stage_layer_scale) or "-"), flush=True)
     return prof
 
 
-def train(ec: emulate.EmulatedCluster, key: str, workdir: Path, topology: Path, placement: str, partition: str,
-          profile: Path, pin: bool) -> float | None:
-    """Configuration `key` trained in `ec`: its median step time after the warm-up; None if it failed."""
+def train(bed: Testbed, key: str, workdir: Path, topology: Path, placement: str, partition: str,
+          profile: Path) -> float | None:
+    """Configuration `key` trained on `bed`: its median step time after the warm-up; None if it failed."""
     t = time.perf_counter()
-    rc = run(ec, ["holmes_jax.train", *gin_args(workdir, topology, placement, partition, profile)], pin)
+    rc = run(bed, ["holmes_jax.train", *gin_args(workdir, topology, placement, partition, profile)])
     if rc:
         print(f"hetero_nic: run ({key}) failed with status {rc}", file=sys.stderr)
         return None
@@ -121,7 +135,65 @@ def train(ec: emulate.EmulatedCluster, key: str, workdir: Path, topology: Path, 
     return float(statistics.median(r["step_time_s"] for r in rows[WARMUP_STEPS:]))
 
 
+NAMES = {"a": "a_homogeneous_s", "b": "b_naive_s", "c": "c_holmes_uniform_s", "d": "d_holmes_auto_s",
+         "e": "e_holmes_ratio_s", "f": "f_slow_devices_uniform_s", "g": "g_slow_devices_auto_s"}
+WHAT = {"a": f"homogeneous {IB_MBIT:g} Mbit/s", "b": "hetero, naive", "c": "hetero, holmes, uniform",
+        "d": "hetero, holmes, auto+profile", "e": "hetero, holmes, holmes-ratio",
+        "f": "slow roce CPUs, uniform", "g": "slow roce CPUs, auto+profile"}
+
+
+# `--size`: the cost model's view of candidate testbeds before measuring, from a stand-in profile
+# of this model on the 4-process testbed (per layer and microbatch: forward 2.5 ms, backward 9 ms;
+# TCP reaches ~60% of a shaped NIC's rate and ~95% of the uplink's; the optimizer 5 ns a parameter).
+STAND_IN = {"fwd_s": 2.5e-3, "bwd_s": 9e-3, "nic_efficiency": 0.6, "uplink_efficiency": 0.95, "update_s": 5e-9}
+
+
+def size(candidates=((1000, 200), (500, 100), (250, 100), (250, 200), (125, 100))) -> None:
+    """Prints the predicted (a)-(e) for each (roce Mbit/s, uplink Mbit/s) candidate."""
+    from holmes_jax.config import ModelConfig, ParallelConfig
+    from holmes_jax.models.presets import resolve
+    from holmes_jax.planning import plan, workload
+    from holmes_jax.planning.measured import Profile
+    from holmes_jax.planning.topology import Link
+
+    cfg = ModelConfig(**MODEL)
+    micro_batch = GLOBAL_BATCH // (2 * MICROBATCHES)
+    flops = workload.model_costs(resolve(cfg), micro_batch, SEQ).layers[0].fwd_flops
+    sin = STAND_IN
+
+    def link(mbit, efficiency):
+        return Link(mbit * efficiency * 1e6 / 8, 0.5e-3)
+
+    print(f"{'roce':>6} {'uplink':>6} | " + " ".join(f"{k:>6}" for k in "abcde") + " | d layers  e layers | "
+          "d/c   d/e   b/d   d/a  | hop")
+    with tempfile.TemporaryDirectory() as tmp:
+        for roce, uplink in candidates:
+            row = {}
+            for key, (ib_r, roce_r, up, placement, partition) in {
+                    "a": (IB_MBIT, IB_MBIT, IB_MBIT, "holmes", "uniform"), "b": (IB_MBIT, roce, uplink, "naive", "uniform"),
+                    "c": (IB_MBIT, roce, uplink, "holmes", "uniform"), "d": (IB_MBIT, roce, uplink, "holmes", "auto"),
+                    "e": (IB_MBIT, roce, uplink, "holmes", "holmes-ratio")}.items():
+                topo = Path(tmp) / "t.toml"
+                topo.write_text(topology_toml(ib_r, roce_r, up, {"intra": sin["nic_efficiency"],
+                                                                 "inter": sin["uplink_efficiency"]}, 0.05))
+                links = () if key == "b" else (link(ib_r, sin["nic_efficiency"]), link(roce_r, sin["nic_efficiency"]))
+                hop = link(up / CLUSTERS[0][2], sin["uplink_efficiency"])
+                prof = Profile("stand-in", micro_batch, SEQ, flops, sin["fwd_s"], sin["bwd_s"], links, (hop,),
+                               sin["update_s"])
+                par = ParallelConfig(pp=2, dp=2, tp=1, microbatches=MICROBATCHES, schedule="gpipe",
+                                     placement=placement, partition=partition, cpu_devices=1)
+                row[key] = plan(topo, cfg, par, global_batch=GLOBAL_BATCH, seq_len=SEQ, profile=prof)
+            t = {k: p.prediction.step_time_s for k, p in row.items()}
+            print(f"{roce:>6} {uplink:>6} | " + " ".join(f"{t[k] * 1e3:>6.0f}" for k in "abcde")
+                  + f" | {','.join(map(str, row['d'].stage_layers)):<9} {','.join(map(str, row['e'].stage_layers)):<8}"
+                  f" | {t['d'] / t['c']:.2f}  {t['d'] / t['e']:.2f}  {t['b'] / t['d']:.2f}  {t['d'] / t['a']:.2f}"
+                  f" | {row['d'].prediction.p2p_s[0] * 1e3:.0f} ms")
+
+
 def main() -> int:
+    if sys.argv[1:] == ["--size"]:
+        size()
+        return 0
     reason = emulate.unavailable_reason()
     if reason:
         print(f"bench/hetero_nic.py: cannot run: the emulated cluster {reason}", file=sys.stderr)
@@ -135,10 +207,17 @@ def main() -> int:
     cores = os.cpu_count() or 1
     hosts = sum(c[2] for c in CLUSTERS)
     pin = cores >= hosts
+    share = min(1.0, cores / hosts)  # each process's cap: hosts behave as devices of a fixed speed
+    try:
+        with emulate.CpuLimits([share] * hosts):
+            capped = True
+    except emulate.EmulationError as e:
+        capped = False
+        print(f"hetero_nic: no CPU caps ({e}): processes share the cores freely; (f) and (g) are left out", flush=True)
     print(f"hetero_nic: {hosts} emulated hosts (1 process, 1 CPU device each) on {cores} CPU cores: "
-          + ("each process pinned to its own core (taskset)" if pin else
-             f"not pinned: {hosts} processes share {cores} cores, so compute times include that sharing "
-             f"(the profile is measured the same way, all {hosts} processes at once)"), flush=True)
+          + ("each process pinned to its own core (taskset)" if pin else f"{hosts} processes share {cores} cores")
+          + (f", each capped at {share:.2f} CPUs (cgroup), so an idle stage's time does not speed up another"
+             if capped else ""), flush=True)
     import jax
 
     tflops = metrics.measure_matmul_peak_tflops(jax.devices()[:1])
@@ -148,14 +227,29 @@ def main() -> int:
         tmp = Path(tmp)
         model = ModelConfig(**MODEL)
 
-        def predict(topology: Path, placement: str, partition: str, profile) -> tuple[float, tuple]:
+        def predict(topology: Path, placement: str, partition: str, profile) -> tuple[float, tuple, object]:
             par = ParallelConfig(pp=2, dp=2, tp=1, microbatches=MICROBATCHES, schedule="gpipe",
                                  placement=placement, partition=partition, cpu_devices=1)
             p = plan(topology, model, par, global_batch=GLOBAL_BATCH, seq_len=SEQ, profile=profile)
-            return p.prediction.step_time_s, p.stage_layers
+            return p.prediction.step_time_s, p.stage_layers, p
 
-        # Heterogeneous testbed: bandwidths, profile, then (b), (c), (d).
-        with emulate.EmulatedCluster(CLUSTERS, {"infiniband": IB_MBIT, "roce": ROCE_MBIT}, INTER_MBIT) as ec:
+        def configs(bed: Testbed, topology: Path, runs: dict) -> bool:
+            for key, (placement, partition, profile) in runs.items():
+                predicted, layers, the_plan = predict(topology, placement, partition, profile)
+                measured = train(bed, key, tmp / f"run-{key}", topology, placement, partition, profile)
+                if measured is None:
+                    return False
+                out[key] = (measured, predicted, layers, the_plan)
+            return True
+
+        def cpu_caps(slow: float = 1.0):
+            cpu = [share if c[0] == CLUSTERS[0][0] else share * slow for c in CLUSTERS for _ in range(c[2])]
+            return emulate.CpuLimits(cpu) if capped else contextlib.nullcontext()
+
+        # Heterogeneous testbed: bandwidths, profile, then (b), (c), (d), (e).
+        with emulate.EmulatedCluster(CLUSTERS, {"infiniband": IB_MBIT, "roce": ROCE_MBIT}, INTER_MBIT) as ec, \
+                cpu_caps() as cpu:
+            bed = Testbed(ec, pin, cpu)
             ib0, ib1, roce0, roce1 = ec.hosts
             intra, inter = ec.bandwidth_mbit(ib0, ib1), ec.bandwidth_mbit(ib1, roce1)
             eff = {"intra": min(intra / IB_MBIT, 1.0), "inter": min(inter / INTER_MBIT, 1.0)}
@@ -164,62 +258,79 @@ def main() -> int:
             hetero = tmp / "hetero.toml"
             hetero.write_text(topology_toml(IB_MBIT, ROCE_MBIT, INTER_MBIT, eff, tflops))
             profile_path = tmp / "profile.json"
-            prof = measure_profile(ec, profile_path, tmp / "profile-run", hetero, pin)
+            prof = measure_profile(bed, profile_path, tmp / "profile-run", hetero)
             if not prof:
                 return 1
             layers_only = tmp / "profile-layers.json"
             layers_only.write_text(dataclasses.replace(prof, data_links=(), stage_links=()).to_json())
-            configs = {"b": ("naive", "uniform", layers_only), "c": ("holmes", "uniform", profile_path),
-                       "d": ("holmes", "auto", profile_path)}
-            for key, (placement, partition, profile) in configs.items():
-                predicted, layers = predict(hetero, placement, partition, profile)
-                measured = train(ec, key, tmp / f"run-{key}", hetero, placement, partition, profile, pin)
-                if measured is None:
-                    return 1
-                out[key] = (measured, predicted, layers)
+            if not configs(bed, hetero, {"b": ("naive", "uniform", layers_only),
+                                         "c": ("holmes", "uniform", profile_path),
+                                         "d": ("holmes", "auto", profile_path),
+                                         "e": ("holmes", "holmes-ratio", profile_path)}):
+                return 1
 
-        # Homogeneous fast testbed: its own profile, then (a).
+        # Homogeneous fast testbed: its own profile, then (a); then the roce cluster's CPUs slowed:
+        # a profile that measures it, then (f) and (g).
         fast = {"infiniband": IB_MBIT, "roce": IB_MBIT}
         with emulate.EmulatedCluster(CLUSTERS, fast, IB_MBIT) as ec:
             homo = tmp / "homogeneous.toml"
             homo.write_text(topology_toml(IB_MBIT, IB_MBIT, IB_MBIT, {"intra": eff["intra"], "inter": eff["intra"]},
                                           tflops))
-            fast_profile = tmp / "profile-homogeneous.json"
-            if not measure_profile(ec, fast_profile, tmp / "profile-homogeneous-run", homo, pin):
-                return 1
-            predicted, layers = predict(homo, "holmes", "uniform", fast_profile)
-            measured = train(ec, "a", tmp / "run-a", homo, "holmes", "uniform", fast_profile, pin)
-            if measured is None:
-                return 1
-            out["a"] = (measured, predicted, layers)
+            with cpu_caps() as cpu:
+                bed = Testbed(ec, pin, cpu)
+                fast_profile = tmp / "profile-homogeneous.json"
+                if not measure_profile(bed, fast_profile, tmp / "profile-homogeneous-run", homo):
+                    return 1
+                if not configs(bed, homo, {"a": ("holmes", "uniform", fast_profile)}):
+                    return 1
+            if capped:
+                with cpu_caps(SLOW_SHARE) as cpu:
+                    bed = Testbed(ec, pin, cpu)
+                    slow_profile = tmp / "profile-slow.json"
+                    if not measure_profile(bed, slow_profile, tmp / "profile-slow-run", homo):
+                        return 1
+                    if not configs(bed, homo, {"f": ("holmes", "uniform", slow_profile),
+                                               "g": ("holmes", "auto", slow_profile)}):
+                        return 1
 
-    names = {"a": "a_homogeneous_s", "b": "b_naive_s", "c": "c_holmes_uniform_s", "d": "d_holmes_auto_s"}
-    what = {"a": "homogeneous 2000 Mbit/s", "b": "hetero, naive", "c": "hetero, holmes, uniform",
-            "d": "hetero, holmes, auto+profile"}
+    keys = [k for k in "abcdefg" if k in out]
     tokens = GLOBAL_BATCH * SEQ
     print()
-    print(f"{'config':<32} {'layers':<8} {'measured':>10} {'tokens/s':>10} {'predicted':>10} {'pred/meas':>9}")
-    for k in "abcd":
-        meas, pred, layers = out[k]
-        print(f"({k}) {what[k]:<28} {','.join(map(str, layers)):<8} {meas * 1e3:>8.0f} ms {tokens / meas:>10.0f} "
+    print(f"{'config':<34} {'layers':<8} {'measured':>10} {'tokens/s':>10} {'predicted':>10} {'pred/meas':>9}")
+    for k in keys:
+        meas, pred, layers, _ = out[k]
+        print(f"({k}) {WHAT[k]:<30} {','.join(map(str, layers)):<8} {meas * 1e3:>8.0f} ms {tokens / meas:>10.0f} "
               f"{pred * 1e3:>7.0f} ms {pred / meas:>9.2f}")
-    m = {k: out[k][0] for k in "abcd"}
-    p = {k: out[k][1] for k in "abcd"}
+    for k in ("d", "g"):
+        if k in out:
+            print(f"\nplan of ({k}):\n{out[k][3].explain()}")
+    m = {k: out[k][0] for k in keys}
+    p = {k: out[k][1] for k in keys}
+
+    def target(ok: bool) -> str:
+        return "met" if ok else "NOT met"
+
     print()
-    print(f"speedup (b)/(c) holmes uniform over naive: {m['b'] / m['c']:.2f}x (predicted {p['b'] / p['c']:.2f}x)")
-    print(f"speedup (b)/(d) holmes auto over naive:    {m['b'] / m['d']:.2f}x (predicted {p['b'] / p['d']:.2f}x)"
-          f"  target >= 2x: {'met' if m['b'] / m['d'] >= 2 else 'NOT met'}")
-    print(f"(a)/(d) holmes auto vs homogeneous:        {m['a'] / m['d']:.2f}x (predicted {p['a'] / p['d']:.2f}x)"
-          f"  target (d) within 15% of (a): {'met' if m['d'] <= 1.15 * m['a'] else 'NOT met'}")
-    worst = max(abs(p[k] / m[k] - 1) for k in "abcd")
-    print(f"worst prediction error {worst * 100:.0f}%  target <= 25%: {'met' if worst <= 0.25 else 'NOT met'}")
+    print(f"(d)/(c) auto over uniform:       {m['d'] / m['c']:.2f} (predicted {p['d'] / p['c']:.2f}), auto picks "
+          f"{list(out['d'][2])}  target <= 0.87, uneven: {target(m['d'] <= 0.87 * m['c'] and len(set(out['d'][2])) > 1)}")
+    print(f"(d)/(e) auto over holmes-ratio:  {m['d'] / m['e']:.2f} (predicted {p['d'] / p['e']:.2f})"
+          f"  target <= 1: {target(m['d'] <= m['e'])}")
+    print(f"(b)/(d) auto over naive:         {m['b'] / m['d']:.2f} (predicted {p['b'] / p['d']:.2f})"
+          f"  target >= 2.5: {target(m['b'] / m['d'] >= 2.5)}")
+    print(f"(d)/(a) auto vs homogeneous:     {m['d'] / m['a']:.2f} (predicted {p['d'] / p['a']:.2f})"
+          f"  target <= 1.10: {target(m['d'] / m['a'] <= 1.10)}")
+    if "g" in m:
+        print(f"(g)/(f) slow CPUs, auto/uniform: {m['g'] / m['f']:.2f} (predicted {p['g'] / p['f']:.2f}), auto picks "
+              f"{list(out['g'][2])}  target <= 0.85: {target(m['g'] <= 0.85 * m['f'])}")
+    worst = max(abs(p[k] / m[k] - 1) for k in keys)
+    print(f"worst prediction error {worst * 100:.0f}%  target <= 15%: {target(worst <= 0.15)}")
     print(f"bench wall time {time.perf_counter() - t_start:.0f} s")
-    result = {names[k]: round(m[k], 5) for k in "abcd"}
-    result["predicted_s"] = {names[k]: round(p[k], 5) for k in "abcd"}
-    result["stage_layers"] = {names[k]: list(out[k][2]) for k in "abcd"}
-    result["speedup_c_over_b"] = round(m["b"] / m["c"], 3)
-    result["speedup_d_over_b"] = round(m["b"] / m["d"], 3)
-    result["speedup_d_over_a"] = round(m["a"] / m["d"], 3)
+    result = {NAMES[k]: round(m[k], 5) for k in keys}
+    result["predicted_s"] = {NAMES[k]: round(p[k], 5) for k in keys}
+    result["stage_layers"] = {NAMES[k]: list(out[k][2]) for k in keys}
+    result["auto_stage_layers"] = list(out["d"][2])
+    if "g" in out:
+        result["slow_auto_stage_layers"] = list(out["g"][2])
     print(json.dumps(result))
     return 0
 

@@ -15,8 +15,9 @@ from holmes_jax import data, export, metrics, planning
 from holmes_jax.configure import Configs
 from holmes_jax.mesh.devices import build_mesh, local_topology, ordered_devices
 from holmes_jax.models import gpt
-from holmes_jax.optimizer import apply_gradients, make_optimizer
+from holmes_jax.optimizer import make_optimizer
 from holmes_jax.pipeline.runtime import Pipeline
+from holmes_jax.pipeline.update import make_update
 from holmes_jax.planning import Plan
 from holmes_jax.planning.communicators import cross_cluster_hops
 from holmes_jax.sharding import gradient_specs, state_shardings
@@ -116,15 +117,17 @@ def build(cfgs: Configs, devices=None) -> Setup:
 
 
 def make_train_step(setup: Setup):
-    """The jitted step: the pipeline's loss and gradients over all microbatches, one AdamW update.
-    A step whose loss or gradient norm is not finite keeps the old parameters and optimizer state
-    (`skipped` in its outputs) but still counts: `step` numbers batches, so a resumed run lines up."""
-    tx, pipeline = setup.tx, setup.pipeline
+    """The jitted step: the pipeline's loss and gradients over all microbatches, one AdamW update
+    of each stage's real layers. A step whose loss or gradient norm is not finite keeps the old
+    parameters and optimizer state (`skipped` in its outputs) but still counts: `step` numbers
+    batches, so a resumed run lines up."""
+    pipeline = setup.pipeline
+    specs = jax.tree.map(lambda s: s.spec, setup.state_shardings)
+    update = make_update(pipeline, setup.tx, setup.cfgs.train.grad_clip, specs, setup.grad_specs)
 
     def step(state, batch):
         loss, grads = pipeline.loss_and_grads(state["params"], batch, setup.grad_specs)
-        params, opt_state, norm = apply_gradients(tx, setup.cfgs.train.grad_clip, state["params"], state["opt_state"],
-                                                  grads, pipeline.mask_updates)
+        params, opt_state, norm = update(state["params"], state["opt_state"], grads)
         good = jnp.isfinite(loss) & jnp.isfinite(norm)
         keep = functools.partial(jax.tree.map, lambda new, old: jnp.where(good, new, old))
         new_state = {"params": keep(params, state["params"]), "opt_state": keep(opt_state, state["opt_state"]),

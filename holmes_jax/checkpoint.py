@@ -27,10 +27,14 @@ class _QuietOrbax(logging.Filter):
     and every failure reaches us as an exception that we report in one line."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return f"{os.sep}orbax{os.sep}" not in record.pathname
+        if f"{os.sep}orbax{os.sep}" in record.pathname:
+            return False
+        # asyncio's "exception was never retrieved" for orbax's failed writes (a full disk)
+        return record.name != "asyncio" or "orbax" not in record.getMessage()
 
 
 logging.getLogger("absl").addFilter(_QuietOrbax())
+logging.getLogger("asyncio").addFilter(_QuietOrbax())
 
 
 def _reason(error: Exception) -> str:

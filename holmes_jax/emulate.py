@@ -139,6 +139,77 @@ class Host:
     mbit: float  # its NIC's shaped rate
 
 
+CGROUP = Path("/sys/fs/cgroup")
+
+
+def _cpu_hierarchy() -> tuple[Path, str] | None:
+    """(where to make CPU-limited groups, "v2" or "v1"): cgroup v2's cpu.max where the unified
+    hierarchy has the cpu controller, else cgroup v1's cpu controller (cfs quota); None if neither."""
+    for root, kind in ((CGROUP, "v2"), (CGROUP / "unified", "v2"), (CGROUP / "cpu", "v1")):
+        controllers = root / "cgroup.controllers"
+        if kind == "v2" and controllers.is_file() and "cpu" in controllers.read_text().split():
+            return root, kind
+        if kind == "v1" and (root / "cpu.cfs_quota_us").is_file():
+            return root, kind
+    return None
+
+
+class CpuLimits:
+    """A hard cap on the CPU time of each emulated host's process, as a context manager: one
+    cgroup per rank (cgroup v2 `cpu.max`, or cgroup v1's cfs quota), `cores[rank]` CPUs of time
+    per 10 ms period, removed on exit. Capped processes cannot use what idle ones leave, so
+    hosts that share the machine's cores behave like devices of fixed speed.
+
+        with CpuLimits([0.5, 0.5, 0.25, 0.25]) as cpu:
+            ec.run(["python", ...], cpu=cpu)
+    """
+
+    PERIOD_US = 10_000  # short: a capped process that used its share waits at most this long (mid-collective too)
+
+    def __init__(self, cores: Sequence[float]):
+        if not cores or any(not isinstance(c, (int, float)) or isinstance(c, bool) or c <= 0 for c in cores):
+            raise ConfigError(f"cores = {list(cores)!r} is not allowed; allowed: a positive number of CPUs per host")
+        self.cores = list(cores)
+        found = _cpu_hierarchy()
+        if os.geteuid() != 0 or found is None:
+            raise EmulationError("CPU limits need root and a cgroup cpu controller (v2 cpu.max or v1 cfs quota)")
+        root, self.kind = found
+        self.root = root / f"{PREFIX}{os.getpid()}-{next(_counter)}-cpu"
+
+    def __enter__(self) -> CpuLimits:
+        try:
+            self.root.mkdir()
+            if self.kind == "v2":  # the children's cpu.max needs the controller enabled below the group
+                (self.root / "cgroup.subtree_control").write_text("+cpu")
+            for rank, cores in enumerate(self.cores):
+                group = self.root / str(rank)
+                group.mkdir()
+                quota = int(cores * self.PERIOD_US)
+                if self.kind == "v2":
+                    (group / "cpu.max").write_text(f"{quota} {self.PERIOD_US}")
+                else:
+                    (group / "cpu.cfs_period_us").write_text(str(self.PERIOD_US))
+                    (group / "cpu.cfs_quota_us").write_text(str(quota))
+        except OSError as e:
+            self.close()
+            raise EmulationError(f"cannot set CPU limits under {self.root}: {e}") from None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for group in sorted(self.root.glob("*"), reverse=True):
+            if group.is_dir():
+                group.rmdir()
+        if self.root.exists():
+            self.root.rmdir()
+
+    def prefix(self) -> list[str]:
+        """A command prefix that moves the process into its rank's group (launch's HOLMES_PROCESS_ID)."""
+        return ["sh", "-c", 'echo $$ > "$0/$HOLMES_PROCESS_ID/cgroup.procs" && exec "$@"', str(self.root)]
+
+
 class EmulatedCluster:
     """Namespaces as hosts in clusters `[(name, nic_class, hosts), ...]`; a context manager that
     tears everything down on exit, also after an error inside the block."""
@@ -250,12 +321,16 @@ class EmulatedCluster:
                 host.hostname]
 
     def run(self, cmd: Sequence[str], devices_per_process: int | None = None, env: dict | None = None,
-            timeout_s: float | None = None, grace_s: float = 5.0) -> int:
-        """`cmd` as one process per host (`holmes_jax.launch`), the coordinator on host 0."""
+            timeout_s: float | None = None, grace_s: float = 5.0, cpu: CpuLimits | None = None) -> int:
+        """`cmd` as one process per host (`holmes_jax.launch`), the coordinator on host 0; with
+        `cpu`, each process under its rank's CPU cap (entered before the namespace, whose own
+        /sys hides the cgroup tree)."""
+        def wrap(rank):
+            return [*(cpu.prefix() if cpu else []), *self.exec_prefix(self.hosts[rank])]
+
         return launch.launch(cmd, len(self.hosts), devices_per_process, COORDINATOR_PORT, env,
                              [h.nic_class for h in self.hosts], coordinator_host=self.hosts[0].address,
-                             wrap=lambda rank: self.exec_prefix(self.hosts[rank]), grace_s=grace_s,
-                             timeout_s=timeout_s)
+                             wrap=wrap, grace_s=grace_s, timeout_s=timeout_s)
 
     def expected_mbit(self, src: Host, dst: Host) -> float:
         return src.mbit if src.cluster == dst.cluster else min(src.mbit, self.inter_mbit)

@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import collections
 import json
+import logging
 from pathlib import Path
 
 from tensorboardX import SummaryWriter
+
+# tensorboardX warns on every NaN it writes; a non-finite step already gets our own one line.
+logging.getLogger("tensorboardX.x2num").setLevel(logging.ERROR)
 
 
 # Dense bf16 peak TFLOP/s of one device, by the start of `device.device_kind` (lower case).

@@ -3,6 +3,8 @@
 - Layer costs: XLA's flop count of one transformer block (`cost_analysis`) and its measured
   forward and forward+backward time on the real devices (all at once, each call synced over
   `stage` as a pipeline tick is), for one microbatch, per layer.
+- Stage speeds: each stage's layers timed without waiting for the others, relative to the
+  slowest stage (devices that differ in speed: a throttled cluster).
 - The optimizer step as the run takes it (clipping, AdamW), over the whole mesh with the run's
   shardings (ZeRO-1: each device its share), as seconds per parameter a device updates.
 - Links: bandwidth and latency of each stage's data-parallel group (the sync the step runs over
@@ -34,7 +36,8 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from holmes_jax import build, cli, configure, distributed, optimizer
+from holmes_jax import build, cli, configure, distributed
+from holmes_jax.pipeline.update import make_update
 from holmes_jax.planning.measured import Profile
 from holmes_jax.planning.topology import Link
 
@@ -105,9 +108,33 @@ def profile_layer(model, mesh: Mesh, layers: int, micro_batch: int, seq_len: int
     return flops, max(t_fwd, 1e-9) / layers, max(t_both - t_fwd, 0.0) / layers
 
 
+def profile_stage_scale(model, mesh: Mesh, layers: int, micro_batch: int, seq_len: int,
+                        repeats: int = 5) -> tuple[float, ...]:
+    """Per stage, its layers' forward + backward time over the slowest stage's, every device at
+    once but none waiting for another (a tick waits for the slowest, so `profile_layer` times
+    that one). Empty when some process holds devices of several stages (its time is theirs together)."""
+    stages = mesh.shape["stage"]
+    mine = {s for s in range(stages) for d in mesh.devices[s].flat if d.process_index == jax.process_index()}
+    blocks = jax.device_put(jax.tree.map(lambda x: x[:layers], model.init(0)["blocks"]), NamedSharding(mesh, P()))
+    spec = P(*mesh.axis_names)
+    x = _per_device(mesh, (micro_batch, seq_len, model.cfg.hidden), jnp.dtype(model.cfg.compute_dtype))
+    lead, first = (None,) * len(mesh.axis_names), (0,) * len(mesh.axis_names)
+
+    def both(b, x):
+        loss = lambda b, x: jnp.sum(model.blocks(b, x).astype(jnp.float32))  # noqa: E731
+        return jax.grad(loss, argnums=1)(b, x[first])[lead]
+
+    fn = jax.jit(jax.shard_map(both, mesh=mesh, in_specs=(P(), spec), out_specs=spec, check_vma=False))
+    t = _lockstep_time(fn, blocks, x, repeats=repeats)
+    times = _median_over_processes(np.array([t if s in mine and len(mine) == 1 else np.nan for s in range(stages)]))
+    if stages == 1 or np.isnan(times).any():
+        return ()
+    return tuple(float(v) for v in times / times.max())
+
+
 def profile_update(setup, repeats: int = 5) -> float:
     """Seconds per parameter a device updates in one optimizer step as the run takes it
-    (`optimizer.apply_gradients`: clipping's global norm, AdamW, the padding mask), over the whole
+    (`pipeline.update`: clipping's global norm, AdamW on each stage's real layers), over the whole
     mesh with gradients and optimizer state sharded as the run shards them (ZeRO-1: each device
     its 1/dp share). The updated parameters stay sharded like the gradients: gathering them back
     is the data link's part of the sync."""
@@ -118,13 +145,20 @@ def profile_update(setup, repeats: int = 5) -> float:
     grads = jax.jit(lambda p: jax.tree.map(lambda x: jnp.full_like(x, 1e-3), p), out_shardings=grad_shardings)(
         state["params"])
 
-    def update(params, opt_state, grads):
-        return optimizer.apply_gradients(setup.tx, setup.cfgs.train.grad_clip, params, opt_state, grads,
-                                     setup.pipeline.mask_updates)[:2]
-
-    step = jax.jit(update, in_shardings=(shardings["params"], shardings["opt_state"], grad_shardings),
+    specs = jax.tree.map(lambda s: s.spec, shardings)
+    update = make_update(setup.pipeline, setup.tx, setup.cfgs.train.grad_clip, specs, setup.grad_specs, gather=False)
+    step = jax.jit(lambda *args: update(*args)[:2],
+                   in_shardings=(shardings["params"], shardings["opt_state"], grad_shardings),
                    out_shardings=(grad_shardings, shardings["opt_state"]))
-    count = sum(x.addressable_shards[0].data.size for x in jax.tree.leaves(grads))  # on this process's first device
+    device = setup.mesh.local_devices[0]
+    stage = next(s for s in range(setup.mesh.shape["stage"]) if device in setup.mesh.devices[s].flat)
+    real = setup.pipeline.stage_layers[stage] / setup.pipeline.max_layers  # block slots it updates
+
+    def updated(path, x):  # elements of `x` this device updates: its stage's real layers, its share
+        shard = next(s for s in x.addressable_shards if s.device == device).data
+        return shard.size * (real if "blocks" in jax.tree_util.keystr(path) else 1)
+
+    count = sum(updated(path, x) for path, x in jax.tree_util.tree_leaves_with_path(grads))
     return _lockstep_time(step, state["params"], state["opt_state"], grads, repeats=repeats) / count
 
 
@@ -199,6 +233,7 @@ def profile(setup, repeats: int = 5) -> Profile:
     micro_batch = setup.plan.micro_batch
     flops, t_fwd, t_bwd = profile_layer(model, mesh, max(setup.pipeline.stage_layers), micro_batch,
                                         cfgs.data.seq_len, repeats)
+    scale = profile_stage_scale(model, mesh, max(setup.pipeline.stage_layers), micro_batch, cfgs.data.seq_len, repeats)
     update = profile_update(setup, repeats)
     t_fwd, t_bwd, update = (float(v) for v in _median_over_processes(np.array([t_fwd, t_bwd, update])))
     stages = mesh.shape["stage"]
@@ -207,7 +242,7 @@ def profile(setup, repeats: int = 5) -> Profile:
                               [mesh.shape["data"]] * stages)
     stage_links = tuple(profile_stage_boundary(mesh, s, repeats=repeats) for s in range(stages - 1))
     return Profile(mesh.local_devices[0].device_kind, micro_batch, cfgs.data.seq_len, flops, t_fwd, t_bwd,
-                   tuple(data_links), stage_links, update)
+                   tuple(data_links), stage_links, update, scale)
 
 
 def main(argv: list[str]) -> int:

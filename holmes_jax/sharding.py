@@ -10,11 +10,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from holmes_jax.models import gpt
 
 
-def _zero1_spec(spec: P, shape: tuple, dp: int) -> P:
-    """Adds `data` to the first unsplit axis of a leaf that `dp` divides (ZeRO stage 1)."""
+def _zero1_spec(spec: P, shape: tuple, dp: int, skip: int = 0) -> P:
+    """Adds `data` to the first unsplit axis of a leaf that `dp` divides (ZeRO stage 1), past the
+    first `skip` axes."""
     dims = list(spec) + [None] * (len(shape) - len(spec))
     for i, (name, size) in enumerate(zip(dims, shape)):
-        if name is None and size % dp == 0:
+        if i >= skip and name is None and size % dp == 0:
             dims[i] = "data"
             return P(*dims)
     return spec
@@ -22,12 +23,19 @@ def _zero1_spec(spec: P, shape: tuple, dp: int) -> P:
 
 def gradient_specs(params_shapes: dict, stage_axis: str | None, dp: int, zero1: bool) -> dict:
     """Where gradients and optimizer moments live: the parameter's spec, split over `data` too
-    with ZeRO-1 (so the gradient is reduce-scattered and each replica updates its shard)."""
+    with ZeRO-1 (so the gradient is reduce-scattered and each replica updates its shard). Block
+    leaves are split inside a layer, never along their layer axes, so each layer has its share
+    on every replica (the pipeline reduces and updates a stage's real layers only)."""
     pspecs = gpt.param_specs(params_shapes, stage_axis)
     if not zero1:
         return pspecs
-    return jax.tree.map(lambda spec, leaf: _zero1_spec(spec, leaf.shape, dp), pspecs, params_shapes,
-                        is_leaf=lambda x: isinstance(x, P))
+    layer_axes = 1 if stage_axis is None else 2
+
+    def spec(path, spec, leaf):
+        blocks = getattr(path[0], "key", None) == "blocks"
+        return _zero1_spec(spec, leaf.shape, dp, layer_axes if blocks else 0)
+
+    return jax.tree_util.tree_map_with_path(spec, pspecs, params_shapes, is_leaf=lambda x: isinstance(x, P))
 
 
 def optimizer_specs(opt_shapes, moment_specs: dict):

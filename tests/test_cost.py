@@ -89,11 +89,33 @@ def test_prediction_by_hand():
     assert pr.stage_memory_bytes == pytest.approx((2e9 * 16 + 8e9,) * 2) and pr.fits
 
 
-def test_uneven_stages_sync_and_update_their_padding():
+def test_uneven_stages_sync_and_update_their_real_layers_and_hold_their_padding():
     even, uneven = _model(update=1e-9).predict([2, 2]), _model(update=1e-9).predict([3, 1])
-    # every stage holds 3 layer slots: the one-layer stage syncs and updates 3 layers' worth
-    assert uneven.stage_sync_s[1] == pytest.approx(even.stage_sync_s[1] * 3 / 2)
-    assert uneven.stage_update_s == pytest.approx((3.0, 3.0))
+    # the runtime skips the padding's reduction and update: 3 and 1 layers' worth
+    assert uneven.stage_sync_s == pytest.approx([float(cost.allreduce_s(n * 1e9 * 4, 2, LINK)) for n in (3, 1)])
+    assert even.stage_sync_s[0] == pytest.approx(float(cost.allreduce_s(2e9 * 4, 2, LINK)))
+    assert uneven.stage_update_s == pytest.approx((3.0, 1.0))
+    # but every stage holds 3 layer slots: weights, gradients, Adam (16 B each) plus the stash of
+    # its real layers (4 microbatches x 1 GB)
+    assert uneven.stage_memory_bytes == pytest.approx((3e9 * 16 + 12e9, 3e9 * 16 + 4e9))
+
+
+def test_every_stage_waits_for_the_slowest_reduction_before_its_update():
+    pr = _model(zero1=True, update=1e-9).predict([3, 1])
+    reduce = [float(cost.reduce_scatter_s(n * 1e9 * 4, 2, LINK)) for n in (3, 1)]
+    gather = [float(cost.all_gather_s(n * 1e9 * 4, 2, LINK)) for n in (3, 1)]
+    assert pr.stage_sync_s == pytest.approx((reduce[0] + gather[0], reduce[1] + gather[1]))
+    # the clipping norm is summed over the mesh: stage 1 starts its update when stage 0's reduction ends
+    assert pr.stage_finish_s[1] == pytest.approx(pr.pipeline_s + reduce[0] + 0.5 + gather[1])
+    assert pr.step_time_s == pytest.approx(pr.pipeline_s + reduce[0] + 1.5 + gather[0])
+
+
+def test_embedding_and_head_sync_on_every_stage():
+    layer, shared = cost.Part(params=1e9, fwd_flops=1e12, bwd_flops=2e12), cost.Part(5e8, 0, 0)
+    work = cost.Work(shared, (layer,) * 4, shared, boundary_bytes=1e8)
+    stages = [cost.Stage(1e12, 1, LINK, 2, LINK) for _ in range(2)]
+    pr = cost.CostModel(work, stages, [LINK], 4).predict([2, 2])
+    assert pr.stage_sync_s == pytest.approx((float(cost.allreduce_s(3e9 * 4, 2, LINK)),) * 2)
 
 
 def test_each_parameter_leaf_syncs_on_its_own_and_pays_the_latencies():

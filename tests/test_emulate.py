@@ -158,3 +158,34 @@ def test_latency_needs_netem_and_a_failed_build_leaves_nothing():
     except emulate.EmulationError as e:  # this kernel has no sch_netem: the build fails half-way
         assert "netem" in str(e)
     assert ec.leftovers() == []
+
+
+SPIN = """
+import time
+wall, cpu = time.perf_counter(), time.process_time()
+while time.perf_counter() - wall < 1.5:
+    pass
+print((time.process_time() - cpu) / (time.perf_counter() - wall))
+"""
+
+
+@needs_root
+def test_cpu_limits_cap_each_rank_inside_its_namespace_and_leave_nothing():
+    try:
+        limits = emulate.CpuLimits([0.2, 0.2])
+    except emulate.EmulationError as e:
+        pytest.skip(str(e))
+    with emulate.EmulatedCluster([("ib", "infiniband", 2)]) as ec, limits as cpu:
+        groups = sorted(p.name for p in cpu.root.iterdir() if p.is_dir())
+        assert groups == ["0", "1"]
+        shares = []
+        for rank, host in enumerate(ec.hosts):  # the cap is entered outside the namespace, kept inside
+            cmd = [*cpu.prefix(), *ec.exec_prefix(host), sys.executable, "-c", SPIN]
+            env = {"HOLMES_PROCESS_ID": str(rank), "PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
+            r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=60)
+            assert r.returncode == 0, r.stderr
+            shares.append(float(r.stdout))
+    assert all(0 < s <= 0.25 for s in shares), shares  # a spinning process alone would take a whole core
+    assert not cpu.root.exists()
+    with pytest.raises(ConfigError, match="cores"):
+        emulate.CpuLimits([0.5, 0])

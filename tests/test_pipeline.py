@@ -82,15 +82,18 @@ def test_twenty_steps_match_one_stage_and_padding_never_moves(tmp_path):
     assert real.any()
 
 
+ONE_STAGE = ["--gin.ParallelConfig.pp=1"]
+EVEN = ["--gin.ParallelConfig.pp=2", "--gin.ParallelConfig.stage_layers=(2,2)"]
+UNEVEN = ["--gin.ParallelConfig.pp=2", "--gin.ParallelConfig.stage_layers=(3,1)"]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("resume", [["--gin.ParallelConfig.pp=1"],
-                                    ["--gin.ParallelConfig.pp=2", "--gin.ParallelConfig.stage_layers=(2,2)"]])
-def test_checkpoint_from_uneven_stages_resumes_on_other_partitions(tmp_path, resume):
+@pytest.mark.parametrize("start, resume", [(UNEVEN, ONE_STAGE), (UNEVEN, EVEN), (EVEN, UNEVEN), (ONE_STAGE, UNEVEN)])
+def test_checkpoint_moves_between_uneven_even_and_one_stage(tmp_path, start, resume):
     common = ["--gin.ModelConfig.num_layers=4", "--gin.ParallelConfig.microbatches=2", "--gin.CheckpointConfig.every=3"]
     train.run(small_configs(tmp_path / "full", *common), quiet=True)
     split = tmp_path / "split"
-    train.run(small_configs(split, *common, "--gin.ParallelConfig.pp=2", "--gin.ParallelConfig.stage_layers=(3,1)",
-                            "--gin.TrainConfig.stop_after=3"), quiet=True)
+    train.run(small_configs(split, *common, *start, "--gin.TrainConfig.stop_after=3"), quiet=True)
     train.run(small_configs(split, *common, *resume), quiet=True)
     want, got = read_metrics(tmp_path / "full"), read_metrics(split)
     assert [r["step"] for r in got] == [1, 2, 3, 4, 5, 6]

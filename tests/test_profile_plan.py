@@ -55,16 +55,26 @@ def test_layer_times_scale_to_the_plans_shape():
     assert any("scaled by analytic FLOPs" in n for n in p.notes)
 
 
-def test_a_slow_data_group_raises_the_step_and_keeps_the_split_even():
+def test_a_slow_data_group_raises_the_step_and_takes_layers_off_its_stage():
     fast = _plan(_profile())
     slow = _plan(_profile(data_links=(FAST, SLOW)))
-    assert slow.prediction.stage_sync_s[1] > 10 * fast.prediction.stage_sync_s[1]
+    assert slow.prediction.stage_sync_s[1] > 10 * fast.prediction.stage_sync_s[1] / 4
     assert slow.prediction.step_time_s > fast.prediction.step_time_s
     assert any("data-group links for stage(s) 0, 1" in n for n in slow.notes)
-    # The runtime pads every stage to the longest one's layers, so taking layers off the slow
-    # stage does not shrink its gradients: any uneven split syncs more there.
-    assert slow.stage_layers == (4, 4)
+    # A stage syncs its real layers only, so the slow group's stage gets fewer.
+    assert slow.stage_layers[1] < fast.stage_layers[1]
     assert slow.prediction.step_time_s <= min(p.step_time_s for p in slow.partitions.values())
+
+
+def test_measured_stage_speeds_take_layers_off_the_slow_stage():
+    even = _plan(_profile())
+    slow = _plan(dataclasses.replace(_profile(), stage_layer_scale=(0.5, 1.0)))
+    assert slow.stage_layers[0] > even.stage_layers[0]  # stage 1 is slow: stage 0 takes more layers
+    # stage 1 runs at the profile's (slowest) layer times, stage 0 at half
+    uniform = _plan(dataclasses.replace(_profile(), stage_layer_scale=(0.5, 1.0)), partition="uniform")
+    even_uniform = _plan(_profile(), partition="uniform")
+    assert uniform.prediction.stage_bwd_s[0] == pytest.approx(even_uniform.prediction.stage_bwd_s[0] / 2, rel=0.02)
+    assert any("stage speeds measured" in n for n in slow.notes)
 
 
 def test_a_slow_boundary_raises_the_step():

@@ -45,12 +45,12 @@ def test_parameters_and_optimizer_state_carry_their_shardings(tmp_path, zero1):
     assert params["embed"]["tokens"]["embedding"].sharding.spec == P()
     adam = state["opt_state"][0]
     mu_q, nu_down = adam.mu["blocks"]["q"]["kernel"], adam.nu["blocks"]["down"]["kernel"]
-    if zero1:  # moments split over `data` on top of the parameter's own `tensor` split
-        assert mu_q.sharding.spec == P("stage", "data", None, "tensor")
-        assert nu_down.sharding.spec == P("stage", "data", "tensor", None)
+    if zero1:  # moments split over `data` inside a layer, on top of the parameter's own `tensor` split
+        assert mu_q.sharding.spec == P("stage", None, "data", "tensor")
+        assert nu_down.sharding.spec == P("stage", None, "tensor", "data")
         assert adam.mu["embed"]["tokens"]["embedding"].sharding.spec == P("data", None)
         shard = mu_q.addressable_shards[0].data
-        assert shard.shape == (1, 1, 64, 16)
+        assert shard.shape == (1, 2, 32, 16)
     else:
         assert mu_q.sharding.spec == P("stage", None, None, "tensor")
     assert adam.count.sharding.spec == P()

@@ -2,8 +2,9 @@
 
 Block parameters live in a staged layout: every block leaf is (stages, max_layers, ...) split over
 `stage`, stage s holding its `stage_layers[s]` layers first and zero padding after. Padding is
-skipped by `GPT.blocks`, so it gets zero gradient; `mask_updates` keeps the optimizer (weight decay
-included) from ever moving it. Checkpoints hold the canonical layout, (layers, ...) in model order,
+skipped by `GPT.blocks`, so it gets zero gradient; its reduction over `data` and its optimizer
+update are skipped too (`by_slot_group`, pipeline.update), so it never moves and a stage's
+traffic over `data` is its real layers'. Checkpoints hold the canonical layout, (layers, ...) in model order,
 so they move between partitions and pp values (`to_canonical` / `to_staged`).
 
 The step is one `jax.shard_map` region manual over `stage` and `data` (`tensor` stays automatic,
@@ -34,6 +35,7 @@ communicators of their own, which `boundary_warmup` creates before the first ste
 from __future__ import annotations
 
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -167,6 +169,17 @@ class Pipeline:
     def real_layers(self) -> np.ndarray:
         return self.layer_index >= 0
 
+    @property
+    def slot_groups(self) -> tuple[tuple[int, int], ...]:
+        """Slot ranges [start, stop) that are real on the same stages: those with more than `start`
+        layers. The first, [0, fewest layers), is real everywhere; even stages have only that one."""
+        cuts = sorted({0, *self.stage_layers})
+        return tuple(itertools.pairwise(cuts))
+
+    def stage_n_layers(self):
+        """This stage's real layer count inside the shard_map (None when every stage has as many)."""
+        return None if len(self.slot_groups) == 1 else jnp.asarray(self.stage_layers)[lax.axis_index("stage")]
+
     # ------------------------------------------------------------------ layouts
 
     def to_staged(self, tree):
@@ -184,9 +197,21 @@ class Pipeline:
         order = np.argsort(self.layer_index.ravel())[-self.model.cfg.num_layers:]  # real slots, by layer
         return map_blocks(lambda x: x.reshape((-1,) + x.shape[2:])[order], tree)
 
-    def mask_updates(self, updates):
-        real = jnp.asarray(self.real_layers)
-        return map_blocks(lambda u: u * real.reshape(real.shape + (1,) * (u.ndim - 2)).astype(u.dtype), updates)
+    def by_slot_group(self, n_layers, blocks, fn, axis: int = 0):
+        """`fn` over each slot group's slice of `blocks` (leaves with the slot axis at `axis`), the
+        results joined back along it. A group beyond the first runs under `lax.cond` on this
+        stage's `n_layers`, so the stages it is padding on skip its work and its collectives
+        (a data group is one stage: its members agree); they get zeros of the result's shape."""
+
+        def group(start, stop):
+            part = jax.tree.map(lambda x: lax.slice_in_dim(x, start, stop, axis=axis), blocks)
+            if start == 0:
+                return fn(part)
+            return lax.cond(n_layers > start, lambda: fn(part),
+                            lambda: jax.tree.map(lambda r: jnp.zeros(r.shape, r.dtype), jax.eval_shape(fn, part)))
+
+        parts = [group(*g) for g in self.slot_groups]
+        return jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=axis), *parts)
 
     # ------------------------------------------------------------------ transfers
 
@@ -249,7 +274,7 @@ class Pipeline:
         blocks = jax.tree.map(lambda x: x[0], blocks)
         # Static where the layout allows, so XLA sees straight-line code: no padding to skip when
         # stages are even, and one stage is both first and last.
-        n_layers = None if len(set(self.stage_layers)) == 1 else jnp.asarray(self.stage_layers)[s]
+        n_layers = self.stage_n_layers()
         is_first, is_last = (True, True) if p == 1 else (s == 0, s == p - 1)
         m, micro_batch, seq = batch.shape[0], batch.shape[1], batch.shape[2] - 1
         scale = 1.0 / (m * lax.axis_size("data"))  # each microbatch's share of the global mean
@@ -324,7 +349,8 @@ class Pipeline:
                 return lax.psum(x, "data")
             return lax.psum_scatter(x, "data", scatter_dimension=dim - offset, tiled=True)
 
-        g_blocks = jax.tree.map(lambda x, d: over_data(x, d, offset=1), g_blocks, block_dims)
+        g_blocks = self.by_slot_group(n_layers, g_blocks, lambda g: jax.tree.map(
+            lambda x, d: over_data(x, d, offset=1), g, block_dims))
         g_shared = jax.tree.map(over_data, lax.psum(g_shared, "stage"), shared_dims)
         loss = lax.psum(loss_sum, ("stage", "data"))
         return loss, jax.tree.map(lambda x: x[None], g_blocks), g_shared

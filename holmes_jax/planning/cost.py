@@ -14,18 +14,23 @@ One training step as the pipeline runtime runs it (holmes_jax.pipeline.runtime):
    each only in ticks where some stage sends one (GPipe: activations in its forward ticks,
    gradients in its backward ticks). They are collectives: a tick lasts as long as its slowest
    stage plus its transfers over the slowest boundary.
-3. After the last tick each stage syncs its gradients over its data-parallel ring: a ring
-   all-reduce, 2(n-1)/n * S/W + 2(n-1) latencies, or with ZeRO-1 a reduce-scatter of the gradients
-   and an all-gather of the updated parameters (the same bytes when both are float32), on the
-   ring's slowest link, one per parameter leaf (so the latencies are paid once per leaf); then
-   the optimizer step, at the device's measured seconds per parameter (ZeRO-1: its 1/dp share).
-4. The step ends when the last stage finishes its update.
+3. After the last tick each stage reduces its gradients over its data-parallel ring: a ring
+   all-reduce, 2(n-1)/n * S/W + 2(n-1) latencies, or with ZeRO-1 a reduce-scatter, (n-1)/n * S/W
+   + (n-1) latencies, on the ring's slowest link, one per parameter leaf (so the latencies are
+   paid once per leaf). Every stage holds the embedding and head and syncs them too.
+4. Clipping takes the global gradient norm, summed over the whole mesh: every stage waits for the
+   slowest stage's reduction. Then each stage runs its optimizer step, at the device's measured
+   seconds per parameter (ZeRO-1: its 1/dp share), and with ZeRO-1 all-gathers the updated
+   parameters (the reduce-scatter's bytes when both are float32). The step ends when the last
+   stage finishes.
 5. Memory per device: weights, gradients and Adam state (ZeRO-1 shards the latter over data),
    plus each layer's stash (what the remat policy keeps) for every microbatch in flight (GPipe:
    all m; 1F1B: p - s on stage s).
    A split over some device's memory is infinitely slow.
-6. The runtime pads every stage to the longest stage's layer count, so sync, update and memory
-   are those of the padded stage: an uneven split moves more gradient bytes than an even one.
+6. The runtime pads every stage to the longest stage's layer count, but the padding's
+   reduction, update and gather are skipped (pipeline.update): sync and update cover a stage's
+   real layers only. Memory is the padded stage's: weights, gradients and moments are arrays
+   of equal shards.
 
 `simulate` walks the ticks against these durations, vectorised over a batch of candidate splits
 so the partitioner can compare many at once.
@@ -101,9 +106,9 @@ class Prediction:
     p2p_s: tuple[float, ...]  # per boundary: one microbatch's activations (its gradients take as long back)
     stage_busy_s: tuple[float, ...]  # when the stage's last backward ends, waiting included
     pipeline_s: float  # when the schedule's last tick ends (every stage leaves it together)
-    stage_sync_s: tuple[float, ...]
+    stage_sync_s: tuple[float, ...]  # the gradient reduction and (ZeRO-1) the parameter gather
     stage_update_s: tuple[float, ...]  # the optimizer step
-    stage_finish_s: tuple[float, ...]  # pipeline end + sync + update
+    stage_finish_s: tuple[float, ...]  # pipeline end + the slowest reduction + update + gather
     stage_memory_bytes: tuple[float, ...]  # per device: weights, gradients, optimizer state, stashed activations
     fits: bool  # every stage within its devices' memory
     step_time_s: float
@@ -179,6 +184,7 @@ class CostModel:
 
         self._prefix = {a: prefix(a) for a in ("fwd_flops", "bwd_flops", "params")}
         self._mean_layer_params = self._prefix["params"][-1] / max(len(work.layers), 1)
+        self._shared_params = work.embed.params + work.head.params  # on every stage, whole
         self._ends = {a: ends(a) for a in ("fwd_flops", "bwd_flops", "params")}
         self._tp = np.array([s.tp for s in stages], dtype=float)
         self._flops = np.array([s.device_flops for s in stages]) * self._tp  # a stage's tp devices together
@@ -221,9 +227,10 @@ class CostModel:
 
     def stage_terms(self, splits) -> dict[str, np.ndarray]:
         """What each stage of each split (batch, stages) costs, before the schedule: one
-        microbatch's forward and backward, the gradient sync, the optimizer step, and memory per
-        device. The runtime pads every stage to the longest stage's layer count (one array per
-        leaf over `stage`), so sync, update and memory are of the padded stage."""
+        microbatch's forward and backward, the gradient reduction, the optimizer step, the
+        parameter gather (ZeRO-1) and memory per device. Reduction, update and gather cover the
+        stage's real layers; memory is of the padded stage (every stage holds the longest
+        stage's layer count)."""
         n = np.asarray(splits, dtype=int)
         stop = np.cumsum(n, axis=1)
         start = stop - n
@@ -233,21 +240,29 @@ class CostModel:
 
         fwd = total("fwd_flops") / self._flops + n * self._tp_fwd
         bwd = total("bwd_flops") / self._flops + n * self._tp_bwd
+        layers = self._prefix["params"][stop] - self._prefix["params"][start]
+        params = layers / self._tp + self._shared_params  # per device; embedding and head unsplit
         padding = n.max(axis=1, keepdims=True) - n
-        params = (total("params") + padding * self._mean_layer_params) / self._tp
+        held = params + padding * self._mean_layer_params / self._tp
         w = self.work
         k = w.sync_collectives
         if self.zero1:
-            sync = (reduce_scatter_s(params * w.grad_bytes_per_param, self._dp, self._dp_link, k)
-                    + all_gather_s(params * w.param_bytes_per_param, self._dp, self._dp_link, k))
+            reduce = reduce_scatter_s(params * w.grad_bytes_per_param, self._dp, self._dp_link, k)
+            gather = all_gather_s(params * w.param_bytes_per_param, self._dp, self._dp_link, k)
         else:
-            sync = allreduce_s(params * w.grad_bytes_per_param, self._dp, self._dp_link, k)
+            reduce, gather = allreduce_s(params * w.grad_bytes_per_param, self._dp, self._dp_link, k), 0.0 * params
         optimizer = w.optimizer_bytes_per_param / (self._dp if self.zero1 else 1)
-        memory = (params * (w.param_bytes_per_param + w.grad_bytes_per_param + optimizer)
+        memory = (held * (w.param_bytes_per_param + w.grad_bytes_per_param + optimizer)
                   + self._in_flight * n * w.layer_stash_bytes)
         update = self._update_rate * params / (self._dp if self.zero1 else 1)
-        return {"fwd": fwd, "bwd": bwd, "sync": sync, "update": update, "memory": memory,
-                "fits": (memory <= self._memory).all(axis=1)}
+        return {"fwd": fwd, "bwd": bwd, "reduce": reduce, "gather": gather, "sync": reduce + gather,
+                "update": update, "memory": memory, "fits": (memory <= self._memory).all(axis=1)}
+
+    @staticmethod
+    def _after_pipeline(t: dict) -> np.ndarray:
+        """(batch, stages) from the pipeline's end to each stage's finish: the slowest stage's
+        reduction (the global norm waits for it), then the stage's own update and gather."""
+        return t["reduce"].max(axis=1, keepdims=True) + t["update"] + t["gather"]
 
     def _all_microbatches(self, t: dict) -> np.ndarray:
         """(batch, stages) one stage's compute over the step: a forward and a backward per microbatch."""
@@ -257,7 +272,7 @@ class CostModel:
         t = self.stage_terms(splits)
         busy, end = simulate(t["fwd"].T, t["bwd"].T, self._p2p, self.microbatches, self.schedule)
         t["busy"], t["pipeline"] = busy.T, end
-        t["finish"] = end[:, None] + t["sync"] + t["update"]
+        t["finish"] = end[:, None] + self._after_pipeline(t)
         return t
 
     def step_times(self, splits) -> np.ndarray:
@@ -269,12 +284,12 @@ class CostModel:
     def lower_bounds(self, splits) -> np.ndarray:
         """(batch,) what the ticks cannot beat, without walking them: no tick is shorter than any
         one stage's work in it, so the schedule lasts at least the busiest stage's m forwards and
-        backwards plus every transfer the ticks make; then the slowest sync and update. Infinite where a stage does not
-        fit in memory."""
+        backwards plus every transfer the ticks make; then the slowest reduction, update and
+        gather. Infinite where a stage does not fit in memory."""
         t = self.stage_terms(splits)
         transfers = _ticks(self.schedule, self.num_stages, self.microbatches)[3].sum()
         hops = transfers * self._p2p.max() if self.num_stages > 1 else 0.0
-        bound = self._all_microbatches(t).max(axis=1) + hops + (t["sync"] + t["update"]).max(axis=1)
+        bound = self._all_microbatches(t).max(axis=1) + hops + self._after_pipeline(t).max(axis=1)
         return np.where(t["fits"], bound, np.inf)
 
     def predict(self, stage_layers: Sequence[int]) -> Prediction:

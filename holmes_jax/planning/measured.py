@@ -33,6 +33,9 @@ class Profile:
     data_links: tuple[Link | None, ...]  # per stage; None when the stage has one replica
     stage_links: tuple[Link, ...]  # per boundary s -> s + 1
     update_s_per_param: float = 0.0  # the optimizer step (older profiles lack it: not timed)
+    # per stage: its layer time over the slowest stage's, timed without waiting for the others
+    # (the layer times above are the slowest stage's); empty: every stage alike
+    stage_layer_scale: tuple[float, ...] = ()
 
     @property
     def achieved_tflops(self) -> float:
@@ -51,6 +54,7 @@ class Profile:
             raw = json.loads(Path(path).read_text())
             raw["data_links"] = tuple(_json_link(l) for l in raw["data_links"])
             raw["stage_links"] = tuple(_json_link(l) for l in raw["stage_links"])
+            raw["stage_layer_scale"] = tuple(raw.get("stage_layer_scale", ()))
             return cls(**raw)
         except (OSError, ValueError, TypeError, KeyError) as e:
             raise ConfigError(f"--profile {path}: not a readable holmes_jax profile ({e})") from None

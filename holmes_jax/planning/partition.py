@@ -7,8 +7,8 @@
   scripts: 26 vs 22 of 48 layers for IB vs RoCE); by default each stage's cluster NIC bandwidth.
 - `auto`: the split with the least step time the cost model predicts: every contiguous split when
   there are few (EXHAUSTIVE_LIMIT), else hill-climbing from the best of the others and a
-  time-balanced split, moving one layer between two stages at a time; so it is never predicted
-  slower than the splits it starts from.
+  time-balanced split, moving one layer between two stages at a time (two at a time where one
+  gains nothing); so it is never predicted slower than the splits it starts from.
 
 An explicit `stage_layers` always wins.
 """
@@ -27,6 +27,7 @@ from holmes_jax.planning.cost import CostModel
 METHODS = ("auto", "uniform", "params", "holmes-ratio")
 EXHAUSTIVE_LIMIT = 3000  # contiguous splits auto tries one by one
 ALL_PAIRS_LIMIT = 12  # up to this many stages, hill-climbing tries moving a layer between any two
+DOUBLE_MOVES_LIMIT = 4096  # hill-climbing tries pairs of moves when single ones are stuck, if this few
 
 
 def check_stages(num_layers: int, stages: int) -> None:
@@ -147,17 +148,22 @@ def auto(step_time: Callable[[np.ndarray], np.ndarray], num_layers: int, stages:
     candidates = np.array(list(starts) or [uniform(num_layers, stages)], dtype=int)
     times = step_time(candidates)
     best, best_time = candidates[int(np.argmin(times))], float(np.min(times))
-    moves = _moves(stages)
+    single = _moves(stages)
+    # Two moves at once where one is not enough: the step waits for the slowest of several stages
+    # (their gradient reductions), so taking a layer off only one of two slow stages gains nothing.
+    double = (single[:, None] + single[None, :]).reshape(-1, stages) if len(single) ** 2 <= DOUBLE_MOVES_LIMIT else None
+    moves = single
     while True:
         near = best + moves
         near = near[near.min(axis=1) >= 1]
-        if not len(near):
-            break
-        times = step_time(near)
+        times = step_time(near) if len(near) else np.array([np.inf])
         i = int(np.argmin(times))
         if times[i] >= best_time * (1 - 1e-12):  # only a real gain moves: no cycling on float noise
+            if moves is single and double is not None:
+                moves = double
+                continue
             break
-        best, best_time = near[i], float(times[i])
+        best, best_time, moves = near[i], float(times[i]), single
     return tuple(int(x) for x in best)
 
 

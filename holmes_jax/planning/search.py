@@ -17,6 +17,9 @@ topology's defaults (see `_with_profile`):
   (attention's s^2 term included). Embedding and head keep their analytic FLOPs, run at the
   forward's measured rate. The measurement is of the profile's device (topology device 0); other
   clusters' stages are scaled by their `device_tflops * device_efficiency` relative to it.
+- Stage speeds: where the profile timed each stage's layers on its own (`stage_layer_scale`, as
+  many stages as the plan's), stage s runs them at that fraction of the (slowest stage's) layer
+  times, and its optimizer step likewise, instead of the topology's device ratios.
 - The optimizer step: the profile's seconds per parameter (without a profile it is not timed).
 - Links: the profile's data-group all-reduce and stage-boundary figures, matched to the plan's
   stages by index, replace the topology's where measured. They are ignored (with a note) when the
@@ -93,6 +96,9 @@ def _load_profile(profile, cfg: ModelConfig):
             raise ConfigError(f"{where}: {name} = {value!r} is not allowed; allowed: a positive number")
     if not isinstance(prof.layer_bwd_s, (int, float)) or isinstance(prof.layer_bwd_s, bool) or prof.layer_bwd_s < 0:
         raise ConfigError(f"{where}: layer_bwd_s = {prof.layer_bwd_s!r} is not allowed; allowed: a number >= 0")
+    for i, scale in enumerate(prof.stage_layer_scale):
+        if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not 0 < scale <= 1:
+            raise ConfigError(f"{where}: stage_layer_scale[{i}] = {scale!r} is not allowed; allowed: a number in (0, 1]")
     for kind, links in (("data_links", prof.data_links), ("stage_links", prof.stage_links)):
         for i, l in enumerate(links):
             if l is None:
@@ -136,7 +142,13 @@ def _with_profile(prof, cfg: ModelConfig, costs: workload.ModelCosts, micro_batc
     else:
         notes.append(f"profile: layer times measured at {shape} (this plan's): forward "
                      f"{prof.layer_fwd_s * 1e3:.3g} ms, backward {prof.layer_bwd_s * 1e3:.3g} ms")
-    if any(f != own for f in pl.device_flops):
+    if len(prof.stage_layer_scale) == pp:
+        # measured per stage (devices that differ in speed): these replace the topology's ratios
+        device_flops = [rate / scale for scale in prof.stage_layer_scale]
+        update = [prof.update_s_per_param * scale for scale in prof.stage_layer_scale]
+        notes.append("profile: stage speeds measured, layer times x " +
+                     ", ".join(f"{scale:.2f}" for scale in prof.stage_layer_scale))
+    elif any(f != own for f in pl.device_flops):
         notes.append("profile: stages on other device types scaled by their device_tflops * device_efficiency")
     if len(prof.data_links) == pp:
         used = []

@@ -1,0 +1,144 @@
+"""Uneven stages shed their padding's work: a stage's gradient reduction over `data`, its ZeRO-1
+all-gather and its optimizer update cover its real layers only (read from the compiled HLO), the
+padding never moves, and the losses are those of one stage."""
+
+import re
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from holmes_jax import build, data
+from helpers import small_configs
+
+_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4}
+_COLLECTIVE = re.compile(r"= (.+?) (all-reduce|reduce-scatter|all-gather)(?:-start)?\(")
+
+
+def _computations(hlo: str) -> dict[str, list[str]]:
+    comps, current = {}, None
+    for line in hlo.splitlines():
+        if line and not line.startswith(" ") and line.rstrip().endswith("{"):
+            current = "ENTRY" if line.startswith("ENTRY") else line.split()[0].lstrip("%")
+            comps[current] = []
+        elif current:
+            comps[current].append(line)
+    return comps
+
+
+def _callees(line: str) -> list[str]:
+    names = []
+    for group in re.findall(r"\b(?:body|condition|to_apply|calls|branch_computations)=(\{[^}]*\}|%?[\w.\-]+)", line):
+        names += [n.strip(" {}%") for n in group.split(",")]
+    return names
+
+
+def _buffer_bytes(line: str, groups: str) -> int:
+    """Bytes of the whole buffer a collective over `groups` reduces or gathers (0 for other groups)."""
+    match = _COLLECTIVE.search(line)
+    if not match or f"replica_groups={groups}" not in line.replace(" ", ""):
+        return 0
+    types, op = match.groups()
+    size = sum(_BYTES[t] * int(np.prod([int(d) for d in dims.split(",") if d]))
+               for t, dims in re.findall(r"(\w+)\[([\d,]*)\]", types))
+    ranks = len(groups.split("},{")[0].strip("{}").split(","))
+    return size * ranks if op == "reduce-scatter" else size  # a reduce-scatter's result is 1/n of its input
+
+
+def _data_bytes(hlo: str, groups: str) -> tuple[int, list[tuple[int, int]]]:
+    """(bytes of collectives over `groups` the step always runs, [(false branch bytes, true branch
+    bytes)] per conditional at the top level that holds some)."""
+    comps = _computations(hlo)
+
+    def reached(name, seen=None) -> int:
+        seen = set() if seen is None else seen
+        if name in seen:
+            return 0
+        seen.add(name)
+        return sum(_buffer_bytes(l, groups) + sum(reached(c, seen) for c in _callees(l)) for l in comps[name])
+
+    always, conds = 0, []
+    for line in comps["ENTRY"]:
+        if " conditional(" in line:
+            branches = [reached(c) for c in _callees(line)]
+            if any(branches):
+                conds.append(tuple(branches))
+        else:
+            always += _buffer_bytes(line, groups) + sum(reached(c) for c in _callees(line))
+    return always, conds
+
+
+def _expected_bytes(setup, part: str) -> tuple[float, float]:
+    """(bytes reduced, bytes gathered) over `data` per layer (part="blocks") or for the embedding
+    and head (part="shared"): every gradient is reduced (reduce-scattered where ZeRO-1 splits it
+    over `data`, else all-reduced); a split leaf's update is all-gathered."""
+    reduced = gathered = 0.0
+    shapes = jax.eval_shape(lambda: setup.pipeline.model.init(0))
+    for name in ([part] if part == "blocks" else ["embed", "head"]):
+        specs = jax.tree.leaves(setup.grad_specs[name], is_leaf=lambda x: isinstance(x, P))
+        for leaf, spec in zip(jax.tree.leaves(shapes[name]), specs):
+            nbytes = leaf.size * leaf.dtype.itemsize / (leaf.shape[0] if part == "blocks" else 1)
+            reduced += nbytes
+            gathered += nbytes if "data" in spec else 0.0
+    return reduced, gathered
+
+
+@pytest.mark.parametrize("pp, layers, zero1", [(2, (3, 1), True), (2, (3, 1), False),
+                                               pytest.param(4, (1, 3, 2, 2), True, marks=pytest.mark.slow)])
+def test_collectives_over_data_carry_bytes_in_proportion_to_real_layers(tmp_path, pp, layers, zero1):
+    cfgs = small_configs(tmp_path, f"--gin.ModelConfig.num_layers={sum(layers)}", f"--gin.ParallelConfig.pp={pp}",
+                         f"--gin.ParallelConfig.stage_layers={layers}", f"--gin.ParallelConfig.zero1={zero1}",
+                         "--gin.ParallelConfig.microbatches=2")
+    setup = build.build(cfgs)
+    state = setup.init_state()
+    batch = setup.batch("train", 0, data.load(cfgs.data))
+    hlo = build.make_train_step(setup).lower(state, batch).compile().as_text()
+    devices = np.arange(8).reshape(pp, -1)  # mesh (stage, data): each row one data group
+    groups = "{" + ",".join("{" + ",".join(map(str, row)) + "}" for row in devices) + "}"
+    always, conds = _data_bytes(hlo, groups)
+
+    reduced, gathered = _expected_bytes(setup, "blocks")
+    per_layer = reduced + gathered
+    shared = sum(_expected_bytes(setup, "shared"))
+    assert gathered == (reduced if zero1 else 0.0) and shared > 0
+    # Always: the embedding and head, and the slots every stage holds for real.
+    assert always == pytest.approx(shared + min(layers) * per_layer)
+    # Each later slot group: its reduction and its update's gather, each in the branch the stages
+    # holding those slots take; the other branch moves nothing.
+    starts = sorted({0, *layers})[1:-1]
+    widths = np.diff(sorted({0, *layers}))[1:]
+    assert all(min(c) == 0 for c in conds), conds
+    expected = [w * reduced for w in widths] + [w * gathered for w in widths if gathered]
+    assert sorted(max(c) for c in conds) == pytest.approx(sorted(expected))
+    # So what a stage moves over `data` is its real layers' bytes (plus the embedding and head).
+    for n in layers:
+        moved = always + sum(w * per_layer for w, start in zip(widths, starts) if n > start)
+        assert moved == pytest.approx(shared + n * per_layer)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pp, layers", [(2, (3, 1)), (4, (1, 2, 1, 2))])
+def test_losses_match_one_stage_and_padding_never_moves(tmp_path, pp, layers):
+    common = [f"--gin.ModelConfig.num_layers={sum(layers)}", "--gin.ParallelConfig.microbatches=2"]
+
+    def run(*bindings):
+        cfgs = small_configs(tmp_path, *common, *bindings)
+        setup = build.build(cfgs)
+        state, step, tokens = setup.init_state(), build.make_train_step(setup), data.load(cfgs.data)
+        first = jax.device_get(state)
+        losses = []
+        for k in range(4):
+            state, m = step(state, setup.batch("train", k, tokens))
+            losses.append((float(m["loss"]), float(m["grad_norm"])))
+        return losses, first, jax.device_get(state), setup
+
+    ref, _, _, _ = run()
+    got, first, last, setup = run(f"--gin.ParallelConfig.pp={pp}", f"--gin.ParallelConfig.stage_layers={layers}")
+    np.testing.assert_allclose(got, ref, atol=1e-5, rtol=0)
+    padding = ~setup.pipeline.real_layers
+    assert padding.any()
+    for (path, before), after in zip(jax.tree_util.tree_leaves_with_path(first), jax.tree.leaves(last)):
+        if "blocks" in jax.tree_util.keystr(path):  # parameters and both Adam moments
+            assert not after[padding].any(), jax.tree_util.keystr(path)
+            assert not np.array_equal(after[~padding], before[~padding]), jax.tree_util.keystr(path)
