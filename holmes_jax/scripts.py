@@ -5,14 +5,21 @@ input). Modules load on call, so a command imports only what it needs (holmes-pl
 from __future__ import annotations
 
 import functools
+import importlib
 
 from holmes_jax import cli
 
 
-def train() -> None:
-    from holmes_jax import train as module
+def _command(module: str):
+    def run() -> None:
+        cli.run(importlib.import_module(f"holmes_jax.{module}").main)
 
-    cli.run(module.main)
+    run.__name__ = module
+    return run
+
+
+train, launch, profile, report = (_command(m) for m in ("train", "launch", "profile", "report"))
+data, export, generate = (_command(m) for m in ("data", "export", "generate"))
 
 
 def plan() -> None:
@@ -21,39 +28,3 @@ def plan() -> None:
     from holmes_jax.planning import cli as planning_cli
 
     cli.run(functools.partial(planning_cli.main, draw=pictures.draw_plan))
-
-
-def launch() -> None:
-    from holmes_jax import launch as module
-
-    cli.run(module.main)
-
-
-def profile() -> None:
-    from holmes_jax import profile as module
-
-    cli.run(module.main)
-
-
-def report() -> None:
-    from holmes_jax import report as module
-
-    cli.run(module.main)
-
-
-def data() -> None:
-    from holmes_jax import data as module
-
-    cli.run(module.main)
-
-
-def export() -> None:
-    from holmes_jax import export as module
-
-    cli.run(module.main)
-
-
-def generate() -> None:
-    from holmes_jax import generate as module
-
-    cli.run(module.main)
