@@ -23,7 +23,7 @@ from holmes_jax.planning.contract import Plan
 NIC_COLOURS = {"infiniband": "#1f5fa8", "roce": "#d9700f", "ethernet": "#6b6b6b"}
 KIND_COLOURS = {"forward": "#9ad48a", "backward": "#2f7d4f", "transfer": "#9467bd", "sync": "#d62728",
                 "update": "#e8c12c"}
-KIND_LABELS = {"forward": "forward", "backward": "backward (recomputes the forward)",
+KIND_LABELS = {"forward": "forward", "backward": "backward (the last stage: with its forward)",
                "transfer": "activations / gradients between stages", "sync": "gradient sync (data groups)",
                "update": "optimizer step"}
 STAGE_COLOURS = matplotlib.colormaps["Pastel1"].colors + matplotlib.colormaps["Pastel2"].colors
@@ -49,8 +49,9 @@ def timeline(plan: Plan) -> list[Segment]:
     """The step as the cost model walks it (holmes_jax.planning.cost.simulate): tick by tick each
     stage runs its forward (the last stage runs it inside its backward's tick), then its
     backward; the tick lasts as long as its slowest stage, then activations and gradients cross
-    the slowest boundary where any stage sends them; after the last tick each stage syncs its
-    gradients and runs the optimizer step."""
+    the slowest boundary where any stage sends them; after the last tick each stage reduces its
+    gradients, waits for the slowest stage's reduction (the global norm needs them all), updates
+    and gathers its parameters (drawn as sync, then update)."""
     pr, p = plan.prediction, plan.pp
     fwd, bwd = schedules.ticks(plan.schedule, p, plan.microbatches)
     moves = np.stack(schedules.transfers(fwd, bwd), axis=1).sum(axis=1)
@@ -72,9 +73,10 @@ def timeline(plan: Plan) -> list[Segment]:
         if moves[tick] and hop:
             segments += [Segment(s, now, moves[tick] * hop, "transfer") for s in range(p)]
             now += moves[tick] * hop
-    for s in range(p):
-        segments.append(Segment(s, now, pr.stage_sync_s[s], "sync"))
-        segments.append(Segment(s, now + pr.stage_sync_s[s], pr.stage_update_s[s], "update"))
+    for s in range(p):  # sync: its reduction, the wait for the slowest (clipping's global norm), its gather
+        sync = pr.stage_finish_s[s] - now - pr.stage_update_s[s]
+        segments.append(Segment(s, now, sync, "sync"))
+        segments.append(Segment(s, now + sync, pr.stage_update_s[s], "update"))
     return segments
 
 
