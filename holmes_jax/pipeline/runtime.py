@@ -24,8 +24,9 @@ tied embedding's gradient is summed over `stage` once per step, and a tick in wh
 sends moves a buffer across every boundary (idle ones send zeros). A tick in which none does
 skips that transfer (GPipe's forward ticks move no gradients, its backward ticks no
 activations): the skip is decided per tick, the same on every stage, so the collective stays
-matched. The last stage runs each microbatch's forward and backward together in one tick (one
-`jax.vjp`), so it keeps no residuals between ticks.
+matched. The last stage runs each microbatch's forward, head and backward together in one tick,
+its layers through the same `_Layers` as the other stages (so its padding is skipped the same
+way), and keeps no residuals between ticks.
 
 Each transfer is two `ppermute`s when some hops cross clusters (`boundary_hops`): one holding only
 those hops, one the rest. Each becomes a collective of its own, so XLA gives the crossing hops
@@ -281,12 +282,6 @@ class Pipeline:
         act = jnp.zeros((micro_batch, seq, model.cfg.hidden), jnp.dtype(model.cfg.compute_dtype))
         layers = _Layers(model, blocks, act, n_layers) if p > 1 else None
 
-        def stage_fn(blocks, shared, x, tokens):
-            x = _when(is_first, lambda: model.embed(shared, tokens[:, :-1]).astype(act.dtype), lambda: x)
-            x = model.blocks(blocks, x, n_layers)
-            loss = _when(is_last, lambda: model.head_loss(shared, x, tokens[:, 1:]), lambda: jnp.zeros((), jnp.float32))
-            return x, loss
-
         def tick(carry, xs):
             stash, res, gstash, x_in, g_in, grads, loss_sum = carry
             row, (x_moves, g_moves) = xs
@@ -306,11 +301,23 @@ class Pipeline:
             else:
                 x_out = act
 
-            def backward_from_input(grads, loss_sum):  # the last stage: forward and backward at once
+            def backward_whole(grads, loss_sum):  # one stage: the plain vjp of the whole model
                 tokens = batch[bwd]
-                (_, loss), vjp = jax.vjp(lambda b, sh, x: stage_fn(b, sh, x, tokens), blocks, shared,
-                                         stash[bwd % table.x_slots])
-                g_blocks, g_shared, g_x = vjp((gstash[bwd % table.g_slots], jnp.asarray(scale, jnp.float32)))
+
+                def loss_fn(blocks, shared):
+                    x = model.embed(shared, tokens[:, :-1]).astype(act.dtype)
+                    return model.head_loss(shared, model.blocks(blocks, x), tokens[:, 1:])
+
+                loss, vjp = jax.vjp(loss_fn, blocks, shared)
+                grads = jax.tree.map(jnp.add, grads, vjp(jnp.asarray(scale, jnp.float32)))
+                return grads, loss_sum + loss * scale, act
+
+            def backward_last(grads, loss_sum):  # its forward, head and backward in one tick
+                tokens = batch[bwd]
+                x, kept = layers.forward(stash[bwd % table.x_slots])
+                loss, head_vjp = jax.vjp(lambda sh, h: model.head_loss(sh, h, tokens[:, 1:]), shared, x)
+                g_shared, g_h = head_vjp(jnp.asarray(scale, jnp.float32))
+                g_blocks, g_x = layers.backward(kept, g_h)
                 grads = jax.tree.map(jnp.add, grads, (g_blocks, g_shared))
                 return grads, loss_sum + loss * scale, g_x
 
@@ -325,8 +332,8 @@ class Pipeline:
 
             def backward(grads, loss_sum):
                 if p == 1:
-                    return backward_from_input(grads, loss_sum)
-                return lax.cond(is_last, backward_from_input, backward_from_residuals, grads, loss_sum)
+                    return backward_whole(grads, loss_sum)
+                return lax.cond(is_last, backward_last, backward_from_residuals, grads, loss_sum)
 
             grads, loss_sum, g_out = lax.cond(bwd >= 0, backward, lambda g, l: (g, l, act), grads, loss_sum)
             if p > 1:  # each transfer only in ticks where some stage sends (the same on every stage)
