@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 import os
 import re
+import sys
+import traceback
 from pathlib import Path
 
 import jax
@@ -35,6 +37,29 @@ class _QuietOrbax(logging.Filter):
 
 logging.getLogger("absl").addFilter(_QuietOrbax())
 logging.getLogger("asyncio").addFilter(_QuietOrbax())
+
+
+def _is_closed_loop(error: BaseException | None) -> bool:
+    """After orbax's background write fails (a full disk), its event loop is closed while
+    TensorStore's other writes still finish; each of their callbacks then raises this on a native
+    thread, where TensorStore prints it as a bare traceback of asyncio frames only. The failure
+    itself reaches us through orbax and is reported in one line."""
+    if not (isinstance(error, RuntimeError) and str(error) == "Event loop is closed"):
+        return False
+    frames = traceback.extract_tb(error.__traceback__)
+    return bool(frames) and all(f"{os.sep}asyncio{os.sep}" in frame.filename for frame in frames)
+
+
+def _quiet_excepthook(hook):
+    return lambda kind, error, tb: None if _is_closed_loop(error) else hook(kind, error, tb)
+
+
+def _quiet_unraisablehook(hook):
+    return lambda unraisable: None if _is_closed_loop(unraisable.exc_value) else hook(unraisable)
+
+
+sys.excepthook = _quiet_excepthook(sys.excepthook)
+sys.unraisablehook = _quiet_unraisablehook(sys.unraisablehook)
 
 
 def _reason(error: Exception) -> str:

@@ -251,10 +251,9 @@ def test_a_full_disk_while_saving_exits_1_with_one_error_line(tmp_path):
         subprocess.run(["umount", str(disk)], check=True)
     assert r.returncode == 1, r.stderr[-3000:]
     lines = r.stderr.strip().splitlines()
-    # The run's own report is one line, last. Known gap: orbax's writer threads may print
-    # "RuntimeError: Event loop is closed" tracebacks before it (timing-dependent).
-    ours = [line for line in lines if line.startswith("error:")]
-    assert len(ours) == 1 and lines[-1] == ours[0], r.stderr[-3000:]
+    # One line, whichever save the disk fills up in (orbax's writer threads fail on their own).
+    assert len(lines) == 1, r.stderr[-3000:]
+    ours = lines
     assert ours[0].startswith("error: cannot write checkpoints in ") and "No space left on device" in ours[0]
 
 
@@ -339,3 +338,22 @@ def test_a_signal_to_the_launcher_makes_two_workers_save_and_exit(tmp_path, sig)
     assert all(f"after step {step};" in line for line in stopped)
     assert (tmp_path / "checkpoints" / str(step)).is_dir()
     assert all(_gone(w, 5) for w in workers)
+
+
+def test_only_orbaxs_closed_loop_callbacks_are_kept_off_stderr():
+    import asyncio
+
+    from holmes_jax import checkpoint
+
+    loop = asyncio.new_event_loop()
+    loop.close()
+    try:
+        loop.call_soon_threadsafe(print)  # what TensorStore's late write callbacks hit
+    except RuntimeError as e:  # a native thread has no Python frame above asyncio's
+        late_callback = e.with_traceback(e.__traceback__.tb_next)
+    assert checkpoint._is_closed_loop(late_callback)
+    try:
+        raise RuntimeError("Event loop is closed")  # the same words from anywhere else still show
+    except RuntimeError as e:
+        ours = e
+    assert not checkpoint._is_closed_loop(ours)
