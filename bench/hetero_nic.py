@@ -35,6 +35,7 @@ Sizing (no root): python bench/hetero_nic.py --size   The cost model's (a)-(e) f
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import json
@@ -191,7 +192,11 @@ def size(candidates=((1000, 200), (500, 100), (250, 100), (250, 200), (125, 100)
 
 
 def main() -> int:
-    if sys.argv[1:] == ["--size"]:
+    parser = argparse.ArgumentParser(description="Holmes' placement and partition against a NIC-blind layout, "
+                                     "measured on the emulated testbed (root): configurations (a)-(g).")
+    parser.add_argument("--size", action="store_true",
+                        help="print the cost model's (a)-(e) for candidate rates instead (no root, no run)")
+    if parser.parse_args().size:
         size()
         return 0
     reason = emulate.unavailable_reason()
