@@ -50,16 +50,9 @@ def _is_closed_loop(error: BaseException | None) -> bool:
     return bool(frames) and all(f"{os.sep}asyncio{os.sep}" in frame.filename for frame in frames)
 
 
-def _quiet_excepthook(hook):
-    return lambda kind, error, tb: None if _is_closed_loop(error) else hook(kind, error, tb)
-
-
-def _quiet_unraisablehook(hook):
-    return lambda unraisable: None if _is_closed_loop(unraisable.exc_value) else hook(unraisable)
-
-
-sys.excepthook = _quiet_excepthook(sys.excepthook)
-sys.unraisablehook = _quiet_unraisablehook(sys.unraisablehook)
+_excepthook, _unraisablehook = sys.excepthook, sys.unraisablehook
+sys.excepthook = lambda kind, error, tb: None if _is_closed_loop(error) else _excepthook(kind, error, tb)
+sys.unraisablehook = lambda unraisable: None if _is_closed_loop(unraisable.exc_value) else _unraisablehook(unraisable)
 
 
 def _reason(error: Exception) -> str:

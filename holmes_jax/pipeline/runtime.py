@@ -302,13 +302,7 @@ class Pipeline:
                 x_out = act
 
             def backward_whole(grads, loss_sum):  # one stage: the plain vjp of the whole model
-                tokens = batch[bwd]
-
-                def loss_fn(blocks, shared):
-                    x = model.embed(shared, tokens[:, :-1]).astype(act.dtype)
-                    return model.head_loss(shared, model.blocks(blocks, x), tokens[:, 1:])
-
-                loss, vjp = jax.vjp(loss_fn, blocks, shared)
+                loss, vjp = jax.vjp(lambda b, sh: model.loss(dict(sh, blocks=b), batch[bwd]), blocks, shared)
                 grads = jax.tree.map(jnp.add, grads, vjp(jnp.asarray(scale, jnp.float32)))
                 return grads, loss_sum + loss * scale, act
 
