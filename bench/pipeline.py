@@ -17,6 +17,8 @@ it (its forward tick, which keeps the layers' residuals, plus its backward tick,
 two separate jitted calls, so the residuals are materialised as in the stash) over a plain
 `jax.value_and_grad` forward + backward of the same layers (no remat) on the same microbatch and
 device. About 1 with remat 'none' (each layer's forward runs once), about 4/3 with 'full'.
+stage_flops_ratio: the same quotient in FLOPs as XLA counts them in the compiled programs; on CPU
+the timed ratio also carries memory traffic (the stash), this one only the work.
 
     python bench/pipeline.py [--rounds 3] [--steps 2] [--remat none|full|dots]
 """
@@ -60,10 +62,10 @@ def temp_bytes_fixed_microbatch(pp: int, m: int, schedule: str, remat: str) -> i
     return int(build.make_train_step(setup).lower(state, batch).compile().memory_analysis().temp_size_in_bytes)
 
 
-def stage_work_ratio(pp: int, m: int, remat: str, rounds: int, repeats: int = 5) -> float:
-    """One stage's forward tick + backward tick over a plain value_and_grad of its layers (see the
-    module doc), on the first device, with the step's per-device microbatch; the best of the rounds
-    (the host is shared: the fastest round is the one least disturbed)."""
+def _stage_and_plain(pp: int, m: int, remat: str):
+    """A non-last stage's forward tick and backward tick (as the runtime runs them, two jitted
+    calls so the residuals are materialised as in the stash) and a plain value_and_grad of the
+    same layers, each with its arguments, on the first device with the step's per-device microbatch."""
     cfgs = configure.load_configs(MODEL + [f"--gin.ModelConfig.remat='{remat}'"])
     micro_batch = cfgs.data.global_batch // ((8 // pp) * m)
     layers = cfgs.model.num_layers // pp
@@ -73,10 +75,28 @@ def stage_work_ratio(pp: int, m: int, remat: str, rounds: int, repeats: int = 5)
     rng = np.random.default_rng(0)
     shape = (micro_batch, cfgs.data.seq_len, cfgs.model.hidden)
     x, g = (jax.device_put(jnp.asarray(rng.standard_normal(shape), jnp.float32), device) for _ in range(2))
-
     forward = jax.jit(lambda b, x: _Layers(model, b, x, None).forward(x))
     backward = jax.jit(lambda b, kept, g: _Layers(model, b, g, None).backward(kept, g))
     plain = jax.jit(jax.value_and_grad(lambda b, x, g: jnp.vdot(plain_model.blocks(b, x), g), argnums=(0, 1)))
+    kept = jax.eval_shape(forward, blocks, x)[1]
+    return (forward, (blocks, x)), (backward, (blocks, kept, g)), (plain, (blocks, x, g))
+
+
+def stage_flops_ratio(pp: int, m: int, remat: str) -> float:
+    """The same ratio as `stage_work_ratio`, in FLOPs as XLA counts them in the compiled
+    programs (`cost_analysis`): the work itself, free of the host's memory traffic and noise."""
+    def flops(fn, args):
+        return fn.lower(*args).compile().cost_analysis()["flops"]
+
+    forward, backward, plain = _stage_and_plain(pp, m, remat)
+    return float((flops(*forward) + flops(*backward)) / flops(*plain))
+
+
+def stage_work_ratio(pp: int, m: int, remat: str, rounds: int, repeats: int = 5) -> float:
+    """One stage's forward tick + backward tick over a plain value_and_grad of its layers (see the
+    module doc), timed; the best of the rounds (the host is shared: the fastest round is the one
+    least disturbed)."""
+    (forward, (blocks, x)), (backward, (_, _, g)), (plain, _) = _stage_and_plain(pp, m, remat)
 
     def stage():
         return backward(blocks, forward(blocks, x)[1], g)
@@ -140,17 +160,19 @@ def main(argv):
                      "remat": args.remat})
     del runs
     work = {(pp, m): stage_work_ratio(pp, m, args.remat, args.rounds) for pp, m, _ in piped}
+    work_flops = {(pp, m): stage_flops_ratio(pp, m, args.remat) for pp, m in work}
     for row in rows:
         row["stage_work_ratio"] = work[(row["pp"], row["m"])]
+        row["stage_flops_ratio"] = work_flops[(row["pp"], row["m"])]
     print(f"remat {args.remat}; temp MiB: compiled temporary memory per device with 8 x 256 tokens per microbatch "
           f"and data shard; stage work: a non-last stage's forward + backward tick over plain value_and_grad")
     print(f"{'pp':>3} {'m':>3} {'schedule':>8} {'step ms':>9} {'pp=1 ms':>9} {'measured':>9} {'theory':>7} {'temp MiB':>9} "
-          f"{'stage work':>10}")
+          f"{'stage work':>10} {'flops':>6}")
     for row in rows:
         row["temp_bytes"] = temp_bytes_fixed_microbatch(row["pp"], row["m"], row["schedule"], args.remat)
         print(f"{row['pp']:>3} {row['m']:>3} {row['schedule']:>8} {row['step_s'] * 1e3:>9.1f} {row['baseline_s'] * 1e3:>9.1f} "
               f"{row['measured_ratio']:>9.3f} {row['theory_ratio']:>7.3f} {row['temp_bytes'] / 2**20:>9.2f} "
-              f"{row['stage_work_ratio']:>10.3f}")
+              f"{row['stage_work_ratio']:>10.3f} {row['stage_flops_ratio']:>6.3f}")
     worst = max(r["measured_ratio"] / r["theory_ratio"] for r in rows)
     print(f"worst measured / theory: {worst:.3f} (target <= 1.15)")
     for pp in (2, 4):
@@ -159,8 +181,10 @@ def main(argv):
             print(f"pp={pp} {sched:>5} temp MiB over m: " + ", ".join(f"{b / 2**20:.2f}" for b in mem))
     print(f"stage work ratio (non-last stage tick work / plain value_and_grad), remat {args.remat}: "
           + ", ".join(f"pp={pp} m={m}: {r:.3f}" for (pp, m), r in work.items()))
+    print("the same in XLA's FLOP count: " + ", ".join(f"pp={pp} m={m}: {r:.3f}" for (pp, m), r in work_flops.items()))
     print(json.dumps({"rows": rows, "worst_measured_over_theory": worst, "remat": args.remat,
-                      "stage_work_ratio": {f"pp={pp},m={m}": r for (pp, m), r in work.items()}}))
+                      "stage_work_ratio": {f"pp={pp},m={m}": r for (pp, m), r in work.items()},
+                      "stage_flops_ratio": {f"pp={pp},m={m}": r for (pp, m), r in work_flops.items()}}))
 
 
 if __name__ == "__main__":

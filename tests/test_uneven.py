@@ -118,9 +118,10 @@ def test_collectives_over_data_carry_bytes_in_proportion_to_real_layers(tmp_path
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("pp, layers", [(2, (3, 1)), (4, (1, 2, 1, 2))])
-def test_losses_match_one_stage_and_padding_never_moves(tmp_path, pp, layers):
-    common = [f"--gin.ModelConfig.num_layers={sum(layers)}", "--gin.ParallelConfig.microbatches=2"]
+@pytest.mark.parametrize("pp, layers, schedule", [(2, (3, 1), "1f1b"), (4, (1, 2, 1, 2), "gpipe")])
+def test_losses_match_one_stage_and_padding_never_moves(tmp_path, pp, layers, schedule):
+    common = [f"--gin.ModelConfig.num_layers={sum(layers)}", "--gin.ParallelConfig.microbatches=2",
+              f"--gin.ParallelConfig.schedule={schedule}"]
 
     def run(*bindings):
         cfgs = small_configs(tmp_path, *common, *bindings)
