@@ -33,12 +33,14 @@ The schedule of a paper layout is the better of holmes_jax's two (GPipe, 1F1B) f
 paper's Megatron ran 1F1B. Beside each paper layout the table prints, not as the target, the
 layout holmes_jax's planner would pick for the same topology and batch, with its prediction.
 
-What the figures price is holmes_jax's runtime, not the paper's frameworks: the reference scripts
-run Megatron-LLaMA's overlapped distributed optimizer (`--overlapped-distributed-optimizer`, a
-flag the published tree's own parser lacks: the scripts are the paper's framework's), which
-reduce-scatters fp16 gradients bucket by bucket during the backward; holmes_jax reduces float32
-gradients once the whole pipeline is done and gathers float32 parameters after the update (the
-cost model's sync), so communication-bound scenarios land below the paper.
+What the figures price is holmes_jax's runtime, not the paper's frameworks, set up as close to
+the paper's runs as it goes: gradients cross `data` in 16 bits as the paper's fp16 runs did
+(`ParallelConfig.grad_reduce_dtype = 'bfloat16'`, the same bytes). The reference scripts run
+Megatron-LLaMA's overlapped distributed optimizer (`--overlapped-distributed-optimizer`, a flag
+the published tree's own parser lacks: the scripts are the paper's framework's), which
+reduce-scatters the gradients bucket by bucket during the backward and gathers 16-bit
+parameters; holmes_jax reduces once the whole pipeline is done and gathers float32 parameters
+after the update (the cost model's sync), so communication-bound scenarios land below the paper.
 
 One set of hardware constants for every scenario (HARDWARE below):
 
@@ -113,6 +115,9 @@ def topology(*clusters: tuple[str, int]) -> Topology:
         "+".join(n for n, _ in clusters))
 
 
+GRAD_REDUCE_DTYPE = "bfloat16"  # 16-bit gradients on the wire, as the paper's fp16 runs
+
+
 def _model(name: str) -> ModelConfig:
     return ModelConfig(preset=name, compute_dtype="bfloat16", remat=True)
 
@@ -122,15 +127,15 @@ def paper_plan(model: str, topo: Topology, placement: str = "holmes") -> Plan:
     lay = PAPER_LAYOUTS[model]
     dp = topo.num_devices // (lay.tp * lay.pp)
     par = ParallelConfig(tp=lay.tp, pp=lay.pp, dp=dp, microbatches=lay.global_batch // (dp * lay.micro_batch),
-                         placement=placement)
+                         placement=placement, grad_reduce_dtype=GRAD_REDUCE_DTYPE)
     return plan(topo, _model(model), par, auto=("schedule",), global_batch=lay.global_batch,
                 seq_len=HARDWARE["seq_len"])
 
 
 def planner_plan(model: str, topo: Topology, placement: str = "holmes") -> Plan:
     """What holmes_jax's planner picks for the same topology and batch: every size searched."""
-    return plan(topo, _model(model), ParallelConfig(placement=placement), auto=SEARCHABLE,
-                global_batch=PAPER_LAYOUTS[model].global_batch, seq_len=HARDWARE["seq_len"])
+    return plan(topo, _model(model), ParallelConfig(placement=placement, grad_reduce_dtype=GRAD_REDUCE_DTYPE),
+                auto=SEARCHABLE, global_batch=PAPER_LAYOUTS[model].global_batch, seq_len=HARDWARE["seq_len"])
 
 
 SCENARIOS = {  # key: (label, model, clusters, placement)

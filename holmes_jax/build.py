@@ -105,7 +105,7 @@ def build(cfgs: Configs, devices=None) -> Setup:
     par = cfgs.parallel
     model = gpt.GPT(cfgs.model)
     pipeline = Pipeline(model, mesh, the_plan.stage_layers, the_plan.microbatches, the_plan.schedule,
-                        cross_cluster_hops(the_plan.topology, the_plan.grid))
+                        cross_cluster_hops(the_plan.topology, the_plan.grid), par.grad_reduce_dtype)
     tx, schedule = make_optimizer(cfgs.train)
     canonical = jax.eval_shape(lambda: model.init(0))
     staged = jax.eval_shape(pipeline.to_staged, canonical)

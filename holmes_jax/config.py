@@ -15,6 +15,7 @@ import gin
 
 
 REMAT = ("none", "full", "dots")
+GRAD_REDUCE_BYTES = {"float32": 4, "bfloat16": 2}  # ParallelConfig.grad_reduce_dtype: bytes per gradient on the wire
 
 
 class ConfigError(ValueError):
@@ -113,6 +114,7 @@ class ParallelConfig:
     microbatches: int = 1  # pipeline microbatches (gradient accumulation when pp = 1)
     schedule: str = "gpipe"  # gpipe | 1f1b
     zero1: bool = True  # shard optimizer state over `data`
+    grad_reduce_dtype: str = "float32"  # float32 | bfloat16: what gradients cross `data` in (bfloat16: half the bytes)
     placement: str = "holmes"  # holmes | naive
     topology: str | None = None  # TOML file; None: an emulated topology of the local devices
     profile: str | None = None  # measured profile JSON (python -m holmes_jax.profile); None: analytic costs
@@ -128,6 +130,7 @@ class ParallelConfig:
         check_choice("ParallelConfig.schedule", self.schedule, ("gpipe", "1f1b"))
         check_choice("ParallelConfig.placement", self.placement, ("holmes", "naive"))
         check_choice("ParallelConfig.zero1", self.zero1, (True, False))
+        check_choice("ParallelConfig.grad_reduce_dtype", self.grad_reduce_dtype, GRAD_REDUCE_BYTES)
         if self.profile is not None and (not isinstance(self.profile, str) or not self.profile):
             raise ConfigError(f"ParallelConfig.profile = {self.profile!r} is not allowed; "
                               f"allowed: None or the path of a profile JSON file")

@@ -58,11 +58,11 @@ def test_simulation_batches_candidates():
 
 
 def _model(stage_flops=(1e12, 1e12), dp=2, tp=1, m=4, schedule="gpipe", zero1=False, memory=float("inf"), layers=4,
-           param_bytes=4.0, update=0.0):
+           param_bytes=4.0, update=0.0, reduce_bytes=4.0):
     """Layers of 1e12 forward / 2e12 backward FLOPs and 1e9 parameters; embedding and head free."""
     layer = cost.Part(params=1e9, fwd_flops=1e12, bwd_flops=2e12)
     work = cost.Work(cost.Part(0, 0, 0), (layer,) * layers, cost.Part(0, 0, 0), boundary_bytes=1e8,
-                     layer_stash_bytes=1e9, param_bytes_per_param=param_bytes)
+                     layer_stash_bytes=1e9, param_bytes_per_param=param_bytes, reduce_bytes_per_param=reduce_bytes)
     stages = [cost.Stage(f, tp, LINK, dp, LINK, memory, update) for f in stage_flops]
     return cost.CostModel(work, stages, [LINK] * (len(stages) - 1), m, schedule, zero1, step_flops=1e15, samples=64)
 
@@ -149,6 +149,19 @@ def test_zero1_moves_the_same_bytes_unless_parameters_are_smaller():
     rs, ag = cost.reduce_scatter_s(2e9 * 4, 2, LINK), cost.all_gather_s(2e9 * 2, 2, LINK)
     assert half.stage_sync_s[0] == pytest.approx(rs + ag)
     assert zero1.stage_memory_bytes[0] == pytest.approx(plain.stage_memory_bytes[0] - 2e9 * 4)  # Adam halves
+
+
+@pytest.mark.parametrize("zero1", [True, False])
+def test_bfloat16_reduction_halves_the_gradient_bytes_not_the_memory(zero1):
+    fp32, bf16 = _model(zero1=zero1).predict([3, 1]), _model(zero1=zero1, reduce_bytes=2.0).predict([3, 1])
+    for s, params in enumerate((3e9, 1e9)):
+        if zero1:  # the reduce-scatter halves; the float32 all-gather of the update stays
+            expected = cost.reduce_scatter_s(params * 2, 2, LINK) + cost.all_gather_s(params * 4, 2, LINK)
+        else:
+            expected = cost.allreduce_s(params * 2, 2, LINK)
+        assert bf16.stage_sync_s[s] == pytest.approx(expected)
+        assert bf16.stage_sync_s[s] < fp32.stage_sync_s[s]
+    assert bf16.stage_memory_bytes == pytest.approx(fp32.stage_memory_bytes)  # accumulators stay float32
 
 
 def test_1f1b_stashes_fewer_microbatches():

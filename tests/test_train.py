@@ -1,9 +1,12 @@
+import re
+
 import jax
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
 from holmes_jax import build, optimizer, train
+from holmes_jax.config import ConfigError
 from helpers import read_metrics, run_module, small_configs
 
 
@@ -31,6 +34,42 @@ def test_same_batch_same_loss_on_every_mesh(tmp_path):
         got = _step_losses(small_configs(tmp_path, *bindings), devices)
         np.testing.assert_allclose(got, ref, rtol=0, atol=1e-5, err_msg=str(bindings))
     assert ref[2] < ref[0]
+
+
+@pytest.mark.parametrize("layout", [["--gin.ParallelConfig.dp=8"],
+                                    ["--gin.ParallelConfig.dp=4", "--gin.ParallelConfig.tp=2", "--gin.ParallelConfig.zero1=False"]])
+def test_gradients_reduced_in_bfloat16_train_like_float32(tmp_path, layout):
+    devices = jax.devices()
+    ref = _step_losses(small_configs(tmp_path, *layout), devices)
+    got = _step_losses(small_configs(tmp_path, *layout, "--gin.ParallelConfig.grad_reduce_dtype='bfloat16'"), devices)
+    assert got[0] == ref[0]  # the first loss comes before any update
+    np.testing.assert_allclose(got, ref, rtol=0, atol=1e-3)
+    assert got[2] < got[0]
+    with pytest.raises(ConfigError, match="grad_reduce_dtype"):
+        build.build(small_configs(tmp_path, "--gin.ParallelConfig.grad_reduce_dtype='float16'"))
+
+
+def test_gradients_reduced_in_bfloat16_cross_data_in_bfloat16(tmp_path):
+    """The step as JAX hands it to XLA: with ZeRO-1 the only reduce-scatters are the gradients'
+    over `data`, each in the asked dtype. (XLA:GPU passes bfloat16 to NCCL as it is; XLA:CPU
+    widens it to float32 when it compiles, so the compiled CPU step cannot show it.)"""
+    from holmes_jax import data
+
+    def operand_types(wire):
+        cfgs = small_configs(tmp_path, "--gin.ParallelConfig.dp=2", "--gin.ParallelConfig.tp=2",
+                             "--gin.ParallelConfig.pp=2", "--gin.ModelConfig.num_layers=3",
+                             "--gin.ParallelConfig.stage_layers=(2,1)", "--gin.ParallelConfig.microbatches=2",
+                             f"--gin.ParallelConfig.grad_reduce_dtype='{wire}'")
+        setup = build.build(cfgs)
+        state = setup.init_state()
+        step = build.make_train_step(setup).lower(state, setup.batch("train", 0, data.load(cfgs.data)))
+        if wire == "bfloat16":
+            step.compile()  # on CPU too, where XLA widens it
+        return re.findall(r'"stablehlo.reduce_scatter".*?\}\) : \(tensor<(?:\d+x)*(\w+)>\)', step.as_text(), re.S)
+
+    fp32, bf16 = operand_types("float32"), operand_types("bfloat16")
+    assert len(fp32) == len(bf16) > 0
+    assert set(fp32) == {"f32"} and set(bf16) == {"bf16"}
 
 
 @pytest.mark.parametrize("zero1", [True, False])

@@ -15,7 +15,8 @@ then its backward from the residuals it kept (`_Layers`): each layer's forward r
 microbatch, plus what the policy recomputes. Residuals of the microbatches in flight live in a
 ring (GPipe: m of them, 1F1B: at most p). Activations then move one stage down and gradients one
 stage up with `lax.ppermute`. Gradients accumulate locally and are reduced over `data` once, after the
-scan (reduce-scattered where ZeRO-1 shards them): one reduction per step, not per microbatch.
+scan (reduce-scattered where ZeRO-1 shards them): one reduction per step, not per microbatch,
+in float32 or, where `ParallelConfig.grad_reduce_dtype` asks, bfloat16.
 
 The embedding runs on the first stage and the head and loss on the last, each under `lax.cond`:
 other stages skip that work (and bubble ticks skip theirs), so they idle rather than compute
@@ -148,8 +149,9 @@ class _Layers:
 
 class Pipeline:
     def __init__(self, model: GPT, mesh: Mesh, stage_layers: tuple[int, ...], microbatches: int, schedule: str,
-                 boundary_hops: tuple[int, ...] = ()):
+                 boundary_hops: tuple[int, ...] = (), grad_reduce_dtype: str = "float32"):
         self.model, self.mesh = model, mesh
+        self.grad_reduce_dtype = jnp.dtype(grad_reduce_dtype)  # what gradients cross `data` in
         self.boundary_hops = tuple(sorted(set(boundary_hops)))  # stages s whose hop s -> s + 1 crosses clusters
         self.stage_layers = tuple(int(n) for n in stage_layers)
         self.stages = len(self.stage_layers)
@@ -259,9 +261,14 @@ class Pipeline:
         shared = {"embed": params["embed"], "head": params["head"]}
         shared_out = {"embed": manual["embed"], "head": manual["head"]}
         shared_dims = {"embed": scatter_dims["embed"], "head": scatter_dims["head"]}
+        tensor = jax.tree.map(lambda spec: P(*(n if n == "tensor" else None for n in spec)), grad_specs,
+                              is_leaf=is_spec)
+        tensor_specs = {"embed": tensor["embed"], "head": tensor["head"],
+                        "blocks": jax.tree.map(lambda spec: P(*spec[1:]), tensor["blocks"], is_leaf=is_spec)}
         block_specs = jax.tree.map(lambda _: P("stage"), params["blocks"])
         fn = jax.shard_map(
-            functools.partial(self._stage_program, block_dims=scatter_dims["blocks"], shared_dims=shared_dims),
+            functools.partial(self._stage_program, block_dims=scatter_dims["blocks"], shared_dims=shared_dims,
+                              tensor_specs=tensor_specs),
             mesh=self.mesh, axis_names={"stage", "data"},
             in_specs=(block_specs, P(), P(None, "data")),
             out_specs=(P(), manual["blocks"], shared_out), check_vma=False,
@@ -269,7 +276,7 @@ class Pipeline:
         loss, block_grads, shared_grads = fn(params["blocks"], shared, batch)
         return loss, {"embed": shared_grads["embed"], "blocks": block_grads, "head": shared_grads["head"]}
 
-    def _stage_program(self, blocks, shared, batch, block_dims, shared_dims):
+    def _stage_program(self, blocks, shared, batch, block_dims, shared_dims, tensor_specs):
         model, table, p = self.model, self.table, self.stages
         s = lax.axis_index("stage")
         blocks = jax.tree.map(lambda x: x[0], blocks)
@@ -345,13 +352,24 @@ class Pipeline:
         # The one gradient reduction of the step, over `data` (reduce-scatter for ZeRO-1 leaves,
         # all-reduce otherwise); the shared embedding and head, used on the first and last stage,
         # are summed over `stage` first. Block leaves here lack the leading stage axis: dim - 1.
-        def over_data(x, dim, offset=0):
-            if dim < 0:
-                return lax.psum(x, "data")
-            return lax.psum_scatter(x, "data", scatter_dimension=dim - offset, tiled=True)
+        def over_data(x, dim, tensor_spec, offset=0):
+            def reduce(y):
+                wire = y.astype(self.grad_reduce_dtype)
+                if dim < 0:
+                    return lax.psum(wire, "data").astype(y.dtype)
+                return lax.psum_scatter(wire, "data", scatter_dimension=dim - offset, tiled=True).astype(y.dtype)
+
+            if self.grad_reduce_dtype == x.dtype:
+                return reduce(x)
+            # In another dtype (bfloat16: half the bytes; the sums come back in float32 for
+            # clipping and the update), with `tensor` manual too: XLA:CPU widens a bfloat16
+            # reduction to float32 and fails on the reducer a partly automatic shard_map gives it.
+            return jax.shard_map(reduce, mesh=jax.sharding.get_abstract_mesh(), in_specs=tensor_spec,
+                                 out_specs=tensor_spec, axis_names={"tensor"}, check_vma=False)(x)
 
         g_blocks = self.by_slot_group(n_layers, g_blocks, lambda g: jax.tree.map(
-            lambda x, d: over_data(x, d, offset=1), g, block_dims))
-        g_shared = jax.tree.map(over_data, lax.psum(g_shared, "stage"), shared_dims)
+            lambda x, d, t: over_data(x, d, t, offset=1), g, block_dims, tensor_specs["blocks"]))
+        shared_specs = {k: tensor_specs[k] for k in ("embed", "head")}
+        g_shared = jax.tree.map(over_data, lax.psum(g_shared, "stage"), shared_dims, shared_specs)
         loss = lax.psum(loss_sum, ("stage", "data"))
         return loss, jax.tree.map(lambda x: x[None], g_blocks), g_shared

@@ -17,7 +17,8 @@ One training step as the pipeline runtime runs it (holmes_jax.pipeline.runtime):
 3. After the last tick each stage reduces its gradients over its data-parallel ring: a ring
    all-reduce, 2(n-1)/n * S/W + 2(n-1) latencies, or with ZeRO-1 a reduce-scatter, (n-1)/n * S/W
    + (n-1) latencies, on the ring's slowest link, one per parameter leaf (so the latencies are
-   paid once per leaf). Every stage holds the embedding and head and syncs them too.
+   paid once per leaf), of float32 or bfloat16 gradients (ParallelConfig.grad_reduce_dtype).
+   Every stage holds the embedding and head and syncs them too.
 4. Clipping takes the global gradient norm, summed over the whole mesh: every stage waits for the
    slowest stage's reduction. Then each stage runs its optimizer step, at the device's measured
    seconds per parameter (ZeRO-1: its 1/dp share), and with ZeRO-1 all-gathers the updated
@@ -78,7 +79,8 @@ class Work:
     tp_allreduces_fwd: int = 2  # per layer (Megatron: after attention and after the MLP)
     tp_allreduces_bwd: int = 2  # per layer; 4 with full recompute (the repeated forward's two)
     layer_stash_bytes: float = 0.0  # what one layer keeps of one in-flight microbatch for its backward, per device
-    grad_bytes_per_param: float = 4.0  # float32 gradients
+    grad_bytes_per_param: float = 4.0  # float32 gradients (held)
+    reduce_bytes_per_param: float = 4.0  # what crosses `data` per gradient: 2 with grad_reduce_dtype bfloat16
     param_bytes_per_param: float = 4.0  # float32 master weights (what ZeRO-1 all-gathers)
     optimizer_bytes_per_param: float = 8.0  # Adam's two float32 moments (ZeRO-1 shards them over data)
     sync_collectives: int = 1  # per sync: the runtime reduces (and ZeRO-1 gathers) each parameter leaf on its own
@@ -247,10 +249,10 @@ class CostModel:
         w = self.work
         k = w.sync_collectives
         if self.zero1:
-            reduce = reduce_scatter_s(params * w.grad_bytes_per_param, self._dp, self._dp_link, k)
+            reduce = reduce_scatter_s(params * w.reduce_bytes_per_param, self._dp, self._dp_link, k)
             gather = all_gather_s(params * w.param_bytes_per_param, self._dp, self._dp_link, k)
         else:
-            reduce, gather = allreduce_s(params * w.grad_bytes_per_param, self._dp, self._dp_link, k), 0.0 * params
+            reduce, gather = allreduce_s(params * w.reduce_bytes_per_param, self._dp, self._dp_link, k), 0.0 * params
         optimizer = w.optimizer_bytes_per_param / (self._dp if self.zero1 else 1)
         memory = (held * (w.param_bytes_per_param + w.grad_bytes_per_param + optimizer)
                   + self._in_flight * n * w.layer_stash_bytes)
