@@ -75,11 +75,12 @@ def _stage_and_plain(pp: int, m: int, remat: str):
     rng = np.random.default_rng(0)
     shape = (micro_batch, cfgs.data.seq_len, cfgs.model.hidden)
     x, g = (jax.device_put(jnp.asarray(rng.standard_normal(shape), jnp.float32), device) for _ in range(2))
-    forward = jax.jit(lambda b, x: _Layers(model, b, x, None).forward(x))
-    backward = jax.jit(lambda b, kept, g: _Layers(model, b, g, None).backward(kept, g))
+    stage = _Layers(model, blocks, x, None)
+    ring = jax.device_put(stage.ring(1), device)  # one microbatch's room, written in place as in the step
+    forward = jax.jit(lambda b, x, ring: _Layers(model, b, x, None).forward(x, ring, 0), donate_argnums=2)
+    backward = jax.jit(lambda b, ring, g: _Layers(model, b, g, None).backward(ring, 0, g, jax.tree.map(jnp.zeros_like, b)))
     plain = jax.jit(jax.value_and_grad(lambda b, x, g: jnp.vdot(plain_model.blocks(b, x), g), argnums=(0, 1)))
-    kept = jax.eval_shape(forward, blocks, x)[1]
-    return (forward, (blocks, x)), (backward, (blocks, kept, g)), (plain, (blocks, x, g))
+    return (forward, (blocks, x, ring)), (backward, (blocks, ring, g)), (plain, (blocks, x, g))
 
 
 def stage_flops_ratio(pp: int, m: int, remat: str) -> float:
@@ -96,10 +97,12 @@ def stage_work_ratio(pp: int, m: int, remat: str, rounds: int, repeats: int = 5)
     """One stage's forward tick + backward tick over a plain value_and_grad of its layers (see the
     module doc), timed; the best of the rounds (the host is shared: the fastest round is the one
     least disturbed)."""
-    (forward, (blocks, x)), (backward, (_, _, g)), (plain, _) = _stage_and_plain(pp, m, remat)
+    (forward, (blocks, x, ring)), (backward, (_, _, g)), (plain, _) = _stage_and_plain(pp, m, remat)
 
     def stage():
-        return backward(blocks, forward(blocks, x)[1], g)
+        nonlocal ring
+        _, ring = forward(blocks, x, ring)
+        return backward(blocks, ring, g)
 
     def baseline():
         return plain(blocks, x, g)

@@ -158,10 +158,10 @@ def _reached(calls: dict[str, set[str]], counts: dict[str, int], root: str) -> i
 def test_without_remat_each_layer_runs_its_forward_once_per_microbatch(tmp_path):
     """Counts the attention-score products in the compiled pp = 2 step. A layer's forward and
     backward hold one each (jax.value_and_grad of the model shows the same); a recomputed forward
-    adds one. Each tick a stage runs one branch of the backward's `lax.cond`: the last stage its
-    forward and backward together, the others the backward from the residuals their forward kept.
-    So a stage other than the last runs the forward branch's products and the residual branch's
-    per microbatch; with remat 'none' that must be what value_and_grad runs, with 'full' more."""
+    adds one. Each tick runs two scans over the stage's layers: the forward (every stage but the
+    last in its forward ticks, the last in its backward ticks) and the backward, each layer
+    under a cond of its own. So per layer and microbatch a stage runs one iteration of each; with
+    remat 'none' that must be what value_and_grad runs, with 'full' more."""
     heads, seq = 4, 32
     per_microbatch = {}
     for remat in ("none", "full"):
@@ -176,18 +176,28 @@ def test_without_remat_each_layer_runs_its_forward_once_per_microbatch(tmp_path)
         counts, calls = _score_products(hlo, heads, seq), _called_computations(hlo)
         plain = sum(_score_products(jax.jit(jax.value_and_grad(setup.model.loss)).lower(
             setup.model.init(0), batch[0, :1]).compile().as_text(), heads, seq).values())
-        # the backward's cond: the one conditional whose two branches both hold score products
-        conds = [re.search(r"branch_computations=\{%?([\w.\-]+), %?([\w.\-]+)\}", line)
-                 for line in hlo.splitlines() if " conditional(" in line]
-        branches = [[_reached(calls, counts, b) for b in c.groups()] for c in conds if c]
-        both = [b for b in branches if min(b) > 0]
-        assert len(both) == 1, branches
-        from_residuals, last_stage = both[0]  # lax.cond(is_last, ...): branch 0 is the false one
-        total = sum(counts.values())
-        forward = total - from_residuals - last_stage  # the forward tick's branch
-        assert last_stage == plain, (remat, last_stage, plain)
-        per_microbatch[remat] = (forward, forward + from_residuals, plain)
+        # The layer scans: loops whose body reaches score products and no other loop that does.
+        bodies = {m.group(1) for m in re.finditer(r"body=%?([\w.\-]+)", hlo)}
+        with_products = {b for b in bodies if _reached(calls, counts, b)}
+        inner = [b for b in with_products
+                 if not any(o != b and _reaches(calls, b, o) for o in with_products)]
+        assert len(inner) == 2, (inner, with_products)
+        forward, backward = sorted(_reached(calls, counts, b) for b in inner)  # a layer's, per microbatch
+        assert sum(counts.values()) == forward + backward  # nothing else in the step computes scores
+        per_microbatch[remat] = (forward, forward + backward, plain)
     none, full = per_microbatch["none"], per_microbatch["full"]
     assert none[2] == 2 and full[2] == 3  # value_and_grad: forward + backward, and a recompute with 'full'
     assert none[0] == 1 and none[1] == none[2], per_microbatch  # forward once, nothing recomputed
     assert full[1] == full[2] > none[1], per_microbatch
+
+
+def _reaches(calls: dict[str, set[str]], root: str, target: str) -> bool:
+    seen, todo = set(), [root]
+    while todo:
+        c = todo.pop()
+        if c == target:
+            return True
+        if c not in seen:
+            seen.add(c)
+            todo.extend(calls.get(c, ()))
+    return False

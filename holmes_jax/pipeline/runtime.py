@@ -13,8 +13,11 @@ stage stores what arrived, runs its forward (if the table says so), keeping each
 residuals (what `ModelConfig.remat` saves: everything for 'none', the layer input for 'full'),
 then its backward from the residuals it kept (`_Layers`): each layer's forward runs once per
 microbatch, plus what the policy recomputes. Residuals of the microbatches in flight live in a
-ring (GPipe: m of them, 1F1B: at most p). Activations then move one stage down and gradients one
-stage up with `lax.ppermute`. Gradients accumulate locally and are reduced over `data` once, after the
+ring (GPipe: m of them, 1F1B: at most p). The layer scans run in every tick outside any
+`lax.cond`, each layer under a `cond` of its own that runs it only in a tick with work and on a
+real slot: the ring and the gradient accumulators (sized by the longest stage) are carried
+through them and written in place, where a `cond` around the whole scan made XLA copy them whole
+every tick. Activations then move one stage down and gradients one stage up with `lax.ppermute`. Gradients accumulate locally and are reduced over `data` once, after the
 scan (reduce-scattered where ZeRO-1 shards them): one reduction per step, not per microbatch,
 in float32 or, where `ParallelConfig.grad_reduce_dtype` asks, bfloat16.
 
@@ -22,7 +25,8 @@ The embedding runs on the first stage and the head and loss on the last, each un
 other stages skip that work (and bubble ticks skip theirs), so they idle rather than compute
 garbage. What it costs: embedding and head parameters are replicated on every stage (memory), the
 tied embedding's gradient is summed over `stage` once per step, and a tick in which some stage
-sends moves a buffer across every boundary (idle ones send zeros). A tick in which none does
+sends moves a buffer across every boundary (idle ones send what they last held, which no
+stage stores: the arrival tables say when a transfer carries a microbatch). A tick in which none does
 skips that transfer (GPipe's forward ticks move no gradients, its backward ticks no
 activations): the skip is decided per tick, the same on every stage, so the collective stays
 matched. The last stage runs each microbatch's forward, head and backward together in one tick,
@@ -106,45 +110,51 @@ class _Layers:
         self.kept = [jax.ShapeDtypeStruct((self.depth,) + a.shape, a.dtype)
                      for a, d in zip(residuals.out_avals, self.dynamic) if d]
 
-    def _each_layer(self, run, skip, carry, xs, reverse=False):
-        """Scans the layers; padding layers (at or past n_layers) take `skip`."""
+    def _each_layer(self, run, carry, xs, active=True, reverse=False):
+        """Scans the layers, `run(carry, *layer, i)`; padding layers (at or past n_layers), and
+        every layer where `active` is false, leave the carry as it is, so they move no memory
+        (the ring and accumulators are carried, and written in place)."""
 
         def step(carry, xs):
             *layer, i = xs
-            if self.n_layers is None:
-                return run(carry, *layer)
-            return lax.cond(i < self.n_layers, run, skip, carry, *layer)
+            work = active if self.n_layers is None else active & (i < self.n_layers)
+            if work is True:
+                return run(carry, *layer, i), None
+            return lax.cond(work, run, lambda c, *_: c, carry, *layer, i), None
 
-        return lax.scan(step, carry, xs + (jnp.arange(self.depth),), reverse=reverse)
+        return lax.scan(step, carry, xs + (jnp.arange(self.depth),), reverse=reverse)[0]
 
-    def forward(self, x):
-        """The stage's output and its kept residuals (one (depth, ...) array each)."""
+    def forward(self, x, ring, slot, active=True):
+        """The stage's output, and `ring` (one (slots, depth, ...) array per kept residual) with
+        each real layer's residuals written at `slot`; where not `active`, `x` and `ring` as they came."""
 
-        def run(h, lp):
+        def run(carry, lp, i):
+            h, ring = carry
             out, vjp = jax.vjp(self.model.layer, lp, h)
-            return out, [r for r, d in zip(jax.tree.leaves(vjp), self.dynamic) if d]
+            kept = [r for r, d in zip(jax.tree.leaves(vjp), self.dynamic) if d]
+            return out, [r.at[slot, i].set(k) for r, k in zip(ring, kept)]
 
-        def skip(h, lp):
-            return h, [jnp.zeros(k.shape[1:], k.dtype) for k in self.kept]
+        return self._each_layer(run, (x, ring), (self.blocks,), active)
 
-        return self._each_layer(run, skip, x, (self.blocks,))
+    def backward(self, ring, slot, g, acc, active=True):
+        """(`acc` plus the gradients of the stage's blocks, the gradient of its input) from the
+        residuals at `ring[slot]` and the gradient `g` of the stage's output; where not
+        `active`, `acc` and `g` as they came."""
 
-    def backward(self, kept, g):
-        """(gradients of the stage's blocks, gradient of its input) from one microbatch's kept
-        residuals and the gradient of its output."""
-
-        def run(g, lp, kept):
+        def run(carry, lp, i):
+            g, acc = carry
             _, vjp = jax.vjp(self.model.layer, lp, jnp.zeros_like(self.act))  # the parameter-only residuals
             leaves, tree = jax.tree.flatten(vjp)
-            stashed = iter(kept)
+            stashed = iter([r[slot, i] for r in ring])
             g_lp, g_h = tree.unflatten([next(stashed) if d else r for r, d in zip(leaves, self.dynamic)])(g)
-            return g_h, g_lp
+            return g_h, jax.tree.map(lambda a, x: a.at[i].add(x), acc, g_lp)
 
-        def skip(g, lp, kept):
-            return g, jax.tree.map(jnp.zeros_like, lp)
+        g_x, acc = self._each_layer(run, (g, acc), (self.blocks,), active, reverse=True)
+        return acc, g_x
 
-        g_x, g_blocks = self._each_layer(run, skip, g, (self.blocks, kept), reverse=True)
-        return g_blocks, g_x
+    def ring(self, slots: int) -> list[jax.Array]:
+        """Zeroed room for the kept residuals of `slots` microbatches."""
+        return [jnp.zeros((slots,) + k.shape, k.dtype) for k in self.kept]
 
 
 class Pipeline:
@@ -296,54 +306,49 @@ class Pipeline:
             stash = lax.cond(x_arrival >= 0, lambda: stash.at[x_arrival % table.x_slots].set(x_in), lambda: stash)
             gstash = lax.cond(g_arrival >= 0, lambda: gstash.at[g_arrival % table.g_slots].set(g_in), lambda: gstash)
 
-            def forward(res):  # not on the last stage: it runs its forward inside its backward
-                tokens = batch[fwd]
-                x = _when(is_first, lambda: model.embed(shared, tokens[:, :-1]).astype(act.dtype),
-                          lambda: stash[fwd % table.x_slots])
-                x, kept = layers.forward(x)
-                return x, [r.at[fwd % table.x_slots].set(k) for r, k in zip(res, kept)]
+            if p == 1:  # one stage: the plain vjp of the whole model
+                def backward_whole(grads, loss_sum):
+                    loss, vjp = jax.vjp(lambda b, sh: model.loss(dict(sh, blocks=b), batch[bwd]), blocks, shared)
+                    return jax.tree.map(jnp.add, grads, vjp(jnp.asarray(scale, jnp.float32))), loss_sum + loss * scale
 
-            if p > 1:
-                x_out, res = lax.cond((fwd >= 0) & ~is_last, forward, lambda res: (act, res), res)
-            else:
-                x_out = act
+                grads, loss_sum = lax.cond(bwd >= 0, backward_whole, lambda g, l: (g, l), grads, loss_sum)
+                return (stash, res, gstash, x_in, g_in, grads, loss_sum), None
 
-            def backward_whole(grads, loss_sum):  # one stage: the plain vjp of the whole model
-                loss, vjp = jax.vjp(lambda b, sh: model.loss(dict(sh, blocks=b), batch[bwd]), blocks, shared)
-                grads = jax.tree.map(jnp.add, grads, vjp(jnp.asarray(scale, jnp.float32)))
-                return grads, loss_sum + loss * scale, act
+            # The layer scans run in every tick, outside any cond, each layer doing its work only
+            # where `active` (and skipping padding): the residual ring and the gradient
+            # accumulators are carried through them and written in place, never copied whole.
+            # The last stage runs each microbatch's forward in the tick of its backward (its ring
+            # is otherwise unused).
+            tokens_f, tokens_b = batch[fwd], batch[bwd]
+            slot = jnp.where(is_last, bwd, fwd) % table.x_slots  # where this tick's forward keeps its residuals
+            x = lax.cond(is_first & (fwd >= 0), lambda: model.embed(shared, tokens_f[:, :-1]).astype(act.dtype),
+                         lambda: stash[slot])
+            x_out, res = layers.forward(x, res, slot, active=jnp.where(is_last, bwd, fwd) >= 0)
 
-            def backward_last(grads, loss_sum):  # its forward, head and backward in one tick
-                tokens = batch[bwd]
-                x, kept = layers.forward(stash[bwd % table.x_slots])
-                loss, head_vjp = jax.vjp(lambda sh, h: model.head_loss(sh, h, tokens[:, 1:]), shared, x)
-                g_shared, g_h = head_vjp(jnp.asarray(scale, jnp.float32))
-                g_blocks, g_x = layers.backward(kept, g_h)
-                grads = jax.tree.map(jnp.add, grads, (g_blocks, g_shared))
-                return grads, loss_sum + loss * scale, g_x
+            def head(g_shared, loss_sum):
+                loss, head_vjp = jax.vjp(lambda sh, h: model.head_loss(sh, h, tokens_b[:, 1:]), shared, x_out)
+                g_sh, g_h = head_vjp(jnp.asarray(scale, jnp.float32))
+                return jax.tree.map(jnp.add, g_shared, g_sh), loss_sum + loss * scale, g_h
 
-            def backward_from_residuals(grads, loss_sum):  # other stages: the forward's residuals
-                g_blocks, g_x = layers.backward([r[bwd % table.x_slots] for r in res], gstash[bwd % table.g_slots])
-                tokens = batch[bwd]
-                g_shared = _when(is_first, lambda: jax.vjp(lambda sh: model.embed(sh, tokens[:, :-1]).astype(act.dtype),
-                                                            shared)[1](g_x)[0],
-                                 lambda: jax.tree.map(jnp.zeros_like, shared))
-                grads = jax.tree.map(jnp.add, grads, (g_blocks, g_shared))
-                return grads, loss_sum, g_x
+            g_blocks, g_shared = grads
+            g_shared, loss_sum, g_h = lax.cond(is_last & (bwd >= 0), head, lambda g, l: (g, l, act), g_shared, loss_sum)
+            g = jnp.where(is_last, g_h, gstash[bwd % table.g_slots])
+            g_blocks, g_out = layers.backward(res, bwd % table.x_slots, g, g_blocks, active=bwd >= 0)
 
-            def backward(grads, loss_sum):
-                if p == 1:
-                    return backward_whole(grads, loss_sum)
-                return lax.cond(is_last, backward_last, backward_from_residuals, grads, loss_sum)
+            def embed_backward(g_shared):
+                g_embed = jax.vjp(lambda sh: model.embed(sh, tokens_b[:, :-1]).astype(act.dtype), shared)[1](g_out)[0]
+                return jax.tree.map(jnp.add, g_shared, g_embed)
 
-            grads, loss_sum, g_out = lax.cond(bwd >= 0, backward, lambda g, l: (g, l, act), grads, loss_sum)
-            if p > 1:  # each transfer only in ticks where some stage sends (the same on every stage)
-                x_in = lax.cond(x_moves, lambda: self._transfer(x_out, down=True), lambda: act)
-                g_in = lax.cond(g_moves, lambda: self._transfer(g_out, down=False), lambda: act)
+            g_shared = lax.cond(is_first & (bwd >= 0), embed_backward, lambda g: g, g_shared)
+            grads = (g_blocks, g_shared)
+            # Where a stage had no forward or backward, x_out and g_out hold what came in; no
+            # stage stores them (the arrival tables say when a transfer carries a microbatch).
+            x_in = lax.cond(x_moves, lambda: self._transfer(x_out, down=True), lambda: act)
+            g_in = lax.cond(g_moves, lambda: self._transfer(g_out, down=False), lambda: act)
             return (stash, res, gstash, x_in, g_in, grads, loss_sum), None
 
         zeros = jax.tree.map(jnp.zeros_like, (blocks, shared))
-        res = [] if layers is None else [jnp.zeros((table.x_slots,) + r.shape, r.dtype) for r in layers.kept]
+        res = [] if layers is None else layers.ring(table.x_slots)
         carry = (jnp.zeros((table.x_slots,) + act.shape, act.dtype), res,
                  jnp.zeros((table.g_slots,) + act.shape, act.dtype), act, act, zeros, jnp.zeros((), jnp.float32))
         rows = tuple(jnp.asarray(r) for r in (table.fwd, table.bwd, table.x_arrivals(), table.g_arrivals()))
