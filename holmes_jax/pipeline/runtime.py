@@ -17,21 +17,22 @@ ring (GPipe: m of them, 1F1B: at most p). The layer scans run in every tick outs
 `lax.cond`, each layer under a `cond` of its own that runs it only in a tick with work and on a
 real slot: the ring and the gradient accumulators (sized by the longest stage) are carried
 through them and written in place, where a `cond` around the whole scan made XLA copy them whole
-every tick. Activations then move one stage down and gradients one stage up with `lax.ppermute`. Gradients accumulate locally and are reduced over `data` once, after the
-scan (reduce-scattered where ZeRO-1 shards them): one reduction per step, not per microbatch,
-in float32 or, where `ParallelConfig.grad_reduce_dtype` asks, bfloat16.
+every tick. Activations then move one stage down and gradients one stage up with
+`lax.ppermute`. Gradients accumulate locally and are reduced over `data` once, after the scan
+(reduce-scattered where ZeRO-1 shards them): one reduction per step, not per microbatch, in
+float32 or, where `ParallelConfig.grad_reduce_dtype` asks, bfloat16.
 
 The embedding runs on the first stage and the head and loss on the last, each under `lax.cond`:
 other stages skip that work (and bubble ticks skip theirs), so they idle rather than compute
 garbage. What it costs: embedding and head parameters are replicated on every stage (memory), the
 tied embedding's gradient is summed over `stage` once per step, and a tick in which some stage
 sends moves a buffer across every boundary (idle ones send what they last held, which no
-stage stores: the arrival tables say when a transfer carries a microbatch). A tick in which none does
-skips that transfer (GPipe's forward ticks move no gradients, its backward ticks no
+stage stores: the arrival tables say when a transfer carries a microbatch). A tick in which none
+does skips that transfer (GPipe's forward ticks move no gradients, its backward ticks no
 activations): the skip is decided per tick, the same on every stage, so the collective stays
 matched. The last stage runs each microbatch's forward, head and backward together in one tick,
 its layers through the same `_Layers` as the other stages (so its padding is skipped the same
-way), and keeps no residuals between ticks.
+way), keeping the residuals for that tick only, in its ring (which it otherwise has no use for).
 
 Each transfer is two `ppermute`s when some hops cross clusters (`boundary_hops`): one holding only
 those hops, one the rest. Each becomes a collective of its own, so XLA gives the crossing hops
@@ -314,11 +315,8 @@ class Pipeline:
                 grads, loss_sum = lax.cond(bwd >= 0, backward_whole, lambda g, l: (g, l), grads, loss_sum)
                 return (stash, res, gstash, x_in, g_in, grads, loss_sum), None
 
-            # The layer scans run in every tick, outside any cond, each layer doing its work only
-            # where `active` (and skipping padding): the residual ring and the gradient
-            # accumulators are carried through them and written in place, never copied whole.
-            # The last stage runs each microbatch's forward in the tick of its backward (its ring
-            # is otherwise unused).
+            # The layer scans run in every tick, outside any cond (see the module doc); the last
+            # stage runs each microbatch's forward in the tick of its backward.
             tokens_f, tokens_b = batch[fwd], batch[bwd]
             slot = jnp.where(is_last, bwd, fwd) % table.x_slots  # where this tick's forward keeps its residuals
             x = lax.cond(is_first & (fwd >= 0), lambda: model.embed(shared, tokens_f[:, :-1]).astype(act.dtype),
@@ -357,6 +355,9 @@ class Pipeline:
         # The one gradient reduction of the step, over `data` (reduce-scatter for ZeRO-1 leaves,
         # all-reduce otherwise); the shared embedding and head, used on the first and last stage,
         # are summed over `stage` first. Block leaves here lack the leading stage axis: dim - 1.
+        # It runs in `grad_reduce_dtype` (bfloat16: half the bytes; the sums come back in float32
+        # for clipping and the update), with `tensor` manual too: XLA:CPU widens a bfloat16
+        # reduction to float32 and fails on the reducer a partly automatic shard_map gives it.
         def over_data(x, dim, tensor_spec, offset=0):
             def reduce(y):
                 wire = y.astype(self.grad_reduce_dtype)
@@ -364,11 +365,6 @@ class Pipeline:
                     return lax.psum(wire, "data").astype(y.dtype)
                 return lax.psum_scatter(wire, "data", scatter_dimension=dim - offset, tiled=True).astype(y.dtype)
 
-            if self.grad_reduce_dtype == x.dtype:
-                return reduce(x)
-            # In another dtype (bfloat16: half the bytes; the sums come back in float32 for
-            # clipping and the update), with `tensor` manual too: XLA:CPU widens a bfloat16
-            # reduction to float32 and fails on the reducer a partly automatic shard_map gives it.
             return jax.shard_map(reduce, mesh=jax.sharding.get_abstract_mesh(), in_specs=tensor_spec,
                                  out_specs=tensor_spec, axis_names={"tensor"}, check_vma=False)(x)
 

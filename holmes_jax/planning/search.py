@@ -254,8 +254,9 @@ def plan(topology, model, parallel: ParallelConfig | None = None, *, global_batc
     """Plans `model` (a preset name or ModelConfig) on `topology` (a TOML path or Topology).
 
     `parallel` fixes tp, pp, dp (None: what is left), microbatches, the partition method or
-    stage_layers, the schedule, placement, zero1 and the gradients' reduce dtype. `auto` names the sizes of SEARCHABLE that the
-    cost model chooses instead; default: all of them without `parallel`, none with it.
+    stage_layers, the schedule, placement, zero1 and the gradients' reduce dtype. `auto` names
+    the sizes of SEARCHABLE that the cost model chooses instead; default: all of them without
+    `parallel`, none with it.
     `allow_mixed`: let a holmes stage span clusters (reported) instead of refusing.
     `ratios`: holmes-ratio's weight per cluster name (default: cluster NIC Gb/s).
     `profile`: a measured Profile (or its JSON path); None: `parallel.profile`, else analytic costs
