@@ -34,17 +34,19 @@ paper's Megatron ran 1F1B. Beside each paper layout the table prints, not as the
 layout holmes_jax's planner would pick for the same topology and batch, with its prediction.
 
 What the figures price is holmes_jax's runtime, not the paper's frameworks, set up as close to
-the paper's runs as it goes: gradients cross `data` in 16 bits as the paper's fp16 runs did
-(`ParallelConfig.grad_reduce_dtype = 'bfloat16'`, the same bytes). The reference scripts run
-Megatron-LLaMA's overlapped distributed optimizer (`--overlapped-distributed-optimizer`, a flag
-the published tree's own parser lacks: the scripts are the paper's framework's), which
-reduce-scatters the gradients bucket by bucket during the backward and gathers 16-bit
-parameters; holmes_jax reduces once the whole pipeline is done and gathers float32 parameters
-after the update (the cost model's sync), so communication-bound scenarios land below the paper.
+the paper's runs as it goes: what crosses `data` does so in 16 bits, as in the paper's fp16 runs
+(`ParallelConfig.grad_reduce_dtype` and `update_gather_dtype` = 'bfloat16': the gradients'
+reduce-scatter and ZeRO-1's gather of the updates, the same bytes as Megatron's 16-bit gradients
+and parameters). The reference scripts run Megatron-LLaMA's overlapped distributed optimizer
+(`--overlapped-distributed-optimizer`, a flag the published tree's own parser lacks: the scripts
+are the paper's framework's), which reduce-scatters the gradients bucket by bucket during the
+backward; holmes_jax reduces once the whole pipeline is done (the cost model's sync), so
+communication-bound scenarios land below the paper.
 
 One set of hardware constants for every scenario (HARDWARE below):
 
-- A100: 312 TFLOP/s dense bf16 peak, 75% of it on a transformer layer with flash attention.
+- A100: 312 TFLOP/s dense bf16 peak, 72% of it on a transformer layer: FlashAttention-2's
+  published end-to-end GPT training speed, up to 225 TFLOP/s per A100 (Dao, 2023).
 - NVLink 3: 2400 Gb/s per GPU each way, collectives at 80% (the topology default).
 - InfiniBand node: 4 HDR HCAs of 200 Gb/s, 90% (RDMA, credit flow control). RoCE node: 2 HCAs of
   100 GbE, 60% (PFC pauses, congestion control). The HCA counts are Holmes' own cluster config
@@ -73,7 +75,7 @@ from holmes_jax.planning.search import SEARCHABLE
 from holmes_jax.planning.topology import Cluster, Topology, nic_link
 
 HARDWARE = {
-    "device_tflops": 312.0, "device_efficiency": 0.75, "intra_node_gbps": 2400.0,
+    "device_tflops": 312.0, "device_efficiency": 0.72, "intra_node_gbps": 2400.0,
     "hcas_per_node": {"infiniband": 4, "roce": 2, "ethernet": 1},
     "hca_gbps": {"infiniband": 200.0, "roce": 100.0, "ethernet": 100.0},
     "efficiency": {"infiniband": 0.90, "roce": 0.60, "ethernet": 0.40},
@@ -115,7 +117,8 @@ def topology(*clusters: tuple[str, int]) -> Topology:
         "+".join(n for n, _ in clusters))
 
 
-GRAD_REDUCE_DTYPE = "bfloat16"  # 16-bit gradients on the wire, as the paper's fp16 runs
+# 16 bits over `data`, as the paper's fp16 runs: gradients reduced, updates gathered
+WIRE = {"grad_reduce_dtype": "bfloat16", "update_gather_dtype": "bfloat16"}
 
 
 def _model(name: str) -> ModelConfig:
@@ -127,14 +130,14 @@ def paper_plan(model: str, topo: Topology, placement: str = "holmes") -> Plan:
     lay = PAPER_LAYOUTS[model]
     dp = topo.num_devices // (lay.tp * lay.pp)
     par = ParallelConfig(tp=lay.tp, pp=lay.pp, dp=dp, microbatches=lay.global_batch // (dp * lay.micro_batch),
-                         placement=placement, grad_reduce_dtype=GRAD_REDUCE_DTYPE)
+                         placement=placement, **WIRE)
     return plan(topo, _model(model), par, auto=("schedule",), global_batch=lay.global_batch,
                 seq_len=HARDWARE["seq_len"])
 
 
 def planner_plan(model: str, topo: Topology, placement: str = "holmes") -> Plan:
     """What holmes_jax's planner picks for the same topology and batch: every size searched."""
-    return plan(topo, _model(model), ParallelConfig(placement=placement, grad_reduce_dtype=GRAD_REDUCE_DTYPE),
+    return plan(topo, _model(model), ParallelConfig(placement=placement, **WIRE),
                 auto=SEARCHABLE, global_batch=PAPER_LAYOUTS[model].global_batch, seq_len=HARDWARE["seq_len"])
 
 

@@ -123,7 +123,8 @@ def make_train_step(setup: Setup):
     batches, so a resumed run lines up."""
     pipeline = setup.pipeline
     specs = jax.tree.map(lambda s: s.spec, setup.state_shardings)
-    update = make_update(pipeline, setup.tx, setup.cfgs.train.grad_clip, specs, setup.grad_specs)
+    update = make_update(pipeline, setup.tx, setup.cfgs.train.grad_clip, specs, setup.grad_specs,
+                         gather_dtype=setup.cfgs.parallel.update_gather_dtype)
 
     def step(state, batch):
         loss, grads = pipeline.loss_and_grads(state["params"], batch, setup.grad_specs)

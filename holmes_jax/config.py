@@ -15,7 +15,7 @@ import gin
 
 
 REMAT = ("none", "full", "dots")
-GRAD_REDUCE_BYTES = {"float32": 4, "bfloat16": 2}  # ParallelConfig.grad_reduce_dtype: bytes per gradient on the wire
+WIRE_BYTES = {"float32": 4, "bfloat16": 2}  # bytes per number of what crosses `data`: *_dtype in ParallelConfig
 
 
 class ConfigError(ValueError):
@@ -115,6 +115,7 @@ class ParallelConfig:
     schedule: str = "gpipe"  # gpipe | 1f1b
     zero1: bool = True  # shard optimizer state over `data`
     grad_reduce_dtype: str = "float32"  # float32 | bfloat16: what gradients cross `data` in (bfloat16: half the bytes)
+    update_gather_dtype: str = "float32"  # float32 | bfloat16: what ZeRO-1's all-gather of the updates moves
     placement: str = "holmes"  # holmes | naive
     topology: str | None = None  # TOML file; None: an emulated topology of the local devices
     profile: str | None = None  # measured profile JSON (python -m holmes_jax.profile); None: analytic costs
@@ -130,7 +131,8 @@ class ParallelConfig:
         check_choice("ParallelConfig.schedule", self.schedule, ("gpipe", "1f1b"))
         check_choice("ParallelConfig.placement", self.placement, ("holmes", "naive"))
         check_choice("ParallelConfig.zero1", self.zero1, (True, False))
-        check_choice("ParallelConfig.grad_reduce_dtype", self.grad_reduce_dtype, GRAD_REDUCE_BYTES)
+        check_choice("ParallelConfig.grad_reduce_dtype", self.grad_reduce_dtype, WIRE_BYTES)
+        check_choice("ParallelConfig.update_gather_dtype", self.update_gather_dtype, WIRE_BYTES)
         if self.profile is not None and (not isinstance(self.profile, str) or not self.profile):
             raise ConfigError(f"ParallelConfig.profile = {self.profile!r} is not allowed; "
                               f"allowed: None or the path of a profile JSON file")

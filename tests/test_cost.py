@@ -58,11 +58,12 @@ def test_simulation_batches_candidates():
 
 
 def _model(stage_flops=(1e12, 1e12), dp=2, tp=1, m=4, schedule="gpipe", zero1=False, memory=float("inf"), layers=4,
-           param_bytes=4.0, update=0.0, reduce_bytes=4.0):
+           update=0.0, reduce_bytes=4.0, gather_bytes=4.0):
     """Layers of 1e12 forward / 2e12 backward FLOPs and 1e9 parameters; embedding and head free."""
     layer = cost.Part(params=1e9, fwd_flops=1e12, bwd_flops=2e12)
     work = cost.Work(cost.Part(0, 0, 0), (layer,) * layers, cost.Part(0, 0, 0), boundary_bytes=1e8,
-                     layer_stash_bytes=1e9, param_bytes_per_param=param_bytes, reduce_bytes_per_param=reduce_bytes)
+                     layer_stash_bytes=1e9, reduce_bytes_per_param=reduce_bytes,
+                     gather_bytes_per_param=gather_bytes)
     stages = [cost.Stage(f, tp, LINK, dp, LINK, memory, update) for f in stage_flops]
     return cost.CostModel(work, stages, [LINK] * (len(stages) - 1), m, schedule, zero1, step_flops=1e15, samples=64)
 
@@ -142,12 +143,13 @@ def test_tensor_parallel_splits_work_and_adds_its_all_reduces():
     assert two.stage_bwd_s[0] == pytest.approx(one.stage_bwd_s[0] / 2 + 2 * 2 * allreduce)
 
 
-def test_zero1_moves_the_same_bytes_unless_parameters_are_smaller():
+def test_zero1_moves_the_same_bytes_unless_the_updates_cross_in_bfloat16():
     plain, zero1 = _model().predict([2, 2]), _model(zero1=True).predict([2, 2])
     assert zero1.stage_sync_s == pytest.approx(plain.stage_sync_s)
-    half = _model(zero1=True, param_bytes=2.0).predict([2, 2])
+    half = _model(zero1=True, gather_bytes=2.0).predict([2, 2])
     rs, ag = cost.reduce_scatter_s(2e9 * 4, 2, LINK), cost.all_gather_s(2e9 * 2, 2, LINK)
     assert half.stage_sync_s[0] == pytest.approx(rs + ag)
+    assert half.stage_memory_bytes == pytest.approx(zero1.stage_memory_bytes)  # the weights stay float32
     assert zero1.stage_memory_bytes[0] == pytest.approx(plain.stage_memory_bytes[0] - 2e9 * 4)  # Adam halves
 
 

@@ -57,9 +57,6 @@ def test_the_targets_are_the_papers_layouts_not_the_planners(figures):
 
 
 def test_the_planner_does_no_worse_than_the_papers_layout(figures):
-    """The planner's search includes each paper layout, so its pick is predicted at least as fast;
-    on pure Ethernet it finds a faster one (a deep pipeline that keeps the data sync small)."""
+    """The planner's search includes each paper layout, so its pick is predicted at least as fast."""
     for key, lay in figures["layouts"].items():
         assert figures["planner"][key]["tflops"] >= lay["tflops"], key
-    assert figures["planner"]["eth"]["mesh"]["stage"] > 1
-    assert figures["planner"]["eth"]["tflops"] > figures["layouts"]["eth"]["tflops"]

@@ -10,8 +10,9 @@ from holmes_jax.config import ConfigError
 from helpers import read_metrics, run_module, small_configs
 
 
-def _step_losses(cfgs, devices):
-    """Losses of three steps on one fixed batch (the warm-up's first learning rate is 0)."""
+def _step_losses(cfgs, devices, with_state=False):
+    """Losses of three steps on one fixed batch (the warm-up's first learning rate is 0), and the
+    state after them where `with_state`."""
     setup = build.build(cfgs, devices)
     step = build.make_train_step(setup)
     from holmes_jax import data
@@ -23,7 +24,7 @@ def _step_losses(cfgs, devices):
     for _ in range(3):
         state, out = step(state, batch)
         losses.append(float(out["loss"]))
-    return losses
+    return (losses, state) if with_state else losses
 
 
 def test_same_batch_same_loss_on_every_mesh(tmp_path):
@@ -38,38 +39,54 @@ def test_same_batch_same_loss_on_every_mesh(tmp_path):
 
 @pytest.mark.parametrize("layout", [["--gin.ParallelConfig.dp=8"],
                                     ["--gin.ParallelConfig.dp=4", "--gin.ParallelConfig.tp=2", "--gin.ParallelConfig.zero1=False"]])
-def test_gradients_reduced_in_bfloat16_train_like_float32(tmp_path, layout):
+def test_data_traffic_in_bfloat16_trains_like_float32(tmp_path, layout):
+    """Gradients reduced and (ZeRO-1) updates gathered in bfloat16: losses near float32's, and
+    the data replicas' parameters still bit for bit equal (each adds the same rounded update)."""
     devices = jax.devices()
     ref = _step_losses(small_configs(tmp_path, *layout), devices)
-    got = _step_losses(small_configs(tmp_path, *layout, "--gin.ParallelConfig.grad_reduce_dtype='bfloat16'"), devices)
+    got, state = _step_losses(small_configs(tmp_path, *layout, "--gin.ParallelConfig.grad_reduce_dtype='bfloat16'",
+                                            "--gin.ParallelConfig.update_gather_dtype='bfloat16'"), devices, True)
     assert got[0] == ref[0]  # the first loss comes before any update
     np.testing.assert_allclose(got, ref, rtol=0, atol=1e-3)
     assert got[2] < got[0]
-    with pytest.raises(ConfigError, match="grad_reduce_dtype"):
-        build.build(small_configs(tmp_path, "--gin.ParallelConfig.grad_reduce_dtype='float16'"))
+    for leaf in jax.tree.leaves(state["params"]):
+        by_place = {}
+        for shard in leaf.addressable_shards:
+            by_place.setdefault(str(shard.index), []).append(np.asarray(shard.data))
+        assert all(len(copies) > 1 for copies in by_place.values())  # replicated over `data`
+        for first, *others in by_place.values():
+            for other in others:
+                np.testing.assert_array_equal(other, first)
+    for knob in ("grad_reduce_dtype", "update_gather_dtype"):
+        with pytest.raises(ConfigError, match=knob):
+            build.build(small_configs(tmp_path, f"--gin.ParallelConfig.{knob}='float16'"))
 
 
-def test_gradients_reduced_in_bfloat16_cross_data_in_bfloat16(tmp_path):
+def test_data_traffic_crosses_in_the_asked_dtype(tmp_path):
     """The step as JAX hands it to XLA: with ZeRO-1 the only reduce-scatters are the gradients'
-    over `data`, each in the asked dtype. (XLA:GPU passes bfloat16 to NCCL as it is; XLA:CPU
-    widens it to float32 when it compiles, so the compiled CPU step cannot show it.)"""
+    over `data` and the only all-gathers the updates', each in the asked dtype. (XLA:GPU passes
+    bfloat16 to NCCL as it is; XLA:CPU widens a bfloat16 reduction to float32 when it compiles,
+    so the compiled CPU step cannot show it.)"""
     from holmes_jax import data
 
     def operand_types(wire):
         cfgs = small_configs(tmp_path, "--gin.ParallelConfig.dp=2", "--gin.ParallelConfig.tp=2",
                              "--gin.ParallelConfig.pp=2", "--gin.ModelConfig.num_layers=3",
                              "--gin.ParallelConfig.stage_layers=(2,1)", "--gin.ParallelConfig.microbatches=2",
-                             f"--gin.ParallelConfig.grad_reduce_dtype='{wire}'")
+                             f"--gin.ParallelConfig.grad_reduce_dtype='{wire}'",
+                             f"--gin.ParallelConfig.update_gather_dtype='{wire}'")
         setup = build.build(cfgs)
         state = setup.init_state()
         step = build.make_train_step(setup).lower(state, setup.batch("train", 0, data.load(cfgs.data)))
         if wire == "bfloat16":
             step.compile()  # on CPU too, where XLA widens it
-        return re.findall(r'"stablehlo.reduce_scatter".*?\}\) : \(tensor<(?:\d+x)*(\w+)>\)', step.as_text(), re.S)
+        return {op: re.findall(rf'"stablehlo.{op}".*?\}}>?\)? : \(tensor<(?:\d+x)*(\w+)>\)', step.as_text(), re.S)
+                for op in ("reduce_scatter", "all_gather")}
 
     fp32, bf16 = operand_types("float32"), operand_types("bfloat16")
-    assert len(fp32) == len(bf16) > 0
-    assert set(fp32) == {"f32"} and set(bf16) == {"bf16"}
+    for op in fp32:
+        assert len(fp32[op]) == len(bf16[op]) > 0, op
+        assert set(fp32[op]) == {"f32"} and set(bf16[op]) == {"bf16"}, op
 
 
 @pytest.mark.parametrize("zero1", [True, False])

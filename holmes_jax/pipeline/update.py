@@ -7,6 +7,12 @@ stage runs under a `lax.cond` that stage skips, so the stage neither updates its
 all-gathers it (ZeRO-1). What a stage computes and moves after the pipeline is proportional to
 its real layers; padding stays exactly zero. The embedding and head take their own AdamW call.
 
+With ZeRO-1 each replica computes the AdamW update of its shard; the updates are all-gathered
+and every replica adds them to its float32 parameters. In float32 that is exactly gathering the
+updated shards. With `update_gather_dtype = 'bfloat16'` the gather moves half the bytes: every
+replica adds the same rounded update, so the replicas stay equal and the weights stay float32
+(an update is off by at most 2^-9 of itself, where bfloat16 weights would lose small updates).
+
 Clipping needs the global gradient norm, one scalar summed over the whole mesh: every stage
 waits for the slowest stage's gradient reduction before it updates (the cost model charges
 that barrier).
@@ -32,12 +38,14 @@ def _manual(specs):
 
 
 def make_update(pipeline: Pipeline, tx: optax.GradientTransformation, max_norm: float, state_specs: dict,
-                grad_specs: dict, gather: bool = True):
+                grad_specs: dict, gather: bool = True, gather_dtype: str = "float32"):
     """`update(params, opt_state, grads) -> (params, opt_state, gradient norm before clipping)`,
     for use inside `jit`; the arguments laid out as `state_specs` ({"params", "opt_state"}) and
     `grad_specs` say (staged layout). Leaves that ZeRO-1 splits over `data` are updated on this
-    replica's shard, then all-gathered; with `gather=False` the parameters come back split like
-    their gradients (what the profile times: the gather is the data link's part of the sync)."""
+    replica's shard, the updates all-gathered in `gather_dtype`; with `gather=False` the
+    parameters come back split like their gradients (what the profile times: the gather is the
+    data link's part of the sync)."""
+    wire = jnp.dtype(gather_dtype)
     param_specs, opt_specs, grad_specs = (_manual(s) for s in (state_specs["params"], state_specs["opt_state"],
                                                                  grad_specs))
     dims = jax.tree.map(lambda spec: list(spec).index("data") if "data" in spec else -1, grad_specs,
@@ -67,16 +75,20 @@ def make_update(pipeline: Pipeline, tx: optax.GradientTransformation, max_norm: 
             size = x.shape[d] // replicas
             return lax.dynamic_slice_in_dim(x, rank * size, size, axis=d)
 
-        def regather(x, d):
-            return x if d < 0 or not gather else lax.all_gather(x, "data", axis=d, tiled=True)
+        def apply(p, mine, update, d):  # the new parameter from the update of this replica's shard
+            if d < 0:
+                return (p + update).astype(p.dtype)
+            if not gather:
+                return (mine + update).astype(p.dtype)
+            return (p + lax.all_gather(update.astype(wire), "data", axis=d, tiled=True).astype(p.dtype)).astype(p.dtype)
 
         def adamw(p, g, state, d):
             """One AdamW step of the parameter tree `p` (any part of the model), with `state` whose
             moments are shaped like `p`. Returns the new `p` and state."""
-            p = jax.tree.map(own, p, d)
+            mine = jax.tree.map(own, p, d)
             g = jax.tree.map(lambda x: (x * scale).astype(x.dtype), g)
-            updates, state = tx.update(g, state, p)
-            return jax.tree.map(regather, optax.apply_updates(p, updates), d), state
+            updates, state = tx.update(g, state, mine)
+            return jax.tree.map(apply, p, mine, updates, d), state
 
         like = jax.tree.structure(params)
         # Embedding and head: every stage holds them whole; this call also advances the step count.

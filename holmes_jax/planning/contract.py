@@ -36,6 +36,7 @@ class Plan:
     seq_len: int
     zero1: bool
     grad_reduce_dtype: str  # what gradients cross `data` in
+    update_gather_dtype: str  # what ZeRO-1's gather of the parameter updates moves
     prediction: Prediction
     partitions: Mapping[str, Prediction]  # every partition method's split on this layout
     notes: tuple[str, ...] = ()  # how a measured profile was used (or why parts of it were not)
@@ -82,7 +83,7 @@ class Plan:
             "mesh": self.mesh, "placement": pl.method, "schedule": self.schedule,
             "microbatches": self.microbatches, "micro_batch": self.micro_batch,
             "global_batch": self.global_batch, "seq_len": self.seq_len, "zero1": self.zero1,
-            "grad_reduce_dtype": self.grad_reduce_dtype,
+            "grad_reduce_dtype": self.grad_reduce_dtype, "update_gather_dtype": self.update_gather_dtype,
             "partition": self.partition, "stage_layers": list(self.stage_layers),
             "stage_clusters": list(pl.stage_clusters), "stage_nic": list(pl.stage_nic),
             "data_groups_nic": [list(g) for g in pl.data_groups_nic], "mixed_stages": list(pl.mixed_stages),

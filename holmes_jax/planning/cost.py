@@ -21,9 +21,9 @@ One training step as the pipeline runtime runs it (holmes_jax.pipeline.runtime):
    Every stage holds the embedding and head and syncs them too.
 4. Clipping takes the global gradient norm, summed over the whole mesh: every stage waits for the
    slowest stage's reduction. Then each stage runs its optimizer step, at the device's measured
-   seconds per parameter (ZeRO-1: its 1/dp share), and with ZeRO-1 all-gathers the updated
-   parameters (the reduce-scatter's bytes when both are float32). The step ends when the last
-   stage finishes.
+   seconds per parameter (ZeRO-1: its 1/dp share), and with ZeRO-1 all-gathers the updates of
+   its shard, in float32 or bfloat16 (ParallelConfig.update_gather_dtype). The step ends when
+   the last stage finishes.
 5. Memory per device: weights, gradients and Adam state (ZeRO-1 shards the latter over data),
    plus each layer's stash (what the remat policy keeps) for every microbatch in flight (GPipe:
    all m; 1F1B: p - s on stage s).
@@ -81,7 +81,8 @@ class Work:
     layer_stash_bytes: float = 0.0  # what one layer keeps of one in-flight microbatch for its backward, per device
     grad_bytes_per_param: float = 4.0  # float32 gradients (held)
     reduce_bytes_per_param: float = 4.0  # what crosses `data` per gradient: 2 with grad_reduce_dtype bfloat16
-    param_bytes_per_param: float = 4.0  # float32 master weights (what ZeRO-1 all-gathers)
+    param_bytes_per_param: float = 4.0  # float32 weights (held)
+    gather_bytes_per_param: float = 4.0  # what ZeRO-1's gather of the updates moves: 2 with update_gather_dtype bfloat16
     optimizer_bytes_per_param: float = 8.0  # Adam's two float32 moments (ZeRO-1 shards them over data)
     sync_collectives: int = 1  # per sync: the runtime reduces (and ZeRO-1 gathers) each parameter leaf on its own
 
@@ -250,7 +251,7 @@ class CostModel:
         k = w.sync_collectives
         if self.zero1:
             reduce = reduce_scatter_s(params * w.reduce_bytes_per_param, self._dp, self._dp_link, k)
-            gather = all_gather_s(params * w.param_bytes_per_param, self._dp, self._dp_link, k)
+            gather = all_gather_s(params * w.gather_bytes_per_param, self._dp, self._dp_link, k)
         else:
             reduce, gather = allreduce_s(params * w.reduce_bytes_per_param, self._dp, self._dp_link, k), 0.0 * params
         optimizer = w.optimizer_bytes_per_param / (self._dp if self.zero1 else 1)

@@ -39,7 +39,7 @@ from typing import Iterable, Mapping
 
 import numpy as np
 
-from holmes_jax.config import GRAD_REDUCE_BYTES, ConfigError, ModelConfig, ParallelConfig, check_positive
+from holmes_jax.config import WIRE_BYTES, ConfigError, ModelConfig, ParallelConfig, check_positive
 from holmes_jax.models import presets
 from holmes_jax.planning import cost, partition, placement, workload
 from holmes_jax.planning.cost import SCHEDULES, CostModel
@@ -72,7 +72,8 @@ def _cost_model(cfg: ModelConfig, pl: Placement, global_batch: int, seq_len: int
             prof, cfg, costs, micro_batch, seq_len, pl, topo, dp_links, boundaries, notes)
     work = cost.Work(costs.embed, layers, costs.head, costs.activation_bytes,
                      tp_allreduces_bwd=4 if cfg.remat == "full" else 2, layer_stash_bytes=_stash_bytes(cfg, costs, tp, seq_len),
-                     sync_collectives=costs.param_leaves, reduce_bytes_per_param=GRAD_REDUCE_BYTES[par.grad_reduce_dtype])
+                     sync_collectives=costs.param_leaves, reduce_bytes_per_param=WIRE_BYTES[par.grad_reduce_dtype],
+                     gather_bytes_per_param=WIRE_BYTES[par.update_gather_dtype])
     stages = [cost.Stage(device_flops[s], tp, pl.tensor_routes[s], dp, dp_links[s],
                          pl.device_memory[s], update[s]) for s in range(pp)]
     flops = workload.megatron_flops(global_batch, seq_len, cfg.num_layers, cfg.hidden, cfg.vocab_size, cfg.remat)
@@ -254,7 +255,7 @@ def plan(topology, model, parallel: ParallelConfig | None = None, *, global_batc
     """Plans `model` (a preset name or ModelConfig) on `topology` (a TOML path or Topology).
 
     `parallel` fixes tp, pp, dp (None: what is left), microbatches, the partition method or
-    stage_layers, the schedule, placement, zero1 and the gradients' reduce dtype. `auto` names
+    stage_layers, the schedule, placement, zero1 and the wire dtypes over `data`. `auto` names
     the sizes of SEARCHABLE that the cost model chooses instead; default: all of them without
     `parallel`, none with it.
     `allow_mixed`: let a holmes stage span clusters (reported) instead of refusing.
@@ -299,7 +300,8 @@ def plan(topology, model, parallel: ParallelConfig | None = None, *, global_batc
     partitions = {m: c.model.predict(partition.split(m, c.model, c.weights)) for m in partition.METHODS}
     return Plan(topo, cfg, c.placement, prediction.stage_layers,
                 "explicit" if par.stage_layers is not None else par.partition, c.model.schedule, c.model.microbatches,
-                global_batch, seq_len, par.zero1, par.grad_reduce_dtype, prediction, partitions, c.notes)
+                global_batch, seq_len, par.zero1, par.grad_reduce_dtype, par.update_gather_dtype, prediction,
+                partitions, c.notes)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
