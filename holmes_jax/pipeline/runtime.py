@@ -111,19 +111,22 @@ class _Layers:
         self.kept = [jax.ShapeDtypeStruct((self.depth,) + a.shape, a.dtype)
                      for a, d in zip(residuals.out_avals, self.dynamic) if d]
 
-    def _each_layer(self, run, carry, xs, active=True, reverse=False):
-        """Scans the layers, `run(carry, *layer, i)`; padding layers (at or past n_layers), and
-        every layer where `active` is false, leave the carry as it is, so they move no memory
-        (the ring and accumulators are carried, and written in place)."""
+    def _each_layer(self, run, carry, active=True, reverse=False):
+        """Scans the layers, `run(carry, layer_params, i)`; padding layers (at or past n_layers),
+        and every layer where `active` is false, leave the carry as it is, so they move no memory
+        (the ring and accumulators are carried, and written in place). A layer's parameters are
+        sliced inside its `cond`, so padding does not even read them."""
 
-        def step(carry, xs):
-            *layer, i = xs
+        def layer(carry, i):
+            return run(carry, jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, i, keepdims=False), self.blocks), i)
+
+        def step(carry, i):
             work = active if self.n_layers is None else active & (i < self.n_layers)
             if work is True:
-                return run(carry, *layer, i), None
-            return lax.cond(work, run, lambda c, *_: c, carry, *layer, i), None
+                return layer(carry, i), None
+            return lax.cond(work, layer, lambda c, _: c, carry, i), None
 
-        return lax.scan(step, carry, xs + (jnp.arange(self.depth),), reverse=reverse)[0]
+        return lax.scan(step, carry, jnp.arange(self.depth), reverse=reverse)[0]
 
     def forward(self, x, ring, slot, active=True):
         """The stage's output, and `ring` (one (slots, depth, ...) array per kept residual) with
@@ -135,7 +138,7 @@ class _Layers:
             kept = [r for r, d in zip(jax.tree.leaves(vjp), self.dynamic) if d]
             return out, [r.at[slot, i].set(k) for r, k in zip(ring, kept)]
 
-        return self._each_layer(run, (x, ring), (self.blocks,), active)
+        return self._each_layer(run, (x, ring), active)
 
     def backward(self, ring, slot, g, acc, active=True):
         """(`acc` plus the gradients of the stage's blocks, the gradient of its input) from the
@@ -150,7 +153,7 @@ class _Layers:
             g_lp, g_h = tree.unflatten([next(stashed) if d else r for r, d in zip(leaves, self.dynamic)])(g)
             return g_h, jax.tree.map(lambda a, x: a.at[i].add(x), acc, g_lp)
 
-        g_x, acc = self._each_layer(run, (g, acc), (self.blocks,), active, reverse=True)
+        g_x, acc = self._each_layer(run, (g, acc), active, reverse=True)
         return acc, g_x
 
     def ring(self, slots: int) -> list[jax.Array]:
@@ -211,21 +214,37 @@ class Pipeline:
         order = np.argsort(self.layer_index.ravel())[-self.model.cfg.num_layers:]  # real slots, by layer
         return map_blocks(lambda x: x.reshape((-1,) + x.shape[2:])[order], tree)
 
-    def by_slot_group(self, n_layers, blocks, fn, axis: int = 0):
-        """`fn` over each slot group's slice of `blocks` (leaves with the slot axis at `axis`), the
-        results joined back along it. A group beyond the first runs under `lax.cond` on this
-        stage's `n_layers`, so the stages it is padding on skip its work and its collectives
-        (a data group is one stage: its members agree); they get zeros of the result's shape."""
+    def by_slot_group(self, n_layers, blocks, fn, axis: int = 0, into=None):
+        """`fn` over each slot group's slice of `blocks` (leaves with the slot axis at `axis`), each
+        result written in place into `into` (a tree shaped like `fn(blocks)`; default zeros). A
+        group beyond the first runs under `lax.cond` on this stage's `n_layers`, so the stages it
+        is padding on skip its work and its collectives (a data group is one stage: its members
+        agree) and keep what `into` holds there. The slice, `fn` and the write sit in one branch,
+        so XLA need not copy the trees whole (slicing each group out and joining the results
+        did, every step)."""
 
-        def group(start, stop):
-            part = jax.tree.map(lambda x: lax.slice_in_dim(x, start, stop, axis=axis), blocks)
-            if start == 0:
-                return fn(part)
-            return lax.cond(n_layers > start, lambda: fn(part),
-                            lambda: jax.tree.map(lambda r: jnp.zeros(r.shape, r.dtype), jax.eval_shape(fn, part)))
+        def write(start, stop):
+            def run(out, blocks):
+                part = jax.tree.map(lambda x: lax.slice_in_dim(x, start, stop, axis=axis), blocks)
+                return jax.tree.map(lambda o, r: lax.dynamic_update_slice_in_dim(o, r, start, axis=axis), out, fn(part))
+            return run
 
-        parts = [group(*g) for g in self.slot_groups]
-        return jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=axis), *parts)
+        out = into if into is not None else jax.tree.map(lambda r: jnp.zeros(r.shape, r.dtype),
+                                                          jax.eval_shape(fn, blocks))
+        for start, stop in self.slot_groups:
+            run = write(start, stop)
+            out = run(out, blocks) if start == 0 else lax.cond(n_layers > start, run, lambda o, b: o, out, blocks)
+        return out
+
+    def sum_over_slot_groups(self, n_layers, blocks, fn, axis: int = 0):
+        """The sum of the float32 scalar `fn` over each slot group's slice of `blocks`, skipping,
+        as `by_slot_group` does, the groups that are padding on this stage."""
+        total = jnp.zeros((), jnp.float32)
+        for start, stop in self.slot_groups:
+            def run(blocks, start=start, stop=stop):
+                return fn(jax.tree.map(lambda x: lax.slice_in_dim(x, start, stop, axis=axis), blocks))
+            total += run(blocks) if start == 0 else lax.cond(n_layers > start, run, lambda b: jnp.zeros((), jnp.float32), blocks)
+        return total
 
     # ------------------------------------------------------------------ transfers
 

@@ -64,8 +64,8 @@ def make_update(pipeline: Pipeline, tx: optax.GradientTransformation, max_norm: 
                 total += jnp.sum(jnp.square(x.astype(jnp.float32))) / copies
             return total
 
-        blocks_sq = pipeline.by_slot_group(n_layers, grads["blocks"], lambda g: sum_squares(
-            g, dims["blocks"], True).reshape(1, 1), axis=1).sum()
+        blocks_sq = pipeline.sum_over_slot_groups(n_layers, grads["blocks"],
+                                                  lambda g: sum_squares(g, dims["blocks"], True), axis=1)
         norm = jnp.sqrt(lax.psum(blocks_sq + sum_squares(shared(grads), shared(dims), False), ("stage", "data")))
         scale = jnp.minimum(1.0, max_norm / jnp.maximum(norm, 1e-12))
 
@@ -102,9 +102,12 @@ def make_update(pipeline: Pipeline, tx: optax.GradientTransformation, max_norm: 
                                      {"blocks": dims["blocks"]})
             return new_p["blocks"], [m["blocks"] for m in _moments(new_state, jax.tree.structure({"blocks": p}))]
 
-        new_blocks, new_moments = pipeline.by_slot_group(
-            n_layers, (params["blocks"], grads["blocks"], [m["blocks"] for m in _moments(opt_state, like)]),
-            block_group, axis=1)
+        moments = [m["blocks"] for m in _moments(opt_state, like)]
+        # Gathered, the new blocks are shaped like the old and overwrite them in place (padding
+        # keeps its zeros); ungathered they are split like the gradients.
+        new_blocks, new_moments = pipeline.by_slot_group(n_layers, (params["blocks"], grads["blocks"], moments),
+                                                         block_group, axis=1,
+                                                         into=(params["blocks"], moments) if gather else None)
         it = iter(new_moments)
         state = _with_moments(state, jax.tree.structure(shared(params)), lambda m: dict(m, blocks=next(it)))
         return dict(new_shared, blocks=new_blocks), state, norm
