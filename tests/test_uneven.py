@@ -115,6 +115,9 @@ def test_collectives_over_data_carry_bytes_in_proportion_to_real_layers(tmp_path
     for n in layers:
         moved = always + sum(w * per_layer for w, start in zip(widths, starts) if n > start)
         assert moved == pytest.approx(shared + n * per_layer)
+    # The slot groups' results are written in place, never joined: no concatenate builds a
+    # stage's (1, max_layers, ...) block array (joining them copied every tree each step).
+    assert not re.findall(rf"= \w+\[1,{max(layers)}(?:,\d+)*\]\S* concatenate\(", hlo)
 
 
 @pytest.mark.slow
