@@ -214,37 +214,34 @@ class Pipeline:
         order = np.argsort(self.layer_index.ravel())[-self.model.cfg.num_layers:]  # real slots, by layer
         return map_blocks(lambda x: x.reshape((-1,) + x.shape[2:])[order], tree)
 
+    def _over_slot_groups(self, n_layers, blocks, run, carry, axis: int):
+        """`carry = run(carry, group_slice, start)` for each slot group's slice of `blocks` (slot
+        axis at `axis`). A group beyond the first runs under `lax.cond` on this stage's
+        `n_layers`, so the stages it is padding on skip its work and its collectives (a data
+        group is one stage: its members agree) and keep the carry. The slice sits in the branch
+        with the work, so XLA need not copy the trees whole."""
+        for start, stop in self.slot_groups:
+            def group(carry, blocks, start=start, stop=stop):
+                return run(carry, jax.tree.map(lambda x: lax.slice_in_dim(x, start, stop, axis=axis), blocks), start)
+            carry = group(carry, blocks) if start == 0 else lax.cond(n_layers > start, group, lambda c, b: c,
+                                                                       carry, blocks)
+        return carry
+
     def by_slot_group(self, n_layers, blocks, fn, axis: int = 0, into=None):
-        """`fn` over each slot group's slice of `blocks` (leaves with the slot axis at `axis`), each
-        result written in place into `into` (a tree shaped like `fn(blocks)`; default zeros). A
-        group beyond the first runs under `lax.cond` on this stage's `n_layers`, so the stages it
-        is padding on skip its work and its collectives (a data group is one stage: its members
-        agree) and keep what `into` holds there. The slice, `fn` and the write sit in one branch,
-        so XLA need not copy the trees whole (slicing each group out and joining the results
-        did, every step)."""
-
-        def write(start, stop):
-            def run(out, blocks):
-                part = jax.tree.map(lambda x: lax.slice_in_dim(x, start, stop, axis=axis), blocks)
-                return jax.tree.map(lambda o, r: lax.dynamic_update_slice_in_dim(o, r, start, axis=axis), out, fn(part))
-            return run
-
+        """`fn` over each slot group's slice of `blocks`, each result written in place into
+        `into` (a tree shaped like `fn(blocks)`; default zeros), which stages keep where the group
+        is their padding (`_over_slot_groups`). Writing in place, rather than slicing each group
+        out and joining the results, spares XLA a copy of every tree each step."""
         out = into if into is not None else jax.tree.map(lambda r: jnp.zeros(r.shape, r.dtype),
                                                           jax.eval_shape(fn, blocks))
-        for start, stop in self.slot_groups:
-            run = write(start, stop)
-            out = run(out, blocks) if start == 0 else lax.cond(n_layers > start, run, lambda o, b: o, out, blocks)
-        return out
+        return self._over_slot_groups(n_layers, blocks, lambda out, part, start: jax.tree.map(
+            lambda o, r: lax.dynamic_update_slice_in_dim(o, r, start, axis=axis), out, fn(part)), out, axis)
 
     def sum_over_slot_groups(self, n_layers, blocks, fn, axis: int = 0):
-        """The sum of the float32 scalar `fn` over each slot group's slice of `blocks`, skipping,
-        as `by_slot_group` does, the groups that are padding on this stage."""
-        total = jnp.zeros((), jnp.float32)
-        for start, stop in self.slot_groups:
-            def run(blocks, start=start, stop=stop):
-                return fn(jax.tree.map(lambda x: lax.slice_in_dim(x, start, stop, axis=axis), blocks))
-            total += run(blocks) if start == 0 else lax.cond(n_layers > start, run, lambda b: jnp.zeros((), jnp.float32), blocks)
-        return total
+        """The sum of the float32 scalar `fn` over each slot group's slice of `blocks`, skipping
+        the groups that are padding on this stage."""
+        return self._over_slot_groups(n_layers, blocks, lambda total, part, _: total + fn(part),
+                                      jnp.zeros((), jnp.float32), axis)
 
     # ------------------------------------------------------------------ transfers
 

@@ -80,7 +80,7 @@ def make_update(pipeline: Pipeline, tx: optax.GradientTransformation, max_norm: 
                 return (p + update).astype(p.dtype)
             if not gather:
                 return (mine + update).astype(p.dtype)
-            return (p + lax.all_gather(update.astype(wire), "data", axis=d, tiled=True).astype(p.dtype)).astype(p.dtype)
+            return p + lax.all_gather(update.astype(wire), "data", axis=d, tiled=True).astype(p.dtype)
 
         def adamw(p, g, state, d):
             """One AdamW step of the parameter tree `p` (any part of the model), with `state` whose
