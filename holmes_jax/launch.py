@@ -39,6 +39,15 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+# XLA:CPU allocates a step's buffers afresh every step. With glibc's defaults, big buffers and all
+# those allocated on XLA's worker threads (which get arenas of their own) are mapped with mmap and
+# unmapped on free, so every step page-faults its whole working set back in; in a VM that was up to
+# half of a CPU step, growing with a stage's padded depth (docs/uneven.md). One arena that never
+# maps, trims or shrinks keeps the pages from step to step. The user's own GLIBC_TUNABLES wins.
+CPU_MALLOC_TUNABLES = ("glibc.malloc.arena_max=1:glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=4000000000:"
+                       "glibc.malloc.top_pad=1073741824")
+
+
 def process_env(rank: int, n: int, coordinator: str, devices_per_process: int | None = None,
                 nic_class: str | None = None, extra: dict | None = None) -> dict:
     """The environment of process `rank`: ours on top of this process's, then `extra`."""
@@ -47,6 +56,7 @@ def process_env(rank: int, n: int, coordinator: str, devices_per_process: int | 
     if devices_per_process is not None:
         # JAX_NUM_CPU_DEVICES for any JAX program; HOLMES_CPU_DEVICES wins over train's config.
         env.update(JAX_NUM_CPU_DEVICES=str(devices_per_process), HOLMES_CPU_DEVICES=str(devices_per_process))
+        env.setdefault("GLIBC_TUNABLES", CPU_MALLOC_TUNABLES)
     if nic_class is not None:
         env["HOLMES_NIC_CLASS"] = nic_class
     env.update(extra or {})

@@ -31,6 +31,42 @@ def test_each_process_gets_its_rank_coordinator_devices_and_nic():
     }
 
 
+# Whether a 64 MiB malloc, in the main thread and in another, comes from the brk heap (below the
+# program break) rather than from a fresh mmap: what glibc does with the launcher's CPU tunables.
+HEAP_SCRIPT = """
+import ctypes, json, threading
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.sbrk.restype, libc.sbrk.argtypes = ctypes.c_void_p, ctypes.c_void_p, [ctypes.c_long]
+libc.free.argtypes = [ctypes.c_void_p]
+out = {}
+def alloc(key):
+    a = libc.malloc(64 << 20)
+    out[key] = a < libc.sbrk(0)
+    libc.free(a)
+alloc("main")
+t = threading.Thread(target=alloc, args=("thread",))
+t.start()
+t.join()
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("devices, user_tunables, on_heap", [
+    ("1", None, True),  # CPU processes: big buffers stay on the heap, also from other threads
+    (None, None, False),  # no CPU devices asked: glibc's defaults (mmap)
+    ("1", "glibc.malloc.arena_max=2", False),  # the user's own tunables win
+])
+def test_cpu_processes_keep_big_buffers_on_the_heap(devices, user_tunables, on_heap):
+    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    if user_tunables:
+        env["GLIBC_TUNABLES"] = user_tunables
+    args = ["-n", "1"] + (["--devices-per-process", devices] if devices else [])
+    r = subprocess.run([sys.executable, "-m", "holmes_jax.launch", *args, "--", sys.executable, "-c", HEAP_SCRIPT],
+                       capture_output=True, text=True, env=env, cwd=REPO, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout.partition("] ")[2]) == {"main": on_heap, "thread": on_heap}
+
+
 def test_output_is_prefixed_line_by_line_on_both_streams():
     script = "import os, sys; r = os.environ['HOLMES_PROCESS_ID']; print('out', r); print('one\\ntwo', r, file=sys.stderr)"
     r = run_module("holmes_jax.launch", "-n", "3", "--", sys.executable, "-c", script)
