@@ -25,9 +25,10 @@ near 10 ms each. (f)/(g) leave out when the machine cannot cap a process's CPU t
 Predictions: the plan's step time, from the topology TOML written here (NIC Gb/s = the shaped
 rates, efficiency = measured TCP throughput / shaped rate, the inter-cluster link per host = the
 uplink's share) and a profile measured on each testbed (`python -m holmes_jax.profile`,
-all 4 processes at once). (a), (c)-(g) use their testbed's whole profile; (b) uses the
-heterogeneous profile's layer times only, links from the topology (its data groups are not the
-profiled ones).
+all 4 processes at once) on the layout it predicts: (a), (c)-(g) the Holmes layout's on their
+testbed, (b) the naive layout's, whose data groups cross the uplink (gloo's ring sends both ways
+at once, and a shaped link carrying data one way and the other flow's acks back gives TCP less
+than a one-way transfer measures: 51-92 Mbit/s against 94 of 100).
 
 Run (root): python bench/hetero_nic.py     Last line: one JSON object of the figures.
 Sizing (no root): python bench/hetero_nic.py --size   The cost model's (a)-(e) for candidate rates.
@@ -42,6 +43,7 @@ import json
 import os
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -104,13 +106,13 @@ def run(bed: Testbed, module_args: list[str]) -> int:
     return bed.ec.run(cmd, devices_per_process=1, timeout_s=RUN_TIMEOUT_S, cpu=bed.cpu)
 
 
-def measure_profile(bed: Testbed, path: Path, workdir: Path, topology: Path):
-    """The profile of the Holmes layout, measured by all processes of `bed`; None if that failed."""
+def measure_profile(bed: Testbed, path: Path, workdir: Path, topology: Path, placement: str = "holmes"):
+    """The profile of `placement`'s layout, measured by all processes of `bed`; None if that failed."""
     from holmes_jax.planning.measured import Profile
 
     t = time.perf_counter()
     rc = run(bed, ["holmes_jax.profile", "--out", str(path), "--repeats", "5",
-                   *gin_args(workdir, topology, "holmes", "uniform", None)])
+                   *gin_args(workdir, topology, placement, "uniform", None)])
     if rc:
         print(f"hetero_nic: the profile run ({path.name}) failed with status {rc}", file=sys.stderr)
         return None
@@ -203,7 +205,6 @@ def main() -> int:
     if reason:
         print(f"bench/hetero_nic.py: cannot run: the emulated cluster {reason}", file=sys.stderr)
         return 1
-    from holmes_jax import metrics
     from holmes_jax.config import ModelConfig, ParallelConfig
     from holmes_jax.planning import plan
 
@@ -223,9 +224,11 @@ def main() -> int:
           + ("each process pinned to its own core (taskset)" if pin else f"{hosts} processes share {cores} cores")
           + (f", each capped at {share:.2f} CPUs (cgroup), so an idle stage's time does not speed up another"
              if capped else ""), flush=True)
-    import jax
-
-    tflops = metrics.measure_matmul_peak_tflops(jax.devices()[:1])
+    # in a child process: JAX's threads in this one would be forked with every testbed process
+    tflops = float(subprocess.run(
+        [sys.executable, "-c", "import jax; from holmes_jax import metrics; "
+                               "print(metrics.measure_matmul_peak_tflops(jax.devices()[:1]))"],
+        capture_output=True, text=True, check=True).stdout.split()[-1])
     t_start = time.perf_counter()
     out: dict = {}
     with tempfile.TemporaryDirectory(prefix="hetero_nic-") as tmp:
@@ -266,9 +269,10 @@ def main() -> int:
             prof = measure_profile(bed, profile_path, tmp / "profile-run", hetero)
             if not prof:
                 return 1
-            layers_only = tmp / "profile-layers.json"
-            layers_only.write_text(dataclasses.replace(prof, data_links=(), stage_links=()).to_json())
-            if not configs(bed, hetero, {"b": ("naive", "uniform", layers_only),
+            naive_profile = tmp / "profile-naive.json"  # its data groups cross the uplink: measured too
+            if not measure_profile(bed, naive_profile, tmp / "profile-naive-run", hetero, placement="naive"):
+                return 1
+            if not configs(bed, hetero, {"b": ("naive", "uniform", naive_profile),
                                          "c": ("holmes", "uniform", profile_path),
                                          "d": ("holmes", "auto", profile_path),
                                          "e": ("holmes", "holmes-ratio", profile_path)}):
