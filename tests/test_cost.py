@@ -32,10 +32,12 @@ def test_one_stage_runs_a_backward_per_microbatch():
 
 
 def test_1f1b_ticks_with_a_forward_and_a_backward_cost_both():
-    # p = 2, m = 4: stage 0 runs F0 | F1 | B0 | F2 B1 | F3 | B2 | B3 while stage 1 runs F0 B0,
-    # F1 B1, F2 B2, F3 B3 in ticks 1, 2, 4, 5: 1 + 3 + 3 + 3 + 3 + 3 + 2
+    # p = 2, m = 4: stage 0 runs F0 | F1 | F2 B0 | F3 B1 | B2 | B3 while stage 1 runs F0 B0,
+    # F1 B1, F2 B2, F3 B3 in ticks 1-4: 1 + 3 + 3 + 3 + 3 + 2, the ideal (m + p - 1)(F + B)
+    # less the bubble's halves (GPipe: 18)
     busy, end = cost.simulate(np.ones(2), np.full(2, 2.0), [0.0], 4, "1f1b")
-    assert end == pytest.approx(18.0) and busy == pytest.approx([18.0, 16.0])
+    assert end == pytest.approx(15.0) and busy == pytest.approx([15.0, 13.0])
+    assert cost.simulate(np.ones(2), np.full(2, 2.0), [0.0], 4, "gpipe")[1] == pytest.approx(18.0)
 
 
 def test_a_tick_waits_for_the_slowest_boundary_in_each_direction_that_moves():
@@ -96,9 +98,9 @@ def test_uneven_stages_sync_and_update_their_real_layers_and_hold_their_padding(
     assert uneven.stage_sync_s == pytest.approx([float(cost.allreduce_s(n * 1e9 * 4, 2, LINK)) for n in (3, 1)])
     assert even.stage_sync_s[0] == pytest.approx(float(cost.allreduce_s(2e9 * 4, 2, LINK)))
     assert uneven.stage_update_s == pytest.approx((3.0, 1.0))
-    # but every stage holds 3 layer slots: weights, gradients, Adam (16 B each) plus the stash of
-    # its real layers (4 microbatches x 1 GB)
-    assert uneven.stage_memory_bytes == pytest.approx((3e9 * 16 + 12e9, 3e9 * 16 + 4e9))
+    # but every stage holds 3 layer slots: weights, gradients, Adam (16 B each) and the ring of
+    # stashed residuals (4 microbatches x 3 layer slots x 1 GB)
+    assert uneven.stage_memory_bytes == pytest.approx((3e9 * 16 + 12e9,) * 2)
 
 
 def test_every_stage_waits_for_the_slowest_reduction_before_its_update():
@@ -168,8 +170,8 @@ def test_bfloat16_reduction_halves_the_gradient_bytes_not_the_memory(zero1):
 
 def test_1f1b_stashes_fewer_microbatches():
     gpipe, one = _model(m=8).predict([2, 2]), _model(m=8, schedule="1f1b").predict([2, 2])
-    # stage 0 holds 8 (GPipe) vs 2 (1F1B) microbatches of 2 layers x 1 GB
-    assert gpipe.stage_memory_bytes[0] - one.stage_memory_bytes[0] == pytest.approx(6 * 2 * 1e9)
+    # every stage holds 8 (GPipe) vs 2p - 1 = 3 (1F1B) microbatches of 2 layers x 1 GB
+    assert np.subtract(gpipe.stage_memory_bytes, one.stage_memory_bytes) == pytest.approx([5 * 2 * 1e9] * 2)
 
 
 def test_over_memory_is_infinitely_slow():

@@ -25,10 +25,22 @@ def test_tables_respect_dependencies(name, p, m):
 
 
 @pytest.mark.parametrize("p", [2, 4])
-def test_1f1b_holds_at_most_p_activations_and_gpipe_holds_m(p):
-    for m in (4, 8, 16, 32):
-        assert schedule.build("1f1b", p, m).x_slots <= p
-        assert schedule.build("gpipe", p, m).x_slots == m
+def test_1f1b_holds_at_most_2p_minus_1_activations_and_gpipe_holds_m(p):
+    for m in (1, 2, 4, 8, 16, 32):
+        one, gpipe = schedule.build("1f1b", p, m), schedule.build("gpipe", p, m)
+        assert one.x_slots == min(2 * p - 1, m) == schedule.ring_slots("1f1b", p, m)
+        assert gpipe.x_slots == m == schedule.ring_slots("gpipe", p, m)
+
+
+@pytest.mark.parametrize("p, m", [(2, 4), (2, 16), (3, 5), (4, 8), (4, 32)])
+def test_1f1b_runs_a_forward_and_a_backward_on_every_stage_in_every_steady_tick(p, m):
+    t = schedule.build("1f1b", p, m)
+    assert t.ticks == m + 2 * (p - 1)
+    both = (t.fwd >= 0) & (t.bwd >= 0)
+    # stage s: F of microbatch t - s and B of t - 2(p - 1) + s, both in ticks 2(p - 1) - s .. m - 1 + s
+    for s in range(p):
+        busy = np.flatnonzero(both[:, s])
+        assert list(busy) == list(range(2 * (p - 1) - s, m + s))
 
 
 def test_gpipe_takes_the_ideal_number_of_ticks():

@@ -13,7 +13,7 @@ stage stores what arrived, runs its forward (if the table says so), keeping each
 residuals (what `ModelConfig.remat` saves: everything for 'none', the layer input for 'full'),
 then its backward from the residuals it kept (`_Layers`): each layer's forward runs once per
 microbatch, plus what the policy recomputes. Residuals of the microbatches in flight live in a
-ring (GPipe: m of them, 1F1B: at most p). The layer scans run in every tick outside any
+ring (GPipe: m of them, 1F1B: at most 2p - 1). The layer scans run in every tick outside any
 `lax.cond`, each layer under a `cond` of its own that runs it only in a tick with work and on a
 real slot: the ring and the gradient accumulators (sized by the longest stage) are carried
 through them and written in place, where a `cond` around the whole scan made XLA copy them whole

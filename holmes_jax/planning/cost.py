@@ -25,8 +25,10 @@ One training step as the pipeline runtime runs it (holmes_jax.pipeline.runtime):
    its shard, in float32 or bfloat16 (ParallelConfig.update_gather_dtype). The step ends when
    the last stage finishes.
 5. Memory per device: weights, gradients and Adam state (ZeRO-1 shards the latter over data),
-   plus each layer's stash (what the remat policy keeps) for every microbatch in flight (GPipe:
-   all m; 1F1B: p - s on stage s).
+   plus the ring of stashed residuals (what the remat policy keeps, per layer and microbatch):
+   room for the schedule's microbatches in flight (GPipe: all m; 1F1B: min(2p - 1, m)) of the
+   longest stage's layers, on every stage (the runtime's arrays have equal shards); with one
+   stage, one microbatch's.
    A split over some device's memory is infinitely slow.
 6. The runtime pads every stage to the longest stage's layer count, but the padding's
    reduction, update and gather are skipped (pipeline.update): sync and update cover a stage's
@@ -198,9 +200,9 @@ class CostModel:
         self._tp_fwd, self._tp_bwd = work.tp_allreduces_fwd * tp_allreduce, work.tp_allreduces_bwd * tp_allreduce
         # each of a stage's tp ranks sends its share of the activations (every stage has the same tp)
         self._p2p = np.array([link.time(work.boundary_bytes / stages[0].tp) for link in boundaries])
-        # 1F1B keeps at most p - s microbatches in flight on stage s, GPipe all of them
-        depth = np.arange(p, 0, -1) if schedule == "1f1b" else np.full(p, microbatches)
-        self._in_flight = np.minimum(depth, microbatches)
+        # the runtime's residual ring: x_slots microbatches of the longest stage's layers, on every
+        # stage; one stage runs a plain vjp, a microbatch at a time
+        self._ring_slots = schedules.ring_slots(schedule, p, microbatches) if p > 1 else 1
         self._memory = np.array([s.memory_bytes for s in stages])
         self._update_rate = np.array([s.update_s_per_param for s in stages])
 
@@ -256,7 +258,7 @@ class CostModel:
             reduce, gather = allreduce_s(params * w.reduce_bytes_per_param, self._dp, self._dp_link, k), 0.0 * params
         optimizer = w.optimizer_bytes_per_param / (self._dp if self.zero1 else 1)
         memory = (held * (w.param_bytes_per_param + w.grad_bytes_per_param + optimizer)
-                  + self._in_flight * n * w.layer_stash_bytes)
+                  + self._ring_slots * n.max(axis=1, keepdims=True) * w.layer_stash_bytes)
         update = self._update_rate * params / (self._dp if self.zero1 else 1)
         return {"fwd": fwd, "bwd": bwd, "reduce": reduce, "gather": gather, "sync": reduce + gather,
                 "update": update, "memory": memory, "fits": (memory <= self._memory).all(axis=1)}

@@ -7,8 +7,14 @@ do). Tables come from a greedy
 simulation of each stage's op order:
 
 - `gpipe`: every forward, then every backward (in microbatch order);
-- `1f1b`: stage s runs min(p - 1 - s, m) warm-up forwards, then alternates one forward and one
-  backward, then drains its backwards; so at most p microbatches are in flight on a stage.
+- `1f1b`: stage s runs min(2(p - 1 - s), m) warm-up forwards, then one forward and one backward
+  in each tick, then drains its backwards. Every stage is busy with both in every steady-state
+  tick, so the table lasts m + 2(p - 1) ticks whose first and last p - 1 are the bubble: (p - 1)
+  forward-and-backward ticks on each stage, the ideal for lockstep ticks. Stage s keeps at most
+  2(p - 1 - s) + 1 microbatches in flight (`x_slots`: min(2p - 1, m)). Classic 1F1B's p - 1 - s
+  warm-up forwards fit a runtime where a forward and a backward are separate time slots; in a
+  tick, which runs a forward and then a backward, they leave a stage with only one of the two in
+  every other steady-state tick (about 1.5x the work's time at p = 2).
 
 Inputs a stage receives are kept in slot `microbatch % slots` until its backward has used them; the
 table's `x_slots` / `g_slots` are the fewest slots for which that never overwrites a live input.
@@ -54,13 +60,20 @@ def op_order(schedule: str, stage: int, stages: int, m: int) -> list[tuple[str, 
     """A stage's forwards ("F", i) and backwards ("B", i) in the order it runs them."""
     if schedule == "gpipe":
         return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
-    warmup = min(stages - 1 - stage, m)
+    warmup = min(2 * (stages - 1 - stage), m)
     ops = [("F", i) for i in range(warmup)]
     for i in range(m):
         if i + warmup < m:
             ops.append(("F", i + warmup))
         ops.append(("B", i))
     return ops
+
+
+def ring_slots(schedule: str, stages: int, microbatches: int) -> int:
+    """`build(...).x_slots` without replaying the table: the most microbatches a stage holds at once."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule {schedule!r}; choose one of {SCHEDULES}")
+    return microbatches if schedule == "gpipe" else min(2 * stages - 1, microbatches)
 
 
 def build(schedule: str, stages: int, microbatches: int) -> Table:
