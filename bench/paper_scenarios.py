@@ -40,7 +40,7 @@ reduce-scatter and ZeRO-1's gather of the updates, the same bytes as Megatron's 
 and parameters). The reference scripts run Megatron-LLaMA's overlapped distributed optimizer
 (`--overlapped-distributed-optimizer`, a flag the published tree's own parser lacks: the scripts
 are the paper's framework's), which reduce-scatters the gradients bucket by bucket during the
-backward; holmes_jax reduces once the whole pipeline is done (the cost model's sync), so
+backward; holmes_jax reduces once a stage's ticks are done (the cost model's sync), so
 communication-bound scenarios land below the paper.
 
 One set of hardware constants for every scenario (HARDWARE below):

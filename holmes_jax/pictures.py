@@ -49,12 +49,12 @@ def timeline(plan: Plan) -> list[Segment]:
     """The step as the cost model walks it (holmes_jax.planning.cost.simulate): tick by tick each
     stage runs its forward (the last stage runs it inside its backward's tick), then its
     backward; the tick lasts as long as its slowest stage, then activations and gradients cross
-    the slowest boundary where any stage sends them; after the last tick each stage reduces its
-    gradients, waits for the slowest stage's reduction (the global norm needs them all), updates
-    and gathers its parameters (drawn as sync, then update)."""
+    the slowest boundary where any stage sends them; once a stage leaves the ticks it reduces its
+    gradients, waits for the slowest stage's reduction (the sum over `stage` and the global norm
+    need them all), updates and gathers its parameters (drawn as sync, then update)."""
     pr, p = plan.prediction, plan.pp
     fwd, bwd = schedules.ticks(plan.schedule, p, plan.microbatches)
-    moves = np.stack(schedules.transfers(fwd, bwd), axis=1).sum(axis=1)
+    moves = schedules.hops_per_tick(fwd, bwd)
     hop = max(pr.p2p_s, default=0.0)
     segments, now = [], 0.0
     for tick in range(fwd.shape[0]):
@@ -73,10 +73,11 @@ def timeline(plan: Plan) -> list[Segment]:
         if moves[tick] and hop:
             segments += [Segment(s, now, moves[tick] * hop, "transfer") for s in range(p)]
             now += moves[tick] * hop
-    for s in range(p):  # sync: its reduction, the wait for the slowest (clipping's global norm), its gather
-        sync = pr.stage_finish_s[s] - now - pr.stage_update_s[s]
-        segments.append(Segment(s, now, sync, "sync"))
-        segments.append(Segment(s, now + sync, pr.stage_update_s[s], "update"))
+    for s in range(p):  # sync: its reduction, the wait for the slowest, the sum over stage, its gather
+        start = pr.stage_busy_s[s]
+        sync = pr.stage_finish_s[s] - start - pr.stage_update_s[s]
+        segments.append(Segment(s, start, sync, "sync"))
+        segments.append(Segment(s, start + sync, pr.stage_update_s[s], "update"))
     return segments
 
 

@@ -21,9 +21,11 @@ def test_gpipe_ticks_fill_and_drain(p, m):
     f, b = 1.0, 2.0
     busy, end = cost.simulate(np.full(p, f), np.full(p, b), np.zeros(p - 1), m, "gpipe")
     # m + p - 2 ticks of forwards on stages 0 .. p-2, then m ticks in which the last stage runs a
-    # forward and a backward, then p - 1 ticks of backwards; stage s ends s backwards before stage 0
+    # forward and a backward, then p - 1 ticks of backwards; stage s runs its last backward s
+    # backwards before stage 0, but every stage takes part in the last transfer (stage 1's
+    # gradient to stage 0), so stages 1 .. p-1 leave the ticks one backward before stage 0
     assert end == pytest.approx((m + p - 2) * f + m * (f + b) + (p - 1) * b)
-    np.testing.assert_allclose(busy, end - np.arange(p) * b)
+    np.testing.assert_allclose(busy, end - np.minimum(np.arange(p), 1) * b)
 
 
 def test_one_stage_runs_a_backward_per_microbatch():
@@ -38,6 +40,14 @@ def test_1f1b_ticks_with_a_forward_and_a_backward_cost_both():
     busy, end = cost.simulate(np.ones(2), np.full(2, 2.0), [0.0], 4, "1f1b")
     assert end == pytest.approx(15.0) and busy == pytest.approx([15.0, 13.0])
     assert cost.simulate(np.ones(2), np.full(2, 2.0), [0.0], 4, "gpipe")[1] == pytest.approx(18.0)
+
+
+def test_two_stages_move_both_directions_in_one_transfer():
+    # 1F1B, p = 2, m = 4: activations alone after tick 0, both in ticks 1-3 (one swap each),
+    # gradients alone after tick 4, nothing after tick 5: 5 transfer times, not 8
+    free = cost.simulate(np.ones(2), np.full(2, 2.0), [0.0], 4, "1f1b")[1]
+    slow = cost.simulate(np.ones(2), np.full(2, 2.0), [0.5], 4, "1f1b")[1]
+    assert slow - free == pytest.approx(5 * 0.5)
 
 
 def test_a_tick_waits_for_the_slowest_boundary_in_each_direction_that_moves():
@@ -111,6 +121,36 @@ def test_every_stage_waits_for_the_slowest_reduction_before_its_update():
     # the clipping norm is summed over the mesh: stage 1 starts its update when stage 0's reduction ends
     assert pr.stage_finish_s[1] == pytest.approx(pr.pipeline_s + reduce[0] + 0.5 + gather[1])
     assert pr.step_time_s == pytest.approx(pr.pipeline_s + reduce[0] + 1.5 + gather[0])
+
+
+def test_later_stages_reduce_while_stage_0_runs_its_last_backward():
+    # GPipe, p = 2: stage 1's last backward and the last transfer (its gradient to stage 0) end one
+    # stage-0 backward before the scan does; it reduces from there, over a ring 10x slower
+    slow = cost.Link(LINK.bytes_per_s / 10, LINK.latency_s)
+    layer = cost.Part(params=1e9, fwd_flops=1e12, bwd_flops=2e12)
+    work = cost.Work(cost.Part(0, 0, 0), (layer,) * 4, cost.Part(0, 0, 0), boundary_bytes=1e8)
+    stages = [cost.Stage(1e12, 1, LINK, 2, LINK), cost.Stage(1e12, 1, LINK, 2, slow)]
+    pr = cost.CostModel(work, stages, [LINK], 4).predict([2, 2])
+    assert pr.stage_busy_s[1] == pytest.approx(pr.pipeline_s - pr.stage_bwd_s[0])
+    reduce_1 = float(cost.allreduce_s(2e9 * 4, 2, slow))
+    assert pr.step_time_s == pytest.approx(pr.stage_busy_s[1] + reduce_1)
+    assert pr.step_time_s < pr.pipeline_s + reduce_1
+
+
+def test_embedding_and_head_gradients_sum_over_stage_as_zero1_shards():
+    layer, shared = cost.Part(params=1e9, fwd_flops=1e12, bwd_flops=2e12), cost.Part(5e8, 0, 0)
+    work = cost.Work(shared, (layer,) * 4, shared, boundary_bytes=1e8)
+    boundary = cost.Link(LINK.bytes_per_s / 10, LINK.latency_s)
+    stages = [cost.Stage(1e12, 1, LINK, 4, LINK) for _ in range(2)]
+    plain, zero1 = (cost.CostModel(work, stages, [boundary], 4, zero1=z).predict([2, 2]) for z in (False, True))
+    # every stage holds both (1e9 parameters): their float32 gradients cross the boundary whole,
+    # or with ZeRO-1 each device's quarter after the reduction over `data`
+    assert plain.shared_sum_s == pytest.approx(float(cost.allreduce_s(1e9 * 4, 2, boundary)))
+    assert zero1.shared_sum_s == pytest.approx(float(cost.allreduce_s(1e9 * 4 / 4, 2, boundary)))
+    slowest = max(b + s for b, s in zip(plain.stage_busy_s, plain.stage_sync_s))
+    assert plain.step_time_s == pytest.approx(slowest + plain.shared_sum_s)
+    one_stage = cost.CostModel(work, stages[:1], [], 4).predict([4])
+    assert one_stage.shared_sum_s == 0
 
 
 def test_embedding_and_head_sync_on_every_stage():

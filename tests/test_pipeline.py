@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from holmes_jax import build, data, train
+from holmes_jax.pipeline import warmup
 from helpers import read_metrics, small_configs
 
 SIX_LAYERS = ["--gin.ModelConfig.num_layers=6", "--gin.ParallelConfig.microbatches=4", "--gin.DataConfig.global_batch=32"]
@@ -128,6 +129,19 @@ def test_gradients_are_reduced_over_data_once_per_step_not_per_microbatch(tmp_pa
     assert not reductions(in_loop), reductions(in_loop)[:2]
     # Data groups of the mesh (stage, data, tensor) = (2, 4, 1): devices {0,1,2,3} and {4,5,6,7}.
     assert any("{0,1,2,3},{4,5,6,7}" in l.replace(" ", "") for l in outside), outside[:3]
+
+
+def test_two_stages_swap_activations_and_gradients_in_one_ppermute(tmp_path):
+    # 1F1B, pp 2 x data 4: ticks that move both (the steady ones) swap them in one collective-
+    # permute; the first tick moves activations alone, the last transfer gradients alone
+    cfgs = small_configs(tmp_path, "--gin.ModelConfig.num_layers=4", "--gin.ParallelConfig.pp=2",
+                         "--gin.ParallelConfig.schedule=1f1b", "--gin.ParallelConfig.microbatches=4")
+    setup = build.build(cfgs)
+    batch = setup.batch("train", 0, data.load(cfgs.data))
+    hlo = build.make_train_step(setup).lower(setup.init_state(), batch).compile().as_text()
+    permutes = {frozenset(pairs) for op, pairs in warmup.collectives(hlo) if op == "collective-permute"}
+    down, up = ({(i, i + 4) for i in range(4)}, {(i + 4, i) for i in range(4)})
+    assert permutes == {frozenset(down), frozenset(up), frozenset(down | up)}
 
 
 def _score_products(hlo: str, heads: int, seq: int) -> dict[str, int]:

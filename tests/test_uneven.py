@@ -120,6 +120,36 @@ def test_collectives_over_data_carry_bytes_in_proportion_to_real_layers(tmp_path
     assert not re.findall(rf"= \w+\[1,{max(layers)}(?:,\d+)*\]\S* concatenate\(", hlo)
 
 
+def test_stages_reduce_over_data_before_they_meet_and_sum_only_shards_across_stages(tmp_path):
+    # pp 2 x data 4, ZeRO-1: the last stage finishes its ticks one tick early; its reductions over
+    # `data` must not wait behind a collective across stages, so in the step's schedule every
+    # collective over `data` (the block gradients, the embedding and head) comes before the sum
+    # over `stage`, which moves only ZeRO-1's shards of the embedding and head: 1/4 of their bytes.
+    cfgs = small_configs(tmp_path, "--gin.ModelConfig.num_layers=4", "--gin.ParallelConfig.pp=2",
+                         "--gin.ParallelConfig.stage_layers=(3, 1)", "--gin.ParallelConfig.microbatches=2")
+    setup = build.build(cfgs)
+    hlo = build.make_train_step(setup).lower(setup.init_state(), setup.batch("train", 0, data.load(cfgs.data)))
+    hlo = hlo.compile().as_text()
+    comps = _computations(hlo)
+    data_groups, stage_groups = "{{0,1,2,3},{4,5,6,7}}", "{{0,4},{1,5},{2,6},{3,7}}"
+
+    def moves(line, groups, seen=()):
+        return _buffer_bytes(line, groups) + sum(moves(l, groups, seen + (c,)) for c in _callees(line)
+                                                  if c not in seen for l in comps[c])
+
+    entry = comps["ENTRY"]
+    over_data = [i for i, line in enumerate(entry) if moves(line, data_groups)]
+    across = [i for i, line in enumerate(entry) if moves(line, stage_groups)]
+    assert over_data and len(across) == 1, (over_data, across)
+    # the gradients' reductions come before the sum across stages; after it only the update's
+    # collectives (ZeRO-1's gathers) run over `data`
+    gathers = [i for i in over_data if i > across[0]]
+    assert all("all-gather" in entry[i] or " conditional(" in entry[i] for i in gathers)
+    assert any("reduce-scatter" in entry[i] for i in over_data if i < across[0])
+    shared = _expected_bytes(setup, "shared")[0]  # float32 gradients of the embedding and head
+    assert moves(entry[across[0]], stage_groups) == pytest.approx(shared / 4)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("pp, layers, schedule", [(2, (3, 1), "1f1b"), (4, (1, 2, 1, 2), "gpipe")])
 def test_losses_match_one_stage_and_padding_never_moves(tmp_path, pp, layers, schedule):

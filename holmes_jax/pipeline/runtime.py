@@ -18,14 +18,18 @@ ring (GPipe: m of them, 1F1B: at most 2p - 1). The layer scans run in every tick
 real slot: the ring and the gradient accumulators (sized by the longest stage) are carried
 through them and written in place, where a `cond` around the whole scan made XLA copy them whole
 every tick. Activations then move one stage down and gradients one stage up with
-`lax.ppermute`. Gradients accumulate locally and are reduced over `data` once, after the scan
+`lax.ppermute` (with two stages, a tick that moves both swaps them in one). Gradients accumulate locally and are reduced over `data` once, after the scan
 (reduce-scattered where ZeRO-1 shards them): one reduction per step, not per microbatch, in
-float32 or, where `ParallelConfig.grad_reduce_dtype` asks, bfloat16.
+float32 or, where `ParallelConfig.grad_reduce_dtype` asks, bfloat16. Each stage reduces as soon
+as it leaves the ticks: every reduction over `data` comes before the step's first collective
+across stages, so the stages after the first (whose last ticks hold no work and no transfer)
+reduce while stage 0 still runs its last backward.
 
 The embedding runs on the first stage and the head and loss on the last, each under `lax.cond`:
 other stages skip that work (and bubble ticks skip theirs), so they idle rather than compute
 garbage. What it costs: embedding and head parameters are replicated on every stage (memory), the
-tied embedding's gradient is summed over `stage` once per step, and a tick in which some stage
+tied embedding's gradient is summed over `stage` once per step (after the reduction over
+`data`: ZeRO-1's shards of it, 1/dp of its bytes across the boundary), and a tick in which some stage
 sends moves a buffer across every boundary (idle ones send what they last held, which no
 stage stores: the arrival tables say when a transfer carries a microbatch). A tick in which none
 does skips that transfer (GPipe's forward ticks move no gradients, its backward ticks no
@@ -255,6 +259,24 @@ class Pipeline:
         moved = [lax.ppermute(x, "stage", pairs) for pairs in self.hop_pairs(down) if pairs]
         return moved[0] if len(moved) == 1 else moved[0] + moved[1]  # each stage receives from one of them
 
+    def _transfers(self, x_out, g_out, x_moves, g_moves, idle):
+        """(what arrives from the stage above, from the stage below) at the end of a tick:
+        activations down where `x_moves`, gradients up where `g_moves`, `idle` for neither.
+        With two stages a tick that moves both swaps them in one ppermute (stage 0 sends
+        activations, stage 1 gradients), so the two directions share the link's time instead of
+        taking turns; each stage reads the one it is sent."""
+        down = lambda: self._transfer(x_out, down=True)  # noqa: E731
+        up = lambda: self._transfer(g_out, down=False)  # noqa: E731
+        if self.stages != 2:
+            return lax.cond(x_moves, down, lambda: idle), lax.cond(g_moves, up, lambda: idle)
+
+        def swap():
+            sent = lax.ppermute(jnp.where(lax.axis_index("stage") == 0, x_out, g_out), "stage", [(0, 1), (1, 0)])
+            return sent, sent
+
+        return lax.switch(x_moves.astype(jnp.int32) + 2 * g_moves.astype(jnp.int32),
+                          [lambda: (idle, idle), lambda: (down(), idle), lambda: (idle, up()), swap])
+
     def boundary_warmup(self, micro_batch: int, seq: int):
         """(jitted program, its input) moving an activation-shaped buffer across the boundary hops
         only, down and up, as the step's boundary ppermutes do (same mesh, specs, shape, dtype); None
@@ -357,8 +379,7 @@ class Pipeline:
             grads = (g_blocks, g_shared)
             # Where a stage had no forward or backward, x_out and g_out hold what came in; no
             # stage stores them (the arrival tables say when a transfer carries a microbatch).
-            x_in = lax.cond(x_moves, lambda: self._transfer(x_out, down=True), lambda: act)
-            g_in = lax.cond(g_moves, lambda: self._transfer(g_out, down=False), lambda: act)
+            x_in, g_in = self._transfers(x_out, g_out, x_moves, g_moves, act)
             return (stash, res, gstash, x_in, g_in, grads, loss_sum), None
 
         zeros = jax.tree.map(jnp.zeros_like, (blocks, shared))
@@ -369,8 +390,9 @@ class Pipeline:
         moves = tuple(jnp.asarray(m) for m in schedules.transfers(table.fwd, table.bwd))
         (_, _, _, _, _, (g_blocks, g_shared), loss_sum), _ = lax.scan(tick, carry, (rows, moves))
         # The one gradient reduction of the step, over `data` (reduce-scatter for ZeRO-1 leaves,
-        # all-reduce otherwise); the shared embedding and head, used on the first and last stage,
-        # are summed over `stage` first. Block leaves here lack the leading stage axis: dim - 1.
+        # all-reduce otherwise), then the shared embedding and head, used on the first and last
+        # stage, summed over `stage`: ZeRO-1's shards of them, 1/dp of the bytes across the
+        # boundary. Block leaves here lack the leading stage axis: dim - 1.
         # It runs in `grad_reduce_dtype` (bfloat16: half the bytes; the sums come back in float32
         # for clipping and the update), with `tensor` manual too: XLA:CPU widens a bfloat16
         # reduction to float32 and fails on the reducer a partly automatic shard_map gives it.
@@ -387,6 +409,13 @@ class Pipeline:
         g_blocks = self.by_slot_group(n_layers, g_blocks, lambda g: jax.tree.map(
             lambda x, d, t: over_data(x, d, t, offset=1), g, block_dims, tensor_specs["blocks"]))
         shared_specs = {k: tensor_specs[k] for k in ("embed", "head")}
-        g_shared = jax.tree.map(over_data, lax.psum(g_shared, "stage"), shared_dims, shared_specs)
+        g_shared = jax.tree.map(over_data, g_shared, shared_dims, shared_specs)
+        # Every reduction over `data` before any collective across stages: a stage whose last
+        # tick came early (the last stage's, by p - 1 ticks) reduces while the others still
+        # compute, rather than waiting for them at the sum over `stage`. XLA drops optimization
+        # barriers before it schedules, so the order is a data dependency: a zero it cannot see
+        # through, taken from every reduced gradient.
+        after = sum(jnp.minimum(jnp.abs(x.ravel()[0]), 0.0) for x in jax.tree.leaves((g_blocks, g_shared)))
+        g_shared = lax.psum(jax.tree.map(lambda x: x + after.astype(x.dtype), g_shared), "stage")
         loss = lax.psum(loss_sum, ("stage", "data"))
         return loss, jax.tree.map(lambda x: x[None], g_blocks), g_shared

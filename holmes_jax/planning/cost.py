@@ -12,15 +12,21 @@ One training step as the pipeline runtime runs it (holmes_jax.pipeline.runtime):
 2. A tick ends with up to two ppermutes, activations one stage down and then gradients one stage
    up (micro_batch * seq * hidden * bytes, split over the tp ranks), over each boundary's link,
    each only in ticks where some stage sends one (GPipe: activations in its forward ticks,
-   gradients in its backward ticks). They are collectives: a tick lasts as long as its slowest
-   stage plus its transfers over the slowest boundary.
-3. After the last tick each stage reduces its gradients over its data-parallel ring: a ring
+   gradients in its backward ticks). With two stages a tick that moves both swaps them in one
+   ppermute, both directions at once (links are full duplex): one transfer's time. They are
+   collectives: a tick lasts as long as its slowest stage plus its transfers over the slowest
+   boundary.
+3. After its last tick each stage reduces its gradients over its data-parallel ring (the
+   stages after the first leave the ticks earlier: the last p - 1 ticks have no work for
+   them and move nothing they take part in, so they reduce while stage 0 computes): a ring
    all-reduce, 2(n-1)/n * S/W + 2(n-1) latencies, or with ZeRO-1 a reduce-scatter, (n-1)/n * S/W
    + (n-1) latencies, on the ring's slowest link, one per parameter leaf (so the latencies are
    paid once per leaf), of float32 or bfloat16 gradients (ParallelConfig.grad_reduce_dtype).
    Every stage holds the embedding and head and syncs them too.
-4. Clipping takes the global gradient norm, summed over the whole mesh: every stage waits for the
-   slowest stage's reduction. Then each stage runs its optimizer step, at the device's measured
+4. The embedding's and head's gradients (ZeRO-1: each device's shard of them, 1/dp) are summed
+   over `stage` in float32, a ring all-reduce over the slowest boundary, and clipping takes the
+   global gradient norm: both wait for the slowest stage's reduction. Then each stage runs its
+   optimizer step, at the device's measured
    seconds per parameter (ZeRO-1: its 1/dp share), and with ZeRO-1 all-gathers the updates of
    its shard, in float32 or bfloat16 (ParallelConfig.update_gather_dtype). The step ends when
    the last stage finishes.
@@ -109,11 +115,12 @@ class Prediction:
     stage_bwd_s: tuple[float, ...]
     stage_compute_s: tuple[float, ...]  # all microbatches, forward and backward
     p2p_s: tuple[float, ...]  # per boundary: one microbatch's activations (its gradients take as long back)
-    stage_busy_s: tuple[float, ...]  # when the stage's last backward ends, waiting included
-    pipeline_s: float  # when the schedule's last tick ends (every stage leaves it together)
+    stage_busy_s: tuple[float, ...]  # when the stage leaves the ticks: its last backward and the last transfer done
+    pipeline_s: float  # when the schedule's last tick ends (stage 0's; the others leave it earlier)
     stage_sync_s: tuple[float, ...]  # the gradient reduction and (ZeRO-1) the parameter gather
     stage_update_s: tuple[float, ...]  # the optimizer step
-    stage_finish_s: tuple[float, ...]  # pipeline end + the slowest reduction + update + gather
+    shared_sum_s: float  # the embedding's and head's gradients summed over `stage`
+    stage_finish_s: tuple[float, ...]  # the slowest (last tick + reduction), the sum over stage, update, gather
     stage_memory_bytes: tuple[float, ...]  # per device: weights, gradients, optimizer state, stashed activations
     fits: bool  # every stage within its devices' memory
     step_time_s: float
@@ -127,27 +134,30 @@ class Prediction:
 @functools.lru_cache(maxsize=256)
 def _ticks(schedule: str, p: int, m: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The runtime's tick table as masks: (ticks, p) "runs a separate forward", (ticks, p) "runs a
-    backward", each stage's last busy tick, and (ticks,) how many transfers end each tick (0-2:
-    activations down, gradients up, each only where some stage sends). The last stage runs each
+    backward", each stage's last busy tick, and (ticks,) how many transfers end each tick one after
+    the other (0-2: activations down, gradients up, each only where some stage sends; with two
+    stages both in one swap, `schedule.hops_per_tick`). The last stage runs each
     forward in the tick of its backward (pipeline.runtime)."""
     fwd, bwd = schedules.ticks(schedule, p, m)
     forward, backward = fwd >= 0, bwd >= 0
     forward[:, -1] = backward[:, -1]
     busy = forward | backward
     last = np.array([np.flatnonzero(busy[:, s]).max() for s in range(p)])
-    x_moves, g_moves = schedules.transfers(fwd, bwd)
-    return forward, backward, last, x_moves.astype(int) + g_moves.astype(int)
+    return forward, backward, last, schedules.hops_per_tick(fwd, bwd)
 
 
 def simulate(fwd_s, bwd_s, p2p_s, microbatches: int, schedule: str = "gpipe") -> tuple[np.ndarray, np.ndarray]:
-    """The runtime's lockstep ticks: (when each stage's last backward ends, when the scan ends).
+    """The runtime's lockstep ticks: (when each stage leaves them, when the scan ends). A stage
+    leaves after its last backward and the last transfer, which every stage takes part in: from
+    then on it only runs ticks with no work and no collective, so it can go on (the reduction).
 
     fwd_s, bwd_s: (p, *batch) seconds of one microbatch's forward and backward on each stage;
     p2p_s: (p - 1, *batch) seconds of one transfer across each boundary (a 1-D vector broadcasts
     over the batch). Each tick a stage runs its forward (if any), then its backward (the last
-    stage runs both in its backward's ticks); then the activations move down if any stage sent one, and the gradients up if any stage sent one, one
-    ppermute after the other. A ppermute is a collective, so every tick lasts as long as its
-    slowest stage plus its transfers over the slowest boundary.
+    stage runs both in its backward's ticks); then the activations move down if any stage sent
+    one, and the gradients up if any stage sent one, one ppermute after the other (with two
+    stages, one swap). A ppermute is a collective, so every tick lasts as long as its slowest
+    stage plus its transfers over the slowest boundary.
     Returns ((p, *batch), (*batch)).
     """
     fwd_s, bwd_s = np.asarray(fwd_s, dtype=float), np.asarray(bwd_s, dtype=float)
@@ -159,12 +169,14 @@ def simulate(fwd_s, bwd_s, p2p_s, microbatches: int, schedule: str = "gpipe") ->
         p2p = np.asarray(p2p_s, dtype=float)
         p2p = np.broadcast_to(p2p.reshape(p2p.shape + (1,) * (len(batch) + 1 - p2p.ndim)), (p - 1,) + batch)
         hop = p2p.max(axis=0)
-    end, stage_end = np.zeros(batch), np.zeros((p,) + batch)
+    end, stage_end, moved = np.zeros(batch), np.zeros((p,) + batch), np.zeros(batch)
     for t in range(forward.shape[0]):
         work = forward[t].reshape(shape) * fwd_s + backward[t].reshape(shape) * bwd_s
         end = end + work.max(axis=0) + transfers[t] * hop
         stage_end[last == t] = end
-    return stage_end, end
+        if transfers[t]:
+            moved = end
+    return np.maximum(stage_end, moved), end
 
 
 class CostModel:
@@ -200,6 +212,8 @@ class CostModel:
         self._tp_fwd, self._tp_bwd = work.tp_allreduces_fwd * tp_allreduce, work.tp_allreduces_bwd * tp_allreduce
         # each of a stage's tp ranks sends its share of the activations (every stage has the same tp)
         self._p2p = np.array([link.time(work.boundary_bytes / stages[0].tp) for link in boundaries])
+        # the sum of the embedding's and head's gradients over `stage` rings through every boundary
+        self._stage_ring = min(boundaries, key=lambda link: link.bytes_per_s, default=None)
         # the runtime's residual ring: x_slots microbatches of the longest stage's layers, on every
         # stage; one stage runs a plain vjp, a microbatch at a time
         self._ring_slots = schedules.ring_slots(schedule, p, microbatches) if p > 1 else 1
@@ -260,14 +274,21 @@ class CostModel:
         memory = (held * (w.param_bytes_per_param + w.grad_bytes_per_param + optimizer)
                   + self._ring_slots * n.max(axis=1, keepdims=True) * w.layer_stash_bytes)
         update = self._update_rate * params / (self._dp if self.zero1 else 1)
+        shared_sum = 0.0
+        if self._stage_ring is not None:  # float32, ZeRO-1's shards after the reduction over `data`
+            shared_bytes = self._shared_params * w.grad_bytes_per_param / (self._dp.max() if self.zero1 else 1)
+            shared_sum = float(allreduce_s(shared_bytes, self.num_stages, self._stage_ring))
+        shared_sum = np.full((n.shape[0], 1), shared_sum)
         return {"fwd": fwd, "bwd": bwd, "reduce": reduce, "gather": gather, "sync": reduce + gather,
-                "update": update, "memory": memory, "fits": (memory <= self._memory).all(axis=1)}
+                "update": update, "shared_sum": shared_sum, "memory": memory,
+                "fits": (memory <= self._memory).all(axis=1)}
 
     @staticmethod
-    def _after_pipeline(t: dict) -> np.ndarray:
-        """(batch, stages) from the pipeline's end to each stage's finish: the slowest stage's
-        reduction (the global norm waits for it), then the stage's own update and gather."""
-        return t["reduce"].max(axis=1, keepdims=True) + t["update"] + t["gather"]
+    def _finish(busy, t: dict) -> np.ndarray:
+        """(batch, stages) when each stage finishes, its last tick ending at `busy`: every stage
+        reduces over `data` from its last tick on; the sum over `stage` (and the global norm)
+        waits for the slowest, then each stage updates and gathers."""
+        return (busy + t["reduce"]).max(axis=1, keepdims=True) + t["shared_sum"] + t["update"] + t["gather"]
 
     def _all_microbatches(self, t: dict) -> np.ndarray:
         """(batch, stages) one stage's compute over the step: a forward and a backward per microbatch."""
@@ -277,7 +298,7 @@ class CostModel:
         t = self.stage_terms(splits)
         busy, end = simulate(t["fwd"].T, t["bwd"].T, self._p2p, self.microbatches, self.schedule)
         t["busy"], t["pipeline"] = busy.T, end
-        t["finish"] = end[:, None] + self._after_pipeline(t)
+        t["finish"] = self._finish(t["busy"], t)
         return t
 
     def step_times(self, splits) -> np.ndarray:
@@ -287,14 +308,17 @@ class CostModel:
         return np.where(t["fits"], t["finish"].max(axis=1), np.inf)
 
     def lower_bounds(self, splits) -> np.ndarray:
-        """(batch,) what the ticks cannot beat, without walking them: no tick is shorter than any
-        one stage's work in it, so the schedule lasts at least the busiest stage's m forwards and
-        backwards plus every transfer the ticks make; then the slowest reduction, update and
-        gather. Infinite where a stage does not fit in memory."""
+        """(batch,) what the ticks cannot beat, without walking them: a stage's last tick ends
+        no earlier than its own m forwards and backwards, and stage 0's (it runs the last
+        backward) no earlier than the busiest stage's plus every transfer the ticks make, since no
+        tick is shorter than any one stage's work in it. Infinite where a stage does not fit in
+        memory."""
         t = self.stage_terms(splits)
         transfers = _ticks(self.schedule, self.num_stages, self.microbatches)[3].sum()
         hops = transfers * self._p2p.max() if self.num_stages > 1 else 0.0
-        bound = self._all_microbatches(t).max(axis=1) + hops + self._after_pipeline(t).max(axis=1)
+        busy = self._all_microbatches(t)
+        busy[:, 0] = np.maximum(busy[:, 0], busy.max(axis=1) + hops)
+        bound = self._finish(busy, t).max(axis=1)
         return np.where(t["fits"], bound, np.inf)
 
     def predict(self, stage_layers: Sequence[int]) -> Prediction:
@@ -311,7 +335,8 @@ class CostModel:
             stage_fwd_s=floats(t["fwd"]), stage_bwd_s=floats(t["bwd"]),
             stage_compute_s=floats(t["compute"]),
             p2p_s=floats(self._p2p), stage_busy_s=floats(t["busy"]), pipeline_s=float(t["pipeline"]),
-            stage_sync_s=floats(t["sync"]), stage_update_s=floats(t["update"]), stage_finish_s=floats(t["finish"]),
+            stage_sync_s=floats(t["sync"]), stage_update_s=floats(t["update"]),
+            shared_sum_s=float(t["shared_sum"][0]), stage_finish_s=floats(t["finish"]),
             stage_memory_bytes=floats(t["memory"]), fits=bool(t["fits"]),
             step_time_s=step, samples_per_s=self.samples / step,
             tflops_per_device=self.step_flops / step / devices / 1e12,

@@ -120,6 +120,15 @@ def transfers(fwd: np.ndarray, bwd: np.ndarray) -> tuple[np.ndarray, np.ndarray]
     return (fwd[:, :-1] >= 0).any(axis=1), (bwd[:, 1:] >= 0).any(axis=1)
 
 
+def hops_per_tick(fwd: np.ndarray, bwd: np.ndarray) -> np.ndarray:
+    """(ticks,) the transfers that end each tick one after the other, as the runtime makes them:
+    activations down, then gradients up; with two stages a tick that moves both swaps them in one
+    ppermute, both directions at once."""
+    x_moves, g_moves = transfers(fwd, bwd)
+    both = x_moves.astype(int) + g_moves.astype(int)
+    return np.minimum(both, 1) if fwd.shape[1] == 2 else both
+
+
 def _ready(kind: str, i: int, s: int, p: int, t: int, done: dict) -> bool:
     if kind == "F":  # the previous stage's forward ended in an earlier tick
         return s == 0 or 0 <= done["F"][s - 1, i] < t
