@@ -410,9 +410,9 @@ class Pipeline:
             lambda x, d, t: over_data(x, d, t, offset=1), g, block_dims, tensor_specs["blocks"]))
         shared_specs = {k: tensor_specs[k] for k in ("embed", "head")}
         g_shared = jax.tree.map(over_data, g_shared, shared_dims, shared_specs)
-        # Every reduction over `data` before any collective across stages: a stage whose last
-        # tick came early (the last stage's, by p - 1 ticks) reduces while the others still
-        # compute, rather than waiting for them at the sum over `stage`. XLA drops optimization
+        # Every reduction over `data` before any collective across stages: the stages after the
+        # first, done once the last transfer is (one stage-0 backward before the end), reduce
+        # while stage 0 still computes, rather than waiting for them at the sum over `stage`. XLA drops optimization
         # barriers before it schedules, so the order is a data dependency: a zero it cannot see
         # through, taken from every reduced gradient.
         after = sum(jnp.minimum(jnp.abs(x.ravel()[0]), 0.0) for x in jax.tree.leaves((g_blocks, g_shared)))

@@ -17,8 +17,8 @@ One training step as the pipeline runtime runs it (holmes_jax.pipeline.runtime):
    collectives: a tick lasts as long as its slowest stage plus its transfers over the slowest
    boundary.
 3. After its last tick each stage reduces its gradients over its data-parallel ring (the
-   stages after the first leave the ticks earlier: the last p - 1 ticks have no work for
-   them and move nothing they take part in, so they reduce while stage 0 computes): a ring
+   stages after the first leave the ticks once their last backward and the last transfer are
+   done, which is one stage-0 backward before the end, and reduce while stage 0 computes): a ring
    all-reduce, 2(n-1)/n * S/W + 2(n-1) latencies, or with ZeRO-1 a reduce-scatter, (n-1)/n * S/W
    + (n-1) latencies, on the ring's slowest link, one per parameter leaf (so the latencies are
    paid once per leaf), of float32 or bfloat16 gradients (ParallelConfig.grad_reduce_dtype).
@@ -212,8 +212,13 @@ class CostModel:
         self._tp_fwd, self._tp_bwd = work.tp_allreduces_fwd * tp_allreduce, work.tp_allreduces_bwd * tp_allreduce
         # each of a stage's tp ranks sends its share of the activations (every stage has the same tp)
         self._p2p = np.array([link.time(work.boundary_bytes / stages[0].tp) for link in boundaries])
-        # the sum of the embedding's and head's gradients over `stage` rings through every boundary
-        self._stage_ring = min(boundaries, key=lambda link: link.bytes_per_s, default=None)
+        # the embedding's and head's float32 gradients (ZeRO-1: each device's shard, after the
+        # reduction over `data`) summed over `stage`: a ring through every boundary, the slowest
+        self._shared_sum = 0.0
+        if boundaries:
+            shared_bytes = self._shared_params * work.grad_bytes_per_param / (self._dp.max() if zero1 else 1)
+            slowest = min(boundaries, key=lambda link: link.bytes_per_s)
+            self._shared_sum = float(allreduce_s(shared_bytes, p, slowest))
         # the runtime's residual ring: x_slots microbatches of the longest stage's layers, on every
         # stage; one stage runs a plain vjp, a microbatch at a time
         self._ring_slots = schedules.ring_slots(schedule, p, microbatches) if p > 1 else 1
@@ -274,11 +279,7 @@ class CostModel:
         memory = (held * (w.param_bytes_per_param + w.grad_bytes_per_param + optimizer)
                   + self._ring_slots * n.max(axis=1, keepdims=True) * w.layer_stash_bytes)
         update = self._update_rate * params / (self._dp if self.zero1 else 1)
-        shared_sum = 0.0
-        if self._stage_ring is not None:  # float32, ZeRO-1's shards after the reduction over `data`
-            shared_bytes = self._shared_params * w.grad_bytes_per_param / (self._dp.max() if self.zero1 else 1)
-            shared_sum = float(allreduce_s(shared_bytes, self.num_stages, self._stage_ring))
-        shared_sum = np.full((n.shape[0], 1), shared_sum)
+        shared_sum = np.full((n.shape[0], 1), self._shared_sum)
         return {"fwd": fwd, "bwd": bwd, "reduce": reduce, "gather": gather, "sync": reduce + gather,
                 "update": update, "shared_sum": shared_sum, "memory": memory,
                 "fits": (memory <= self._memory).all(axis=1)}
