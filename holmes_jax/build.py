@@ -17,10 +17,10 @@ from holmes_jax.mesh.devices import build_mesh, local_topology, ordered_devices
 from holmes_jax.models import gpt
 from holmes_jax.optimizer import make_optimizer
 from holmes_jax.pipeline.runtime import Pipeline
-from holmes_jax.pipeline.update import make_update
+from holmes_jax.pipeline.update import make_settle, make_update
 from holmes_jax.planning import Plan
 from holmes_jax.planning.communicators import cross_cluster_hops
-from holmes_jax.sharding import gradient_specs, state_shardings
+from holmes_jax.sharding import gradient_specs, pending_shapes, pending_specs, state_shardings
 
 
 def peak_tflops(devices) -> tuple[float, str]:
@@ -51,7 +51,9 @@ def make_plan(cfgs: Configs, devices) -> Plan:
 @dataclasses.dataclass
 class Setup:
     """Everything a run builds before its first step. The train state holds block parameters (and
-    their optimizer moments) in the pipeline's staged layout; checkpoints hold the canonical one."""
+    their optimizer moments) in the pipeline's staged layout, and with ZeRO-1 the updates that the
+    next step's `settle` gathers (`pending`, pipeline.update); checkpoints hold the canonical
+    layout, the updates settled."""
 
     cfgs: Configs
     plan: Plan
@@ -64,6 +66,19 @@ class Setup:
     canonical_shardings: dict
     grad_specs: dict  # staged layout
     batch_sharding: NamedSharding  # (microbatches, micro_batch, seq + 1), split over `data`
+    pending_shapes: dict  # the train state's `pending`
+
+    @functools.cached_property
+    def settle(self):
+        """`settle(params, pending) -> params` (pipeline.update), for use inside `jit`."""
+        return make_settle(self.pipeline, self.specs, self.grad_specs)
+
+    @property
+    def specs(self) -> dict:
+        return jax.tree.map(lambda s: s.spec, self.state_shardings)
+
+    def _with_nothing_pending(self, state: dict) -> dict:
+        return dict(state, pending=jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), self.pending_shapes))
 
     def _canonical_state(self, params: dict | None = None) -> dict:
         params = self.model.init(self.cfgs.train.seed) if params is None else params
@@ -74,15 +89,27 @@ class Setup:
         if folder:  # a Hugging Face model's weights, as global arrays (every process reads the files)
             params = jax.tree.map(lambda x, sh: jax.make_array_from_callback(x.shape, sh, lambda i: x[i]),
                                   export.import_hf(folder, self.cfgs.model), self.canonical_shardings["params"])
-        return jax.jit(lambda p: self.pipeline.to_staged(self._canonical_state(p)),
+        return jax.jit(lambda p: self._with_nothing_pending(self.pipeline.to_staged(self._canonical_state(p))),
                        out_shardings=self.state_shardings)(params)
 
+    def _settled(self, state: dict) -> dict:
+        return {"params": self.settle(state["params"], state["pending"]), "opt_state": state["opt_state"],
+                "step": state["step"]}
+
+    def settled(self, state: dict) -> dict:
+        """The train state with its pending updates added and `pending` dropped (staged layout):
+        the parameters the next step computes with."""
+        shardings = {k: v for k, v in self.state_shardings.items() if k != "pending"}
+        return jax.jit(self._settled, out_shardings=shardings)(state)
+
     def canonical(self, state: dict) -> dict:
-        """What a checkpoint stores: real layers only, in model order."""
-        return jax.jit(self.pipeline.to_canonical, out_shardings=self.canonical_shardings)(state)
+        """What a checkpoint stores: the updates settled, real layers only, in model order."""
+        return jax.jit(lambda st: self.pipeline.to_canonical(self._settled(st)),
+                       out_shardings=self.canonical_shardings)(state)
 
     def staged(self, canonical: dict) -> dict:
-        return jax.jit(self.pipeline.to_staged, out_shardings=self.state_shardings)(canonical)
+        return jax.jit(lambda c: self._with_nothing_pending(self.pipeline.to_staged(c)),
+                       out_shardings=self.state_shardings)(canonical)
 
     def abstract_canonical(self) -> dict:
         shapes = jax.eval_shape(self._canonical_state)
@@ -109,30 +136,34 @@ def build(cfgs: Configs, devices=None) -> Setup:
     tx, schedule = make_optimizer(cfgs.train)
     canonical = jax.eval_shape(lambda: model.init(0))
     staged = jax.eval_shape(pipeline.to_staged, canonical)
-    return Setup(cfgs, the_plan, mesh, model, pipeline, tx, schedule,
-                 state_shardings(mesh, tx, staged, "stage", par.zero1),
-                 state_shardings(mesh, tx, canonical, None, par.zero1),
-                 gradient_specs(staged, "stage", mesh.shape["data"], par.zero1),
-                 NamedSharding(mesh, P(None, "data", None)))
+    grad_specs = gradient_specs(staged, "stage", mesh.shape["data"], par.zero1)
+    shardings = state_shardings(mesh, tx, staged, "stage", par.zero1)
+    shardings["pending"] = jax.tree.map(lambda spec: NamedSharding(mesh, spec), pending_specs(grad_specs),
+                                        is_leaf=lambda x: isinstance(x, P))
+    return Setup(cfgs, the_plan, mesh, model, pipeline, tx, schedule, shardings,
+                 state_shardings(mesh, tx, canonical, None, par.zero1), grad_specs,
+                 NamedSharding(mesh, P(None, "data", None)),
+                 pending_shapes(staged, grad_specs, jnp.dtype(par.update_gather_dtype)))
 
 
 def make_train_step(setup: Setup):
-    """The jitted step: the pipeline's loss and gradients over all microbatches, one AdamW update
-    of each stage's real layers. A step whose loss or gradient norm is not finite keeps the old
-    parameters and optimizer state (`skipped` in its outputs) but still counts: `step` numbers
-    batches, so a resumed run lines up."""
+    """The jitted step: the last step's updates settled (ZeRO-1), the pipeline's loss and
+    gradients over all microbatches, one AdamW update of each stage's real layers. A step whose
+    loss or gradient norm is not finite keeps the old parameters and optimizer state and pends
+    nothing (`skipped` in its outputs) but still counts: `step` numbers batches, so a resumed run
+    lines up."""
     pipeline = setup.pipeline
-    specs = jax.tree.map(lambda s: s.spec, setup.state_shardings)
-    update = make_update(pipeline, setup.tx, setup.cfgs.train.grad_clip, specs, setup.grad_specs,
+    update = make_update(pipeline, setup.tx, setup.cfgs.train.grad_clip, setup.specs, setup.grad_specs,
                          gather_dtype=setup.cfgs.parallel.update_gather_dtype)
 
     def step(state, batch):
-        loss, grads = pipeline.loss_and_grads(state["params"], batch, setup.grad_specs)
-        params, opt_state, norm = update(state["params"], state["opt_state"], grads)
+        params = setup.settle(state["params"], state["pending"])
+        loss, grads = pipeline.loss_and_grads(params, batch, setup.grad_specs)
+        new_params, pending, opt_state, norm = update(params, state["opt_state"], grads)
         good = jnp.isfinite(loss) & jnp.isfinite(norm)
         keep = functools.partial(jax.tree.map, lambda new, old: jnp.where(good, new, old))
-        new_state = {"params": keep(params, state["params"]), "opt_state": keep(opt_state, state["opt_state"]),
-                     "step": state["step"] + 1}
+        new_state = {"params": keep(new_params, params), "pending": keep(pending, jax.tree.map(jnp.zeros_like, pending)),
+                     "opt_state": keep(opt_state, state["opt_state"]), "step": state["step"] + 1}
         return new_state, {"loss": loss, "grad_norm": norm, "skipped": ~good}
 
     return jax.jit(step, in_shardings=(setup.state_shardings, setup.batch_sharding),
@@ -140,7 +171,8 @@ def make_train_step(setup: Setup):
 
 
 def make_eval_step(setup: Setup):
-    """Validation loss of a batch through the same pipeline program. It also runs the backward
-    (its gradients are dropped): simpler than a second forward-only schedule, and evaluation is rare."""
+    """Validation loss of a batch through the same pipeline program, of settled parameters
+    (`Setup.settled`). It also runs the backward (its gradients are dropped): simpler than a
+    second forward-only schedule, and evaluation is rare."""
     return jax.jit(lambda params, batch: setup.pipeline.loss_and_grads(params, batch, setup.grad_specs)[0],
                    in_shardings=(setup.state_shardings["params"], setup.batch_sharding))

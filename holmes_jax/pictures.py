@@ -46,21 +46,22 @@ class Segment:
 
 
 def timeline(plan: Plan) -> list[Segment]:
-    """The step as the cost model walks it (holmes_jax.planning.cost.simulate): tick by tick each
-    stage runs its forward (the last stage runs it inside its backward's tick), then its
-    backward; the tick lasts as long as its slowest stage, then activations and gradients cross
-    the slowest boundary where any stage sends them; once a stage leaves the ticks it reduces its
-    gradients, waits for the slowest stage's reduction (the sum over `stage` and the global norm
-    need them all), updates and gathers its parameters (drawn as sync, then update)."""
+    """The step as the cost model walks it (holmes_jax.planning.cost.simulate): each stage
+    gathers the last step's updates (ZeRO-1, drawn as sync); then tick by tick each stage runs its
+    forward (the last stage runs it inside its backward's tick), then its backward; the tick
+    lasts as long as its slowest stage, then activations and gradients cross the slowest boundary
+    where any stage sends them; once a stage leaves the ticks it reduces its gradients, waits
+    for the slowest stage's reduction (the sum over `stage` and the global norm need them all)
+    and updates its parameters (drawn as sync, then update)."""
     pr, p = plan.prediction, plan.pp
     fwd, bwd = schedules.ticks(plan.schedule, p, plan.microbatches)
     moves = schedules.hops_per_tick(fwd, bwd)
     hop = max(pr.p2p_s, default=0.0)
-    segments, now = [], 0.0
+    segments, now = [Segment(s, 0.0, pr.stage_gather_s[s], "sync") for s in range(p) if pr.stage_gather_s[s]], 0.0
     for tick in range(fwd.shape[0]):
         longest = 0.0
         for s in range(p):
-            at = now
+            at = max(now, pr.stage_gather_s[s])
             if fwd[tick, s] >= 0 and s < p - 1:
                 segments.append(Segment(s, at, pr.stage_fwd_s[s], "forward", int(fwd[tick, s])))
                 at += pr.stage_fwd_s[s]
@@ -73,7 +74,7 @@ def timeline(plan: Plan) -> list[Segment]:
         if moves[tick] and hop:
             segments += [Segment(s, now, moves[tick] * hop, "transfer") for s in range(p)]
             now += moves[tick] * hop
-    for s in range(p):  # sync: its reduction, the wait for the slowest, the sum over stage, its gather
+    for s in range(p):  # sync: its reduction, the wait for the slowest, the sum over stage
         start = pr.stage_busy_s[s]
         sync = pr.stage_finish_s[s] - start - pr.stage_update_s[s]
         segments.append(Segment(s, start, sync, "sync"))

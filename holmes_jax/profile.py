@@ -136,8 +136,8 @@ def profile_update(setup, repeats: int = 5) -> float:
     """Seconds per parameter a device updates in one optimizer step as the run takes it
     (`pipeline.update`: clipping's global norm, AdamW on each stage's real layers), over the whole
     mesh with gradients and optimizer state sharded as the run shards them (ZeRO-1: each device
-    its 1/dp share). The updated parameters stay sharded like the gradients: gathering them back
-    is the data link's part of the sync."""
+    its 1/dp share). The updates stay sharded like the gradients (`pending`): gathering them is
+    the data link's part of the sync."""
     state = setup.init_state()
     shardings = setup.state_shardings
     grad_shardings = jax.tree.map(lambda spec: NamedSharding(setup.mesh, spec), setup.grad_specs,
@@ -145,11 +145,11 @@ def profile_update(setup, repeats: int = 5) -> float:
     grads = jax.jit(lambda p: jax.tree.map(lambda x: jnp.full_like(x, 1e-3), p), out_shardings=grad_shardings)(
         state["params"])
 
-    specs = jax.tree.map(lambda s: s.spec, shardings)
-    update = make_update(setup.pipeline, setup.tx, setup.cfgs.train.grad_clip, specs, setup.grad_specs, gather=False)
-    step = jax.jit(lambda *args: update(*args)[:2],
+    update = make_update(setup.pipeline, setup.tx, setup.cfgs.train.grad_clip, setup.specs, setup.grad_specs,
+                         gather_dtype=setup.cfgs.parallel.update_gather_dtype)
+    step = jax.jit(lambda *args: update(*args)[1:3],
                    in_shardings=(shardings["params"], shardings["opt_state"], grad_shardings),
-                   out_shardings=(grad_shardings, shardings["opt_state"]))
+                   out_shardings=(shardings["pending"], shardings["opt_state"]))
     device = setup.mesh.local_devices[0]
     stage = next(s for s in range(setup.mesh.shape["stage"]) if device in setup.mesh.devices[s].flat)
     real = setup.pipeline.stage_layers[stage] / setup.pipeline.max_layers  # block slots it updates

@@ -1,6 +1,7 @@
 """Where a run's arrays live on the mesh (stage, data, tensor): parameters as the model's
-tensor-parallel specs say (blocks split over `stage` in the staged layout), gradients and Adam
-moments additionally over `data` with ZeRO-1, counters replicated."""
+tensor-parallel specs say (blocks split over `stage` in the staged layout), gradients, Adam
+moments and the pending updates (pipeline.update) additionally over `data` with ZeRO-1, counters
+replicated."""
 
 from __future__ import annotations
 
@@ -36,6 +37,18 @@ def gradient_specs(params_shapes: dict, stage_axis: str | None, dp: int, zero1: 
         return _zero1_spec(spec, leaf.shape, dp, layer_axes if blocks else 0)
 
     return jax.tree_util.tree_map_with_path(spec, pspecs, params_shapes, is_leaf=lambda x: isinstance(x, P))
+
+
+def pending_shapes(params_shapes: dict, grad_specs: dict, dtype) -> dict:
+    """The train state's `pending` (pipeline.update): for each leaf ZeRO-1 splits, the parameter's
+    shape in `dtype`, split like its gradient (each replica holds the update of its shard);
+    nothing, shape (0,), for the rest."""
+    return jax.tree.map(lambda leaf, spec: jax.ShapeDtypeStruct(leaf.shape if "data" in spec else (0,), dtype),
+                        params_shapes, grad_specs, is_leaf=lambda x: isinstance(x, P))
+
+
+def pending_specs(grad_specs: dict) -> dict:
+    return jax.tree.map(lambda spec: spec if "data" in spec else P(), grad_specs, is_leaf=lambda x: isinstance(x, P))
 
 
 def optimizer_specs(opt_shapes, moment_specs: dict):

@@ -84,7 +84,8 @@ class StepLogger:
                "tflops_per_device": self.flops_per_device / elapsed / 1e12}
         row["mfu"] = row["tflops_per_device"] / self.peak
         if step % self.setup.cfgs.train.eval_every == 0 or step == last:
-            row["val_loss"] = evaluate(self.setup, self.eval_step, state["params"], self.token_data)
+            row["val_loss"] = evaluate(self.setup, self.eval_step, self.setup.settled(state)["params"],
+                                       self.token_data)
         self.log and self.log.write(row)
         self.rows.append(row)
         self.pending, self.t_last = [], time.perf_counter()

@@ -12,7 +12,7 @@ from helpers import read_metrics, run_module, small_configs
 
 def _step_losses(cfgs, devices, with_state=False):
     """Losses of three steps on one fixed batch (the warm-up's first learning rate is 0), and the
-    state after them where `with_state`."""
+    state after them, its updates settled, where `with_state`."""
     setup = build.build(cfgs, devices)
     step = build.make_train_step(setup)
     from holmes_jax import data
@@ -24,7 +24,7 @@ def _step_losses(cfgs, devices, with_state=False):
     for _ in range(3):
         state, out = step(state, batch)
         losses.append(float(out["loss"]))
-    return (losses, state) if with_state else losses
+    return (losses, setup.settled(state)) if with_state else losses
 
 
 def test_same_batch_same_loss_on_every_mesh(tmp_path):

@@ -120,11 +120,12 @@ def test_collectives_over_data_carry_bytes_in_proportion_to_real_layers(tmp_path
     assert not re.findall(rf"= \w+\[1,{max(layers)}(?:,\d+)*\]\S* concatenate\(", hlo)
 
 
-def test_stages_reduce_over_data_before_they_meet_and_sum_only_shards_across_stages(tmp_path):
-    # pp 2 x data 4, ZeRO-1: the last stage finishes its ticks one tick early; its reductions over
-    # `data` must not wait behind a collective across stages, so in the step's schedule every
-    # collective over `data` (the block gradients, the embedding and head) comes before the sum
-    # over `stage`, which moves only ZeRO-1's shards of the embedding and head: 1/4 of their bytes.
+def test_stages_gather_before_the_ticks_reduce_before_they_meet_and_sum_only_shards_across_stages(tmp_path):
+    # pp 2 x data 4, ZeRO-1. The step opens with the gather of the last step's updates, before
+    # the tick scan, so the last stage (no work in the first tick) gathers while stage 0 computes.
+    # The last stage finishes its ticks one tick early; its reductions over `data` must not wait
+    # behind a collective across stages, so every reduction over `data` comes before the sum over
+    # `stage`, which moves only ZeRO-1's shards of the embedding and head: 1/4 of their bytes.
     cfgs = small_configs(tmp_path, "--gin.ModelConfig.num_layers=4", "--gin.ParallelConfig.pp=2",
                          "--gin.ParallelConfig.stage_layers=(3, 1)", "--gin.ParallelConfig.microbatches=2")
     setup = build.build(cfgs)
@@ -137,15 +138,20 @@ def test_stages_reduce_over_data_before_they_meet_and_sum_only_shards_across_sta
         return _buffer_bytes(line, groups) + sum(moves(l, groups, seen + (c,)) for c in _callees(line)
                                                   if c not in seen for l in comps[c])
 
+    def holds(line, op, seen=()):
+        return op in line or any(holds(l, op, seen + (c,)) for c in _callees(line) if c not in seen for l in comps[c])
+
     entry = comps["ENTRY"]
+    ticks = [i for i, line in enumerate(entry) if " while(" in line and holds(line, "collective-permute")]
     over_data = [i for i, line in enumerate(entry) if moves(line, data_groups)]
     across = [i for i, line in enumerate(entry) if moves(line, stage_groups)]
-    assert over_data and len(across) == 1, (over_data, across)
-    # the gradients' reductions come before the sum across stages; after it only the update's
-    # collectives (ZeRO-1's gathers) run over `data`
-    gathers = [i for i in over_data if i > across[0]]
-    assert all("all-gather" in entry[i] or " conditional(" in entry[i] for i in gathers)
-    assert any("reduce-scatter" in entry[i] for i in over_data if i < across[0])
+    assert len(ticks) == 1 and over_data and len(across) == 1, (ticks, over_data, across)
+    before, after = [i for i in over_data if i < ticks[0]], [i for i in over_data if i > ticks[0]]
+    # before the ticks: the gathers (the later slot group's in its conditional), no reduction
+    assert before and all(holds(entry[i], "all-gather") and not holds(entry[i], "reduce-scatter") for i in before)
+    # after them: the reductions, all before the sum across stages, and nothing over `data` after it
+    assert after and all(not holds(entry[i], "all-gather") for i in after)
+    assert max(after) < across[0]
     shared = _expected_bytes(setup, "shared")[0]  # float32 gradients of the embedding and head
     assert moves(entry[across[0]], stage_groups) == pytest.approx(shared / 4)
 

@@ -4,14 +4,17 @@ Block leaves are (stages, max_layers, ...) with zero padding after a stage's rea
 (`Pipeline`). The step runs in one `jax.shard_map` manual over `stage` and `data` (`tensor`
 automatic), one slot group at a time (`Pipeline.by_slot_group`): a group that is padding on a
 stage runs under a `lax.cond` that stage skips, so the stage neither updates its padding nor
-all-gathers it (ZeRO-1). What a stage computes and moves after the pipeline is proportional to
+all-gathers it (ZeRO-1). What a stage computes and moves around the update is proportional to
 its real layers; padding stays exactly zero. The embedding and head take their own AdamW call.
 
-With ZeRO-1 each replica computes the AdamW update of its shard; the updates are all-gathered
-and every replica adds them to its float32 parameters. In float32 that is exactly gathering the
-updated shards. With `update_gather_dtype = 'bfloat16'` the gather moves half the bytes: every
-replica adds the same rounded update, so the replicas stay equal and the weights stay float32
-(an update is off by at most 2^-9 of itself, where bfloat16 weights would lose small updates).
+With ZeRO-1 each replica computes the AdamW update of its shard and keeps it, in the train
+state's `pending`, until the next step opens with `settle`: the updates are all-gathered and every
+replica adds them to its float32 parameters. In float32 that is exactly gathering the updated
+shards. With `update_gather_dtype = 'bfloat16'` the update is kept and gathered in bfloat16, half
+the bytes: every replica adds the same rounded update, so the replicas stay equal and the weights
+stay float32 (an update is off by at most 2^-9 of itself, where bfloat16 weights would lose small
+updates). Gathering at the start of the next step rather than at the end of this one lets a
+stage that waits for its first microbatch (the last) gather while the stages before it compute.
 
 Clipping needs the global gradient norm, one scalar summed over the whole mesh: every stage
 waits for the slowest stage's gradient reduction before it updates (the cost model charges
@@ -37,19 +40,43 @@ def _manual(specs):
                         is_leaf=lambda x: isinstance(x, P))
 
 
-def make_update(pipeline: Pipeline, tx: optax.GradientTransformation, max_norm: float, state_specs: dict,
-                grad_specs: dict, gather: bool = True, gather_dtype: str = "float32"):
-    """`update(params, opt_state, grads) -> (params, opt_state, gradient norm before clipping)`,
-    for use inside `jit`; the arguments laid out as `state_specs` ({"params", "opt_state"}) and
-    `grad_specs` say (staged layout). Leaves that ZeRO-1 splits over `data` are updated on this
-    replica's shard, the updates all-gathered in `gather_dtype`; with `gather=False` the
-    parameters come back split like their gradients (what the profile times: the gather is the
-    data link's part of the sync)."""
-    wire = jnp.dtype(gather_dtype)
-    param_specs, opt_specs, grad_specs = (_manual(s) for s in (state_specs["params"], state_specs["opt_state"],
-                                                                 grad_specs))
-    dims = jax.tree.map(lambda spec: list(spec).index("data") if "data" in spec else -1, grad_specs,
+def _manual_specs(state_specs: dict, grad_specs: dict):
+    return (_manual(state_specs["params"]), _manual(state_specs["pending"]), _manual(state_specs["opt_state"]),
+            _manual(grad_specs))
+
+
+def _split_dims(grad_specs) -> dict:
+    """Per leaf, the axis ZeRO-1 splits over `data` (-1: not split, so not deferred)."""
+    return jax.tree.map(lambda spec: list(spec).index("data") if "data" in spec else -1, grad_specs,
                         is_leaf=lambda x: isinstance(x, P))
+
+
+def _split_leaves(tree, dims) -> list:
+    return [x for x, d in zip(jax.tree.leaves(tree), jax.tree.leaves(dims)) if d >= 0]
+
+
+def _with_split_leaves(tree, dims, split: list):
+    """`tree` with its split leaves (in order) replaced by `split`."""
+    it = iter(split)
+    return jax.tree.map(lambda x, d: next(it) if d >= 0 else x, tree, dims)
+
+
+def no_pending(dtype) -> jax.Array:
+    """What `pending` holds for a leaf ZeRO-1 does not split (updated at once): nothing."""
+    return jnp.zeros((0,), dtype)
+
+
+def make_update(pipeline: Pipeline, tx: optax.GradientTransformation, max_norm: float, state_specs: dict,
+                grad_specs: dict, gather_dtype: str = "float32"):
+    """`update(params, opt_state, grads) -> (params, pending, opt_state, gradient norm before
+    clipping)`, for use inside `jit`; the arguments laid out as `state_specs` ({"params",
+    "pending", "opt_state"}) and `grad_specs` say (staged layout). Leaves that ZeRO-1 splits over
+    `data` are updated on this replica's shard: they come back unchanged in `params`, and the
+    update of the shard, in `gather_dtype`, in `pending` (for `settle`). The others are updated
+    in place and hold `no_pending` there."""
+    wire = jnp.dtype(gather_dtype)
+    param_specs, pending_specs, opt_specs, grad_specs = _manual_specs(state_specs, grad_specs)
+    dims = _split_dims(grad_specs)
 
     def body(params, opt_state, grads):
         n_layers = pipeline.stage_n_layers()
@@ -75,47 +102,70 @@ def make_update(pipeline: Pipeline, tx: optax.GradientTransformation, max_norm: 
             size = x.shape[d] // replicas
             return lax.dynamic_slice_in_dim(x, rank * size, size, axis=d)
 
-        def apply(p, mine, update, d):  # the new parameter from the update of this replica's shard
-            if d < 0:
-                return (p + update).astype(p.dtype)
-            if not gather:
-                return (mine + update).astype(p.dtype)
-            return p + lax.all_gather(update.astype(wire), "data", axis=d, tiled=True).astype(p.dtype)
-
         def adamw(p, g, state, d):
             """One AdamW step of the parameter tree `p` (any part of the model), with `state` whose
-            moments are shaped like `p`. Returns the new `p` and state."""
+            moments are shaped like `p`. Returns the new `p`, its pending updates and the state."""
             mine = jax.tree.map(own, p, d)
             g = jax.tree.map(lambda x: (x * scale).astype(x.dtype), g)
             updates, state = tx.update(g, state, mine)
-            return jax.tree.map(apply, p, mine, updates, d), state
+            new_p = jax.tree.map(lambda x, u, d: x if d >= 0 else (x + u).astype(x.dtype), p, updates, d)
+            pending = jax.tree.map(lambda u, d: u.astype(wire) if d >= 0 else no_pending(wire), updates, d)
+            return new_p, pending, state
 
         like = jax.tree.structure(params)
         # Embedding and head: every stage holds them whole; this call also advances the step count.
-        new_shared, state = adamw(shared(params), shared(grads), _with_moments(opt_state, like, shared), shared(dims))
+        new_shared, shared_pending, state = adamw(shared(params), shared(grads),
+                                                  _with_moments(opt_state, like, shared), shared(dims))
 
         def block_group(part):
             p, g, moments = part
             it = iter(moments)
-            new_p, new_state = adamw({"blocks": p}, {"blocks": g},
-                                     _with_moments(opt_state, like, lambda _: {"blocks": next(it)}),
-                                     {"blocks": dims["blocks"]})
-            return new_p["blocks"], [m["blocks"] for m in _moments(new_state, jax.tree.structure({"blocks": p}))]
+            new_p, pending, new_state = adamw({"blocks": p}, {"blocks": g},
+                                              _with_moments(opt_state, like, lambda _: {"blocks": next(it)}),
+                                              {"blocks": dims["blocks"]})
+            return (new_p["blocks"], _split_leaves(pending["blocks"], dims["blocks"]),
+                    [m["blocks"] for m in _moments(new_state, jax.tree.structure({"blocks": p}))])
 
         moments = [m["blocks"] for m in _moments(opt_state, like)]
-        # Gathered, the new blocks are shaped like the old and overwrite them in place (padding
-        # keeps its zeros); ungathered they are split like the gradients.
-        new_blocks, new_moments = pipeline.by_slot_group(n_layers, (params["blocks"], grads["blocks"], moments),
-                                                         block_group, axis=1,
-                                                         into=(params["blocks"], moments) if gather else None)
+        # Written in place into the old blocks and moments and into zeros (padding keeps its
+        # zeros and pends nothing).
+        nothing = [jnp.zeros(g.shape, wire) for g in _split_leaves(grads["blocks"], dims["blocks"])]
+        new_blocks, split_pending, new_moments = pipeline.by_slot_group(
+            n_layers, (params["blocks"], grads["blocks"], moments), block_group, axis=1,
+            into=(params["blocks"], nothing, moments))
+        blocks_pending = _with_split_leaves(jax.tree.map(lambda _: no_pending(wire), params["blocks"]),
+                                            dims["blocks"], split_pending)
         it = iter(new_moments)
         state = _with_moments(state, jax.tree.structure(shared(params)), lambda m: dict(m, blocks=next(it)))
-        return dict(new_shared, blocks=new_blocks), state, norm
+        return dict(new_shared, blocks=new_blocks), dict(shared_pending, blocks=blocks_pending), state, norm
 
-    out_params = param_specs if gather else grad_specs
     return jax.shard_map(body, mesh=pipeline.mesh, axis_names={"stage", "data"},
-                         in_specs=(param_specs, opt_specs, grad_specs), out_specs=(out_params, opt_specs, P()),
-                         check_vma=False)
+                         in_specs=(param_specs, opt_specs, grad_specs),
+                         out_specs=(param_specs, pending_specs, opt_specs, P()), check_vma=False)
+
+
+def make_settle(pipeline: Pipeline, state_specs: dict, grad_specs: dict):
+    """`settle(params, pending) -> params` with the pending updates added: each leaf ZeRO-1 splits
+    all-gathers its updates over `data` (in their dtype) and every replica adds them. For use
+    inside `jit`; padding slots are skipped, so a stage gathers its real layers only."""
+    param_specs, pending_specs, _, grad_specs = _manual_specs(state_specs, grad_specs)
+    dims = _split_dims(grad_specs)
+
+    def add(p, u, d):
+        return p + lax.all_gather(u, "data", axis=d, tiled=True).astype(p.dtype)
+
+    def body(params, pending):
+        new = {k: jax.tree.map(lambda p, u, d: add(p, u, d) if d >= 0 else p, params[k], pending[k], dims[k])
+               for k in _SHARED}
+        block_dims = _split_leaves(dims["blocks"], dims["blocks"])
+        blocks = _split_leaves(params["blocks"], dims["blocks"])
+        settled = pipeline.by_slot_group(
+            pipeline.stage_n_layers(), (blocks, _split_leaves(pending["blocks"], dims["blocks"])),
+            lambda part: [add(p, u, d) for p, u, d in zip(*part, block_dims)], axis=1, into=blocks)
+        return dict(new, blocks=_with_split_leaves(params["blocks"], dims["blocks"], settled))
+
+    return jax.shard_map(body, mesh=pipeline.mesh, axis_names={"stage", "data"},
+                         in_specs=(param_specs, pending_specs), out_specs=param_specs, check_vma=False)
 
 
 def _is_like(like):

@@ -2,6 +2,11 @@
 
 One training step as the pipeline runtime runs it (holmes_jax.pipeline.runtime):
 
+0. With ZeRO-1 a step starts by all-gathering the previous step's updates (each replica updated
+   its own shard), each stage over its own data ring, in float32 or bfloat16
+   (ParallelConfig.update_gather_dtype): an all-gather, (n-1)/n * S/W + (n-1) latencies. A stage
+   starts its first tick once its gather is done, so a stage with no work in the first ticks (the
+   last one: it waits for the first microbatch) gathers while the stages before it compute.
 1. The schedule's tick table (GPipe or 1F1B) is walked in lockstep. In a tick each stage runs its
    forward of one microbatch (if the table says so), keeping what the backward needs, then its
    backward from that. The last stage runs its forward inside its backward's tick. A forward
@@ -26,11 +31,10 @@ One training step as the pipeline runtime runs it (holmes_jax.pipeline.runtime):
 4. The embedding's and head's gradients (ZeRO-1: each device's shard of them, 1/dp) are summed
    over `stage` in float32, a ring all-reduce over the slowest boundary, and clipping takes the
    global gradient norm: both wait for the slowest stage's reduction. Then each stage runs its
-   optimizer step, at the device's measured
-   seconds per parameter (ZeRO-1: its 1/dp share), and with ZeRO-1 all-gathers the updates of
-   its shard, in float32 or bfloat16 (ParallelConfig.update_gather_dtype). The step ends when
-   the last stage finishes.
-5. Memory per device: weights, gradients and Adam state (ZeRO-1 shards the latter over data),
+   optimizer step, at the device's measured seconds per parameter (ZeRO-1: its 1/dp share, whose
+   update waits for the next step's gather). The step ends when the last stage finishes.
+5. Memory per device: weights, gradients and Adam state (ZeRO-1 shards the latter over data,
+   and keeps the update of its shard until the next step's gather, in the gather's dtype),
    plus the ring of stashed residuals (what the remat policy keeps, per layer and microbatch):
    room for the schedule's microbatches in flight (GPipe: all m; 1F1B: min(2p - 1, m)) of the
    longest stage's layers, on every stage (the runtime's arrays have equal shards); with one
@@ -115,12 +119,13 @@ class Prediction:
     stage_bwd_s: tuple[float, ...]
     stage_compute_s: tuple[float, ...]  # all microbatches, forward and backward
     p2p_s: tuple[float, ...]  # per boundary: one microbatch's activations (its gradients take as long back)
+    stage_gather_s: tuple[float, ...]  # ZeRO-1's gather of the last step's updates, before the stage's first tick
     stage_busy_s: tuple[float, ...]  # when the stage leaves the ticks: its last backward and the last transfer done
     pipeline_s: float  # when the schedule's last tick ends (stage 0's; the others leave it earlier)
-    stage_sync_s: tuple[float, ...]  # the gradient reduction and (ZeRO-1) the parameter gather
+    stage_sync_s: tuple[float, ...]  # the gradient reduction and (ZeRO-1) the gather of the updates
     stage_update_s: tuple[float, ...]  # the optimizer step
     shared_sum_s: float  # the embedding's and head's gradients summed over `stage`
-    stage_finish_s: tuple[float, ...]  # the slowest (last tick + reduction), the sum over stage, update, gather
+    stage_finish_s: tuple[float, ...]  # the slowest (last tick + reduction), then the sum over stage and the update
     stage_memory_bytes: tuple[float, ...]  # per device: weights, gradients, optimizer state, stashed activations
     fits: bool  # every stage within its devices' memory
     step_time_s: float
@@ -146,10 +151,13 @@ def _ticks(schedule: str, p: int, m: int) -> tuple[np.ndarray, np.ndarray, np.nd
     return forward, backward, last, schedules.hops_per_tick(fwd, bwd)
 
 
-def simulate(fwd_s, bwd_s, p2p_s, microbatches: int, schedule: str = "gpipe") -> tuple[np.ndarray, np.ndarray]:
+def simulate(fwd_s, bwd_s, p2p_s, microbatches: int, schedule: str = "gpipe",
+             start_s=None) -> tuple[np.ndarray, np.ndarray]:
     """The runtime's lockstep ticks: (when each stage leaves them, when the scan ends). A stage
     leaves after its last backward and the last transfer, which every stage takes part in: from
     then on it only runs ticks with no work and no collective, so it can go on (the reduction).
+    A stage enters the ticks at `start_s` (p, *batch) (ZeRO-1's gather; default 0): no tick
+    ends before every stage has entered, and a stage's work in it starts no earlier.
 
     fwd_s, bwd_s: (p, *batch) seconds of one microbatch's forward and backward on each stage;
     p2p_s: (p - 1, *batch) seconds of one transfer across each boundary (a 1-D vector broadcasts
@@ -169,10 +177,11 @@ def simulate(fwd_s, bwd_s, p2p_s, microbatches: int, schedule: str = "gpipe") ->
         p2p = np.asarray(p2p_s, dtype=float)
         p2p = np.broadcast_to(p2p.reshape(p2p.shape + (1,) * (len(batch) + 1 - p2p.ndim)), (p - 1,) + batch)
         hop = p2p.max(axis=0)
+    start = np.zeros((p,) + batch) if start_s is None else np.asarray(start_s, dtype=float)
     end, stage_end, moved = np.zeros(batch), np.zeros((p,) + batch), np.zeros(batch)
     for t in range(forward.shape[0]):
         work = forward[t].reshape(shape) * fwd_s + backward[t].reshape(shape) * bwd_s
-        end = end + work.max(axis=0) + transfers[t] * hop
+        end = (np.maximum(end, start) + work).max(axis=0) + transfers[t] * hop
         stage_end[last == t] = end
         if transfers[t]:
             moved = end
@@ -276,7 +285,8 @@ class CostModel:
         else:
             reduce, gather = allreduce_s(params * w.reduce_bytes_per_param, self._dp, self._dp_link, k), 0.0 * params
         optimizer = w.optimizer_bytes_per_param / (self._dp if self.zero1 else 1)
-        memory = (held * (w.param_bytes_per_param + w.grad_bytes_per_param + optimizer)
+        pending = w.gather_bytes_per_param / self._dp if self.zero1 else 0.0  # the update until the next gather
+        memory = (held * (w.param_bytes_per_param + w.grad_bytes_per_param + optimizer + pending)
                   + self._ring_slots * n.max(axis=1, keepdims=True) * w.layer_stash_bytes)
         update = self._update_rate * params / (self._dp if self.zero1 else 1)
         shared_sum = np.full((n.shape[0], 1), self._shared_sum)
@@ -288,8 +298,8 @@ class CostModel:
     def _finish(busy, t: dict) -> np.ndarray:
         """(batch, stages) when each stage finishes, its last tick ending at `busy`: every stage
         reduces over `data` from its last tick on; the sum over `stage` (and the global norm)
-        waits for the slowest, then each stage updates and gathers."""
-        return (busy + t["reduce"]).max(axis=1, keepdims=True) + t["shared_sum"] + t["update"] + t["gather"]
+        waits for the slowest, then each stage updates (its gather opens the next step)."""
+        return (busy + t["reduce"]).max(axis=1, keepdims=True) + t["shared_sum"] + t["update"]
 
     def _all_microbatches(self, t: dict) -> np.ndarray:
         """(batch, stages) one stage's compute over the step: a forward and a backward per microbatch."""
@@ -297,7 +307,7 @@ class CostModel:
 
     def _evaluate(self, splits) -> dict[str, np.ndarray]:
         t = self.stage_terms(splits)
-        busy, end = simulate(t["fwd"].T, t["bwd"].T, self._p2p, self.microbatches, self.schedule)
+        busy, end = simulate(t["fwd"].T, t["bwd"].T, self._p2p, self.microbatches, self.schedule, t["gather"].T)
         t["busy"], t["pipeline"] = busy.T, end
         t["finish"] = self._finish(t["busy"], t)
         return t
@@ -310,14 +320,14 @@ class CostModel:
 
     def lower_bounds(self, splits) -> np.ndarray:
         """(batch,) what the ticks cannot beat, without walking them: a stage's last tick ends
-        no earlier than its own m forwards and backwards, and stage 0's (it runs the last
-        backward) no earlier than the busiest stage's plus every transfer the ticks make, since no
-        tick is shorter than any one stage's work in it. Infinite where a stage does not fit in
-        memory."""
+        no earlier than its gather plus its own m forwards and backwards, and stage 0's (it runs
+        the last backward) no earlier than the busiest stage's plus every transfer the ticks make,
+        since no tick is shorter than any one stage's work in it. Infinite where a stage does not
+        fit in memory."""
         t = self.stage_terms(splits)
         transfers = _ticks(self.schedule, self.num_stages, self.microbatches)[3].sum()
         hops = transfers * self._p2p.max() if self.num_stages > 1 else 0.0
-        busy = self._all_microbatches(t)
+        busy = t["gather"] + self._all_microbatches(t)
         busy[:, 0] = np.maximum(busy[:, 0], busy.max(axis=1) + hops)
         bound = self._finish(busy, t).max(axis=1)
         return np.where(t["fits"], bound, np.inf)
@@ -335,7 +345,8 @@ class CostModel:
             stage_layers=tuple(int(x) for x in stage_layers),
             stage_fwd_s=floats(t["fwd"]), stage_bwd_s=floats(t["bwd"]),
             stage_compute_s=floats(t["compute"]),
-            p2p_s=floats(self._p2p), stage_busy_s=floats(t["busy"]), pipeline_s=float(t["pipeline"]),
+            p2p_s=floats(self._p2p), stage_gather_s=floats(t["gather"]), stage_busy_s=floats(t["busy"]),
+            pipeline_s=float(t["pipeline"]),
             stage_sync_s=floats(t["sync"]), stage_update_s=floats(t["update"]),
             shared_sum_s=float(t["shared_sum"][0]), stage_finish_s=floats(t["finish"]),
             stage_memory_bytes=floats(t["memory"]), fits=bool(t["fits"]),
