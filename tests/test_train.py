@@ -37,6 +37,20 @@ def test_same_batch_same_loss_on_every_mesh(tmp_path):
     assert ref[2] < ref[0]
 
 
+def test_zero1_updates_settled_at_the_next_step_equal_updates_applied_at_once(tmp_path):
+    """ZeRO-1 keeps each replica's update until the next step gathers it (`pending`); without
+    ZeRO-1 every update is applied in its own step. Same losses, and the same parameters once the
+    last updates are settled."""
+    devices = jax.devices()
+    at_once, plain = _step_losses(small_configs(tmp_path, "--gin.ParallelConfig.dp=8",
+                                                "--gin.ParallelConfig.zero1=False"), devices, True)
+    later, zero1 = _step_losses(small_configs(tmp_path, "--gin.ParallelConfig.dp=8"), devices, True)
+    np.testing.assert_allclose(later, at_once, rtol=0, atol=1e-5)
+    assert later[2] < later[0]
+    for a, b in zip(jax.tree.leaves(zero1["params"]), jax.tree.leaves(plain["params"])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)
+
+
 @pytest.mark.parametrize("layout", [["--gin.ParallelConfig.dp=8"],
                                     ["--gin.ParallelConfig.dp=4", "--gin.ParallelConfig.tp=2", "--gin.ParallelConfig.zero1=False"]])
 def test_data_traffic_in_bfloat16_trains_like_float32(tmp_path, layout):
