@@ -96,11 +96,12 @@ class Setup:
         return {"params": self.settle(state["params"], state["pending"]), "opt_state": state["opt_state"],
                 "step": state["step"]}
 
-    def settled(self, state: dict) -> dict:
-        """The train state with its pending updates added and `pending` dropped (staged layout):
-        the parameters the next step computes with."""
+    @functools.cached_property
+    def settled(self):
+        """`settled(state)`: the train state with its pending updates added and `pending` dropped
+        (staged layout), the parameters the next step computes with; jitted once, run at every eval."""
         shardings = {k: v for k, v in self.state_shardings.items() if k != "pending"}
-        return jax.jit(self._settled, out_shardings=shardings)(state)
+        return jax.jit(self._settled, out_shardings=shardings)
 
     def canonical(self, state: dict) -> dict:
         """What a checkpoint stores: the updates settled, real layers only, in model order."""

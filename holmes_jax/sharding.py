@@ -39,6 +39,12 @@ def gradient_specs(params_shapes: dict, stage_axis: str | None, dp: int, zero1: 
     return jax.tree_util.tree_map_with_path(spec, pspecs, params_shapes, is_leaf=lambda x: isinstance(x, P))
 
 
+def data_split_dims(specs: dict) -> dict:
+    """Per leaf, the axis its spec splits over `data` (ZeRO-1), -1 where it is not split."""
+    return jax.tree.map(lambda spec: list(spec).index("data") if "data" in spec else -1, specs,
+                        is_leaf=lambda x: isinstance(x, P))
+
+
 def pending_shapes(params_shapes: dict, grad_specs: dict, dtype) -> dict:
     """The train state's `pending` (pipeline.update): for each leaf ZeRO-1 splits, the parameter's
     shape in `dtype`, split like its gradient (each replica holds the update of its shard);

@@ -57,6 +57,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from holmes_jax.models.gpt import GPT
 from holmes_jax.planning import schedule as schedules
+from holmes_jax.sharding import data_split_dims
 
 
 def _is_block_leaf(path) -> bool:
@@ -305,8 +306,7 @@ class Pipeline:
         is_spec = lambda x: isinstance(x, P)  # noqa: E731
         manual = jax.tree.map(lambda spec: P(*(n if n in ("stage", "data") else None for n in spec)), grad_specs,
                               is_leaf=is_spec)
-        scatter_dims = jax.tree.map(lambda spec: list(spec).index("data") if "data" in spec else -1, manual,
-                                    is_leaf=is_spec)
+        scatter_dims = data_split_dims(manual)
         shared = {"embed": params["embed"], "head": params["head"]}
         shared_out = {"embed": manual["embed"], "head": manual["head"]}
         shared_dims = {"embed": scatter_dims["embed"], "head": scatter_dims["head"]}

@@ -30,6 +30,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from holmes_jax.pipeline.runtime import Pipeline
+from holmes_jax.sharding import data_split_dims
 
 _SHARED = ("embed", "head")
 
@@ -43,12 +44,6 @@ def _manual(specs):
 def _manual_specs(state_specs: dict, grad_specs: dict):
     return (_manual(state_specs["params"]), _manual(state_specs["pending"]), _manual(state_specs["opt_state"]),
             _manual(grad_specs))
-
-
-def _split_dims(grad_specs) -> dict:
-    """Per leaf, the axis ZeRO-1 splits over `data` (-1: not split, so not deferred)."""
-    return jax.tree.map(lambda spec: list(spec).index("data") if "data" in spec else -1, grad_specs,
-                        is_leaf=lambda x: isinstance(x, P))
 
 
 def _split_leaves(tree, dims) -> list:
@@ -76,7 +71,7 @@ def make_update(pipeline: Pipeline, tx: optax.GradientTransformation, max_norm: 
     in place and hold `no_pending` there."""
     wire = jnp.dtype(gather_dtype)
     param_specs, pending_specs, opt_specs, grad_specs = _manual_specs(state_specs, grad_specs)
-    dims = _split_dims(grad_specs)
+    dims = data_split_dims(grad_specs)
 
     def body(params, opt_state, grads):
         n_layers = pipeline.stage_n_layers()
@@ -149,7 +144,7 @@ def make_settle(pipeline: Pipeline, state_specs: dict, grad_specs: dict):
     all-gathers its updates over `data` (in their dtype) and every replica adds them. For use
     inside `jit`; padding slots are skipped, so a stage gathers its real layers only."""
     param_specs, pending_specs, _, grad_specs = _manual_specs(state_specs, grad_specs)
-    dims = _split_dims(grad_specs)
+    dims = data_split_dims(grad_specs)
 
     def add(p, u, d):
         return p + lax.all_gather(u, "data", axis=d, tiled=True).astype(p.dtype)
