@@ -121,7 +121,9 @@ def measure_profile(bed: Testbed, path: Path, workdir: Path, topology: Path, pla
           f"bwd {prof.layer_bwd_s * 1e3:.2f} ms; data groups "
           + ", ".join(f"{l.gbps * 1e3:.0f} Mbit/s + {l.latency_s * 1e3:.2f} ms" if l else "-" for l in prof.data_links)
           + "; boundary " + ", ".join(f"{l.gbps * 1e3:.0f} Mbit/s + {l.latency_s * 1e3:.2f} ms" for l in prof.stage_links)
-          + "; stage layer times x " + (", ".join(f"{v:.2f}" for v in prof.stage_layer_scale) or "-"), flush=True)
+          + "; stage layer times x " + (", ".join(f"{v:.2f}" for v in prof.stage_layer_scale) or "-")
+          + "; steps " + ", ".join(f"{list(p.stage_layers)} {p.step_s * 1e3:.0f} ms" for p in prof.step_probes),
+          flush=True)
     return prof
 
 

@@ -22,10 +22,10 @@ from holmes_jax.planning.contract import Plan
 
 NIC_COLOURS = {"infiniband": "#1f5fa8", "roce": "#d9700f", "ethernet": "#6b6b6b"}
 KIND_COLOURS = {"forward": "#9ad48a", "backward": "#2f7d4f", "transfer": "#9467bd", "sync": "#d62728",
-                "update": "#e8c12c"}
+                "update": "#e8c12c", "fixed": "#8c8c8c"}
 KIND_LABELS = {"forward": "forward", "backward": "backward (the last stage: with its forward)",
                "transfer": "activations / gradients between stages", "sync": "gradient sync (data groups)",
-               "update": "optimizer step"}
+               "update": "optimizer step", "fixed": "fixed per-step work (fitted)"}
 STAGE_COLOURS = matplotlib.colormaps["Pastel1"].colors + matplotlib.colormaps["Pastel2"].colors
 
 
@@ -75,10 +75,11 @@ def timeline(plan: Plan) -> list[Segment]:
             segments += [Segment(s, now, moves[tick] * hop, "transfer") for s in range(p)]
             now += moves[tick] * hop
     for s in range(p):  # sync: its reduction, the wait for the slowest, the sum over stage
-        start = pr.stage_busy_s[s]
-        sync = pr.stage_finish_s[s] - start - pr.stage_update_s[s]
+        start, update, fixed = pr.stage_busy_s[s], pr.stage_update_s[s], pr.stage_fixed_s[s]
+        sync = pr.stage_finish_s[s] - start - update - fixed
         segments.append(Segment(s, start, sync, "sync"))
-        segments.append(Segment(s, start + sync, pr.stage_update_s[s], "update"))
+        segments.append(Segment(s, start + sync, update, "update"))
+        segments.append(Segment(s, start + sync + update, fixed, "fixed"))
     return segments
 
 

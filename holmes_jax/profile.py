@@ -12,6 +12,11 @@
   and of each stage boundary (a `ppermute` from stage s to s + 1), each timed at two message
   sizes so latency and bandwidth separate: t = latency + bytes / bandwidth (for the ring
   all-reduce, or the pair, the bytes are 2(n - 1)/n of the buffer).
+- Whole steps: the real train step of the profiled layout (mesh, schedule, microbatches) on the
+  model cut to 1 layer per stage and to half the profiled stage's layers per stage, each the
+  median of several steps. Planning fits to them what the parts above leave out (a factor on
+  compute, a fixed part a step; planning.search). The depths are not the profiled model's, so
+  its own step stays a prediction.
 
 Everything is timed as the step runs it, not at its best: compute over a whole stage's stack of
 layers (a one-layer stack compiles to faster straight-line code than the layer loop a stage
@@ -27,6 +32,7 @@ that `python -m holmes_jax.plan --profile` and `ParallelConfig.profile` read.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 from pathlib import Path
 
@@ -36,9 +42,10 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from holmes_jax import build, cli, configure, distributed
+from holmes_jax import build, cli, configure, data, distributed, train
+from holmes_jax.pipeline import warmup
 from holmes_jax.pipeline.update import make_update
-from holmes_jax.planning.measured import Profile
+from holmes_jax.planning.measured import Profile, StepProbe
 from holmes_jax.planning.topology import Link
 
 
@@ -162,6 +169,37 @@ def profile_update(setup, repeats: int = 5) -> float:
     return _lockstep_time(step, state["params"], state["opt_state"], grads, repeats=repeats) / count
 
 
+def probe_depths(stage_layers: tuple[int, ...]) -> tuple[int, int]:
+    """Layers per stage of the two step probes: 1, and half the longest stage (at least 2)."""
+    return 1, max(2, max(stage_layers) // 2)
+
+
+def profile_step(setup, layers_per_stage: int, steps: int = 12, warmup_steps: int = 3) -> StepProbe:
+    """The median seconds of `steps` train steps of `setup`'s layout (mesh, schedule,
+    microbatches, placement) on its model cut to `layers_per_stage` layers per stage, after
+    `warmup_steps` untimed ones: the trainer's own loop (`train.train_steps`, a fresh batch
+    each step, each step's outputs fetched), timed as its metrics time it."""
+    plan, cfgs = setup.plan, setup.cfgs
+    probe = dataclasses.replace(
+        cfgs, model=dataclasses.replace(cfgs.model, num_layers=plan.pp * layers_per_stage, init_from=None),
+        parallel=dataclasses.replace(cfgs.parallel, pp=plan.pp, dp=plan.dp, tp=plan.tp, stage_layers=None,
+                                     partition="uniform", microbatches=plan.microbatches, schedule=plan.schedule,
+                                     profile=None))
+    run = build.build(probe, list(setup.mesh.devices.flat))
+    token_data = data.load(probe.data)
+    state = run.init_state()
+    compiled = build.make_train_step(run).lower(state, run.batch("train", 0, token_data)).compile()
+    warmup.warm_up(run, compiled.as_text(), say=lambda *a: None)  # the step's communicators across clusters
+    times, t = [], time.perf_counter()
+    for step, state, _ in train.train_steps(compiled, run, state, 0, warmup_steps + steps, token_data):
+        if step == warmup_steps and jax.process_count() > 1:  # the timed steps start together
+            multihost_utils.sync_global_devices(f"holmes_jax.profile step probe {layers_per_stage}")
+        times.append(time.perf_counter() - t)
+        t = time.perf_counter()
+    step_s = float(_median_over_processes(np.array([np.median(times[warmup_steps:])]))[0])
+    return StepProbe(tuple(run.pipeline.stage_layers), plan.dp, plan.tp, plan.microbatches, plan.schedule, step_s)
+
+
 def _fit(sizes: list[int], times: list[float], factor: float) -> Link:
     """t = latency + factor * bytes / bandwidth, from two sizes."""
     (s0, s1), (t0, t1) = sizes, times
@@ -227,8 +265,8 @@ def _share_links(links: list, group_sizes: list[int]) -> list:
 
 def profile(setup, repeats: int = 5) -> Profile:
     """Profiles the run that `setup` (a `build.Setup`) builds: the layer over a stage's stack of
-    blocks and the optimizer step, each over the whole mesh (medians over processes), and every
-    link of the mesh (stage, data)."""
+    blocks and the optimizer step, each over the whole mesh (medians over processes), every link
+    of the mesh (stage, data), and whole steps of its layout at two depths."""
     mesh, model, cfgs = setup.mesh, setup.model, setup.cfgs
     micro_batch = setup.plan.micro_batch
     flops, t_fwd, t_bwd = profile_layer(model, mesh, max(setup.pipeline.stage_layers), micro_batch,
@@ -241,8 +279,9 @@ def profile(setup, repeats: int = 5) -> Profile:
     data_links = _share_links(profile_data_groups(mesh, cfgs.parallel.zero1, repeats=repeats),
                               [mesh.shape["data"]] * stages)
     stage_links = tuple(profile_stage_boundary(mesh, s, repeats=repeats) for s in range(stages - 1))
+    probes = tuple(profile_step(setup, n) for n in probe_depths(setup.pipeline.stage_layers))
     return Profile(mesh.local_devices[0].device_kind, micro_batch, cfgs.data.seq_len, flops, t_fwd, t_bwd,
-                   tuple(data_links), stage_links, update, scale)
+                   tuple(data_links), stage_links, update, scale, probes)
 
 
 def main(argv: list[str]) -> int:

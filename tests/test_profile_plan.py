@@ -12,7 +12,7 @@ from holmes_jax.planning import workload
 from holmes_jax import cli
 from holmes_jax.config import ConfigError, ModelConfig, ParallelConfig
 from holmes_jax.models import presets
-from holmes_jax.planning.measured import Profile
+from holmes_jax.planning.measured import Profile, StepProbe
 from holmes_jax.planning.topology import Link
 from holmes_jax.planning import plan
 from holmes_jax.planning.cli import main
@@ -94,6 +94,55 @@ def test_links_of_another_pp_are_ignored_with_a_note():
     assert any("3 stage-boundary links ignored" in n for n in p.notes)
     # Without a profile: the topology's figures, no notes.
     assert _plan(None).notes == ()
+
+
+def _probes(prof, depths=(1, 2), extra_s=0.0, pp=2, dp=4):
+    """Step probes whose steps take what `prof`'s own uniform plans of those depths predict, plus `extra_s`."""
+    probes = []
+    for n in depths:
+        par = ParallelConfig(pp=pp, dp=dp, microbatches=4, partition="uniform")
+        p = plan(TOPOLOGY, dataclasses.replace(MODEL, num_layers=pp * n), par, global_batch=BATCH, seq_len=SEQ,
+                 profile=prof)
+        probes.append(StepProbe((n,) * pp, dp, 1, 4, "gpipe", p.prediction.step_time_s + extra_s))
+    return tuple(probes)
+
+
+def test_step_probes_that_the_profile_predicts_change_nothing():
+    bare = _plan(_profile(), partition="uniform")
+    probed = _plan(dataclasses.replace(_profile(), step_probes=_probes(_profile())), partition="uniform")
+    assert probed.prediction.step_time_s == pytest.approx(bare.prediction.step_time_s, rel=1e-6)
+    assert any("compute x 1.00, fixed 0 ms a step" in n for n in probed.notes)
+
+
+def test_step_probes_fit_a_fixed_part_a_step():
+    probed = dataclasses.replace(_profile(), step_probes=_probes(_profile(), extra_s=0.05))
+    p = _plan(probed, partition="uniform")
+    assert p.prediction.stage_fixed_s == pytest.approx((0.05, 0.05), rel=1e-3)
+    assert p.prediction.step_time_s == pytest.approx(_plan(_profile(), partition="uniform").prediction.step_time_s
+                                                     + 0.05, rel=1e-3)
+    assert "fixed" in p.explain()
+    # A stage measured twice as fast pays half of it.
+    scaled = dataclasses.replace(probed, stage_layer_scale=(0.5, 1.0))
+    assert _plan(scaled, partition="uniform").prediction.stage_fixed_s == pytest.approx((0.025, 0.05), rel=0.05)
+
+
+def test_step_probes_of_slower_steps_scale_the_compute():
+    # Probes timed where layers run twice as slow as the profile says: the fit finds compute x 2,
+    # and the plan predicts what a profile of the slower layers would, at every split.
+    slow = dataclasses.replace(_profile(), layer_fwd_s=2e-3, layer_bwd_s=4e-3)
+    probed = dataclasses.replace(_profile(), step_probes=_probes(slow, depths=(1, 3)))
+    for partition in ("uniform", "auto"):
+        p, want = _plan(probed, partition=partition), _plan(slow, partition=partition)
+        assert p.stage_layers == want.stage_layers
+        assert p.prediction.step_time_s == pytest.approx(want.prediction.step_time_s, rel=1e-3)
+    assert any("compute x 2.00, fixed 0 ms a step" in n for n in _plan(probed).notes)
+
+
+def test_step_probes_of_another_mesh_are_not_used():
+    probed = dataclasses.replace(_profile(), step_probes=_probes(_profile(), extra_s=0.5, pp=4, dp=2))
+    p = _plan(probed, partition="uniform")
+    assert p.prediction.step_time_s == pytest.approx(_plan(_profile(), partition="uniform").prediction.step_time_s)
+    assert any("step probes are not of this mesh" in n for n in p.notes)
 
 
 def test_profile_from_a_file_and_from_parallel_config(tmp_path):

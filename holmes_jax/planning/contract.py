@@ -104,6 +104,7 @@ class Plan:
     def explain(self) -> str:
         """A readable table: stages, their cluster and NIC, layers, times, links, the predicted step."""
         pl, pr, m = self.placement, self.prediction, self.model
+        fixed = any(pr.stage_fixed_s)  # a profile's fitted per-step work: shown where there is some
         lines = [
             f"plan: {m.preset} ({m.num_layers} layers, hidden {m.hidden}, {m.compute_dtype}"
             f"{'' if m.remat == 'none' else f', remat {m.remat}'}) on topology {self.topology.name!r}: {self.grid.size} devices, "
@@ -113,13 +114,14 @@ class Plan:
             f"(global batch {self.global_batch}, seq {self.seq_len})"
             f" | partition {self.partition}",
             "",
-            _table(["stage", "cluster", "nic", "layers", "fwd+bwd/mb", "compute", "sync", "update", "finish", "memory",
-                    "gradient ring"],
+            _table(["stage", "cluster", "nic", "layers", "fwd+bwd/mb", "compute", "sync", "update"]
+                   + (["fixed"] if fixed else []) + ["finish", "memory", "gradient ring"],
                    [[s, pl.stage_clusters[s], pl.stage_nic[s], self.stage_layers[s],
                      _seconds(pr.stage_fwd_s[s] + pr.stage_bwd_s[s]), _seconds(pr.stage_compute_s[s]),
-                     _seconds(pr.stage_sync_s[s]), _seconds(pr.stage_update_s[s]), _seconds(pr.stage_finish_s[s]),
-                     f"{_bytes(pr.stage_memory_bytes[s])} of {_bytes(pl.device_memory[s])}",
-                     _route_text(pl.data_routes[s]) if self.dp > 1 else "-"] for s in range(self.pp)]),
+                     _seconds(pr.stage_sync_s[s]), _seconds(pr.stage_update_s[s])]
+                    + ([_seconds(pr.stage_fixed_s[s])] if fixed else [])
+                    + [_seconds(pr.stage_finish_s[s]), f"{_bytes(pr.stage_memory_bytes[s])} of {_bytes(pl.device_memory[s])}",
+                       _route_text(pl.data_routes[s]) if self.dp > 1 else "-"] for s in range(self.pp)]),
         ]
         if self.pp > 1:
             lines += ["", _table(["boundary", "activations cross", "per microbatch, each way"],

@@ -32,7 +32,10 @@ One training step as the pipeline runtime runs it (holmes_jax.pipeline.runtime):
    over `stage` in float32, a ring all-reduce over the slowest boundary, and clipping takes the
    global gradient norm: both wait for the slowest stage's reduction. Then each stage runs its
    optimizer step, at the device's measured seconds per parameter (ZeRO-1: its 1/dp share, whose
-   update waits for the next step's gather). The step ends when the last stage finishes.
+   update waits for the next step's gather). Each stage then pays its fixed part: the work of a
+   step that none of the above prices (on CPU: dispatch, buffer handling, the guard), fitted by a
+   profile to real steps (planning.search; zero without one). The step ends when the last stage
+   finishes.
 5. Memory per device: weights, gradients and Adam state (ZeRO-1 shards the latter over data,
    and keeps the update of its shard until the next step's gather, in the gather's dtype),
    plus the ring of stashed residuals (what the remat policy keeps, per layer and microbatch):
@@ -110,6 +113,7 @@ class Stage:
     dp_link: Link  # its data groups' gradient ring (the slowest hop, NIC sharing counted)
     memory_bytes: float = float("inf")  # of one device
     update_s_per_param: float = 0.0  # the optimizer step on one device, per parameter it updates (measured)
+    fixed_s: float = 0.0  # a step's work beyond what the model prices (fitted to measured steps)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,6 +128,7 @@ class Prediction:
     pipeline_s: float  # when the schedule's last tick ends (stage 0's; the others leave it earlier)
     stage_sync_s: tuple[float, ...]  # the gradient reduction and (ZeRO-1) the gather of the updates
     stage_update_s: tuple[float, ...]  # the optimizer step
+    stage_fixed_s: tuple[float, ...]  # the step's unpriced work, fitted to measured steps (0 without)
     shared_sum_s: float  # the embedding's and head's gradients summed over `stage`
     stage_finish_s: tuple[float, ...]  # the slowest (last tick + reduction), then the sum over stage and the update
     stage_memory_bytes: tuple[float, ...]  # per device: weights, gradients, optimizer state, stashed activations
@@ -196,6 +201,7 @@ class CostModel:
         if len(boundaries) != len(stages) - 1:
             raise ValueError(f"{len(stages)} stages need {len(stages) - 1} boundary links, got {len(boundaries)}")
         self.work, self.stages, self.microbatches, self.schedule = work, tuple(stages), microbatches, schedule
+        self.boundaries = tuple(boundaries)
         self.zero1, self.step_flops, self.samples = zero1, step_flops, samples
         p = len(stages)
 
@@ -233,6 +239,12 @@ class CostModel:
         self._ring_slots = schedules.ring_slots(schedule, p, microbatches) if p > 1 else 1
         self._memory = np.array([s.memory_bytes for s in stages])
         self._update_rate = np.array([s.update_s_per_param for s in stages])
+        self._fixed = np.array([s.fixed_s for s in stages])
+
+    def with_stages(self, stages: Sequence[Stage]) -> "CostModel":
+        """The same work, links and schedule on other stages."""
+        return CostModel(self.work, stages, self.boundaries, self.microbatches, self.schedule, self.zero1,
+                         self.step_flops, self.samples)
 
     @property
     def num_layers(self) -> int:
@@ -290,16 +302,18 @@ class CostModel:
                   + self._ring_slots * n.max(axis=1, keepdims=True) * w.layer_stash_bytes)
         update = self._update_rate * params / (self._dp if self.zero1 else 1)
         shared_sum = np.full((n.shape[0], 1), self._shared_sum)
+        fixed = np.broadcast_to(self._fixed, n.shape)
         return {"fwd": fwd, "bwd": bwd, "reduce": reduce, "gather": gather, "sync": reduce + gather,
-                "update": update, "shared_sum": shared_sum, "memory": memory,
+                "update": update, "fixed": fixed, "shared_sum": shared_sum, "memory": memory,
                 "fits": (memory <= self._memory).all(axis=1)}
 
     @staticmethod
     def _finish(busy, t: dict) -> np.ndarray:
         """(batch, stages) when each stage finishes, its last tick ending at `busy`: every stage
         reduces over `data` from its last tick on; the sum over `stage` (and the global norm)
-        waits for the slowest, then each stage updates (its gather opens the next step)."""
-        return (busy + t["reduce"]).max(axis=1, keepdims=True) + t["shared_sum"] + t["update"]
+        waits for the slowest, then each stage updates (its gather opens the next step) and pays
+        its fixed part."""
+        return (busy + t["reduce"]).max(axis=1, keepdims=True) + t["shared_sum"] + t["update"] + t["fixed"]
 
     def _all_microbatches(self, t: dict) -> np.ndarray:
         """(batch, stages) one stage's compute over the step: a forward and a backward per microbatch."""
@@ -347,7 +361,7 @@ class CostModel:
             stage_compute_s=floats(t["compute"]),
             p2p_s=floats(self._p2p), stage_gather_s=floats(t["gather"]), stage_busy_s=floats(t["busy"]),
             pipeline_s=float(t["pipeline"]),
-            stage_sync_s=floats(t["sync"]), stage_update_s=floats(t["update"]),
+            stage_sync_s=floats(t["sync"]), stage_update_s=floats(t["update"]), stage_fixed_s=floats(t["fixed"]),
             shared_sum_s=float(t["shared_sum"][0]), stage_finish_s=floats(t["finish"]),
             stage_memory_bytes=floats(t["memory"]), fits=bool(t["fits"]),
             step_time_s=step, samples_per_s=self.samples / step,

@@ -1,5 +1,6 @@
-"""A measured profile as planning reads it: per-layer times, the optimizer step, and the links of
-a real run's mesh. `python -m holmes_jax.profile` measures one; this record needs no JAX."""
+"""A measured profile as planning reads it: per-layer times, the optimizer step, the links of a
+real run's mesh and whole steps of that layout at two depths. `python -m holmes_jax.profile`
+measures one; this record needs no JAX."""
 
 from __future__ import annotations
 
@@ -23,6 +24,19 @@ def _json_link(raw: dict | None) -> Link | None:
 
 
 @dataclasses.dataclass(frozen=True)
+class StepProbe:
+    """The real train step of the profiled layout on a model of `sum(stage_layers)` layers: its
+    median seconds. Two depths let planning fit what the parts it prices leave out."""
+
+    stage_layers: tuple[int, ...]
+    dp: int
+    tp: int
+    microbatches: int
+    schedule: str
+    step_s: float
+
+
+@dataclasses.dataclass(frozen=True)
 class Profile:
     device_kind: str
     micro_batch: int
@@ -36,6 +50,7 @@ class Profile:
     # per stage: its layer time over the slowest stage's, timed without waiting for the others
     # (the layer times above are the slowest stage's); empty: every stage alike
     stage_layer_scale: tuple[float, ...] = ()
+    step_probes: tuple[StepProbe, ...] = ()  # whole steps at two depths (older profiles: none)
 
     @property
     def achieved_tflops(self) -> float:
@@ -55,6 +70,8 @@ class Profile:
             raw["data_links"] = tuple(_json_link(l) for l in raw["data_links"])
             raw["stage_links"] = tuple(_json_link(l) for l in raw["stage_links"])
             raw["stage_layer_scale"] = tuple(raw.get("stage_layer_scale", ()))
+            raw["step_probes"] = tuple(StepProbe(**dict(p, stage_layers=tuple(p["stage_layers"])))
+                                       for p in raw.get("step_probes", ()))
             return cls(**raw)
         except (OSError, ValueError, TypeError, KeyError) as e:
             raise ConfigError(f"--profile {path}: not a readable holmes_jax profile ({e})") from None

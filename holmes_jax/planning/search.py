@@ -25,6 +25,13 @@ topology's defaults (see `_with_profile`):
   stages by index, replace the topology's where measured. They are ignored (with a note) when the
   plan's pp differs from the profile's. Measure a profile on the layout it will plan (placement,
   dp); a profile with no links (`data_links = []`, `stage_links = []`) sizes layers only.
+- Whole steps: the profile times the real train step of its layout on models of two depths
+  (`step_probes`, 1 and half the profiled stage's layers per stage). The model predicts both
+  with the profile's numbers; what they leave unexplained is fitted as a factor on compute (the
+  layers as the pipeline runs them, rather than as the profile times a stack of them alone) and
+  a fixed part a step (dispatch, buffers, the guard: on CPU devices tens of milliseconds, more
+  at a capped CPU), stage s paying it at its measured speed (`_fit_step_probes`). Used when the
+  plan's mesh is the probes'; see `Plan.notes`.
 
 Every such choice is listed in `Plan.notes` (printed by `explain()`, in the JSON as `notes`).
 """
@@ -77,8 +84,46 @@ def _cost_model(cfg: ModelConfig, pl: Placement, global_batch: int, seq_len: int
     stages = [cost.Stage(device_flops[s], tp, pl.tensor_routes[s], dp, dp_links[s],
                          pl.device_memory[s], update[s]) for s in range(pp)]
     flops = workload.megatron_flops(global_batch, seq_len, cfg.num_layers, cfg.hidden, cfg.vocab_size, cfg.remat)
-    return CostModel(work, stages, boundaries, microbatches, schedule, par.zero1,
-                     step_flops=flops, samples=global_batch), tuple(notes)
+    model = CostModel(work, stages, boundaries, microbatches, schedule, par.zero1, step_flops=flops,
+                      samples=global_batch)
+    if prof is not None and prof.step_probes:
+        model = _fit_step_probes(model, prof, cfg, pl, par, topo, notes)
+    return model, tuple(notes)
+
+
+def _fit_step_probes(model: CostModel, prof: Profile, cfg: ModelConfig, pl: Placement, par: ParallelConfig,
+                     topo: Topology, notes: list[str]) -> CostModel:
+    """`model` with compute scaled and a fixed part a step added so that it predicts the profile's
+    measured steps (`step_probes`, least squares over them): each probe's step is the model's with
+    no compute (links, the update) plus k times its compute plus f. Stage s pays f times its
+    measured speed (`stage_layer_scale`; the probes' lockstep step waits for the slowest). `model`
+    as it is, with a note, where the probes are not of this mesh or do not fit."""
+    probes = [p for p in prof.step_probes if (len(p.stage_layers), p.dp, p.tp) == tuple(pl.grid.shape)]
+    if len({sum(p.stage_layers) for p in probes}) < 2:
+        notes.append(f"profile: its step probes are not of this mesh {tuple(pl.grid.shape)} (stage, data, tensor); "
+                     f"not fitted")
+        return model
+    plain = dataclasses.replace(prof, step_probes=())
+    rows = []
+    for p in probes:
+        probe_cfg = dataclasses.replace(cfg, num_layers=sum(p.stage_layers))
+        batch = prof.micro_batch * p.microbatches * p.dp
+        probe, _ = _cost_model(probe_cfg, pl, batch, prof.seq_len, p.microbatches, p.schedule, par, plain, topo)
+        no_compute = probe.with_stages([dataclasses.replace(s, device_flops=math.inf) for s in probe.stages])
+        base = no_compute.predict(p.stage_layers).step_time_s
+        rows.append((base, probe.predict(p.stage_layers).step_time_s - base, p.step_s))
+    base, compute, measured = (np.array(c) for c in zip(*rows))
+    (k, f), *_ = np.linalg.lstsq(np.stack([compute, np.ones_like(compute)], axis=1), measured - base, rcond=None)
+    if f < 0:  # no negative work: compute alone, through the origin
+        k, f = float(compute @ (measured - base) / (compute @ compute)), 0.0
+    probes_text = ", ".join(f"{list(p.stage_layers)} {p.step_s * 1e3:.0f} ms" for p in probes)
+    if not k > 0:
+        notes.append(f"profile: step probes {probes_text} do not fit (compute x {k:.3g}); not used")
+        return model
+    speed = prof.stage_layer_scale if len(prof.stage_layer_scale) == model.num_stages else (1.0,) * model.num_stages
+    notes.append(f"profile: step probes {probes_text}: compute x {k:.2f}, fixed {f * 1e3:.0f} ms a step")
+    return model.with_stages([dataclasses.replace(s, device_flops=s.device_flops / k, fixed_s=f * v)
+                              for s, v in zip(model.stages, speed)])
 
 
 def _load_profile(profile, cfg: ModelConfig):
