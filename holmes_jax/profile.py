@@ -174,7 +174,8 @@ def probe_depths(stage_layers: tuple[int, ...]) -> tuple[int, int]:
     return 1, max(2, max(stage_layers) // 2)
 
 
-def profile_step(setup, layers_per_stage: int, steps: int = 12, warmup_steps: int = 3) -> StepProbe:
+def profile_step(setup, layers_per_stage: int, token_data: data.TokenData, steps: int = 12,
+                 warmup_steps: int = 3) -> StepProbe:
     """The median seconds of `steps` train steps of `setup`'s layout (mesh, schedule,
     microbatches, placement) on its model cut to `layers_per_stage` layers per stage, after
     `warmup_steps` untimed ones: the trainer's own loop (`train.train_steps`, a fresh batch
@@ -186,7 +187,6 @@ def profile_step(setup, layers_per_stage: int, steps: int = 12, warmup_steps: in
                                      partition="uniform", microbatches=plan.microbatches, schedule=plan.schedule,
                                      profile=None))
     run = build.build(probe, list(setup.mesh.devices.flat))
-    token_data = data.load(probe.data)
     state = run.init_state()
     compiled = build.make_train_step(run).lower(state, run.batch("train", 0, token_data)).compile()
     warmup.warm_up(run, compiled.as_text(), say=lambda *a: None)  # the step's communicators across clusters
@@ -279,7 +279,8 @@ def profile(setup, repeats: int = 5) -> Profile:
     data_links = _share_links(profile_data_groups(mesh, cfgs.parallel.zero1, repeats=repeats),
                               [mesh.shape["data"]] * stages)
     stage_links = tuple(profile_stage_boundary(mesh, s, repeats=repeats) for s in range(stages - 1))
-    probes = tuple(profile_step(setup, n) for n in probe_depths(setup.pipeline.stage_layers))
+    token_data = data.load(cfgs.data)  # the run's own batches, loaded once for both depths
+    probes = tuple(profile_step(setup, n, token_data) for n in probe_depths(setup.pipeline.stage_layers))
     return Profile(mesh.local_devices[0].device_kind, micro_batch, cfgs.data.seq_len, flops, t_fwd, t_bwd,
                    tuple(data_links), stage_links, update, scale, probes)
 
