@@ -25,7 +25,7 @@ near 10 ms each. (f)/(g) leave out when the machine cannot cap a process's CPU t
 Predictions: the plan's step time, from the topology TOML written here (NIC Gb/s = the shaped
 rates, efficiency = measured TCP throughput / shaped rate, the inter-cluster link per host = the
 uplink's share) and a profile measured on each testbed (`python -m holmes_jax.profile`,
-all 4 processes at once, whole steps of small splits included) on the layout it predicts: (a),
+all 4 processes at once, whole steps at two depths included) on the layout it predicts: (a),
 (c)-(g) the Holmes layout's on their testbed, (b) the naive layout's, whose data groups cross
 the uplink (gloo's ring sends both ways at once, and a shaped link carrying data one way and the
 other flow's acks back gives TCP less than a one-way transfer measures: 51-92 Mbit/s against 94

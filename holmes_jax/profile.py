@@ -169,25 +169,21 @@ def profile_update(setup, repeats: int = 5) -> float:
     return _lockstep_time(step, state["params"], state["opt_state"], grads, repeats=repeats) / count
 
 
-def probe_splits(stage_layers: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
-    """Layers per stage of the step probes: every stage at 1 layer, every stage at D (half the
-    longest stage, at least 2), and with several stages each stage alone at D, the others at 1, so
-    that its step waits for that stage in the uneven shape an uneven split runs."""
-    pp, deep = len(stage_layers), max(2, max(stage_layers) // 2)
-    alone = [tuple(deep if i == s else 1 for i in range(pp)) for s in range(pp)] if pp > 1 else []
-    return ((1,) * pp, (deep,) * pp, *alone)
+def probe_depths(stage_layers: tuple[int, ...]) -> tuple[int, int]:
+    """Layers per stage of the two step probes: 1, and half the longest stage (at least 2)."""
+    return 1, max(2, max(stage_layers) // 2)
 
 
-def profile_step(setup, stage_layers: tuple[int, ...], token_data: data.TokenData, steps: int = 12,
+def profile_step(setup, layers_per_stage: int, token_data: data.TokenData, steps: int = 12,
                  warmup_steps: int = 3) -> StepProbe:
     """The median seconds of `steps` train steps of `setup`'s layout (mesh, schedule,
-    microbatches, placement) on its model cut to `stage_layers` layers per stage, after
+    microbatches, placement) on its model cut to `layers_per_stage` layers per stage, after
     `warmup_steps` untimed ones: the trainer's own loop (`train.train_steps`, a fresh batch
     each step, each step's outputs fetched), timed as its metrics time it."""
     plan, cfgs = setup.plan, setup.cfgs
     probe = dataclasses.replace(
-        cfgs, model=dataclasses.replace(cfgs.model, num_layers=sum(stage_layers), init_from=None),
-        parallel=dataclasses.replace(cfgs.parallel, pp=plan.pp, dp=plan.dp, tp=plan.tp, stage_layers=tuple(stage_layers),
+        cfgs, model=dataclasses.replace(cfgs.model, num_layers=plan.pp * layers_per_stage, init_from=None),
+        parallel=dataclasses.replace(cfgs.parallel, pp=plan.pp, dp=plan.dp, tp=plan.tp, stage_layers=None,
                                      partition="uniform", microbatches=plan.microbatches, schedule=plan.schedule,
                                      profile=None))
     run = build.build(probe, list(setup.mesh.devices.flat))
@@ -197,7 +193,7 @@ def profile_step(setup, stage_layers: tuple[int, ...], token_data: data.TokenDat
     times, t = [], time.perf_counter()
     for step, state, _ in train.train_steps(compiled, run, state, 0, warmup_steps + steps, token_data):
         if step == warmup_steps and jax.process_count() > 1:  # the timed steps start together
-            multihost_utils.sync_global_devices(f"holmes_jax.profile step probe {list(stage_layers)}")
+            multihost_utils.sync_global_devices(f"holmes_jax.profile step probe {layers_per_stage}")
         times.append(time.perf_counter() - t)
         t = time.perf_counter()
     step_s = float(_median_over_processes(np.array([np.median(times[warmup_steps:])]))[0])
@@ -270,7 +266,7 @@ def _share_links(links: list, group_sizes: list[int]) -> list:
 def profile(setup, repeats: int = 5) -> Profile:
     """Profiles the run that `setup` (a `build.Setup`) builds: the layer over a stage's stack of
     blocks and the optimizer step, each over the whole mesh (medians over processes), every link
-    of the mesh (stage, data), and whole steps of its layout at a few depths (`probe_splits`)."""
+    of the mesh (stage, data), and whole steps of its layout at two depths."""
     mesh, model, cfgs = setup.mesh, setup.model, setup.cfgs
     micro_batch = setup.plan.micro_batch
     flops, t_fwd, t_bwd = profile_layer(model, mesh, max(setup.pipeline.stage_layers), micro_batch,
@@ -283,8 +279,8 @@ def profile(setup, repeats: int = 5) -> Profile:
     data_links = _share_links(profile_data_groups(mesh, cfgs.parallel.zero1, repeats=repeats),
                               [mesh.shape["data"]] * stages)
     stage_links = tuple(profile_stage_boundary(mesh, s, repeats=repeats) for s in range(stages - 1))
-    token_data = data.load(cfgs.data)  # the run's own batches, loaded once for every probe
-    probes = tuple(profile_step(setup, split, token_data) for split in probe_splits(setup.pipeline.stage_layers))
+    token_data = data.load(cfgs.data)  # the run's own batches, loaded once for both depths
+    probes = tuple(profile_step(setup, n, token_data) for n in probe_depths(setup.pipeline.stage_layers))
     return Profile(mesh.local_devices[0].device_kind, micro_batch, cfgs.data.seq_len, flops, t_fwd, t_bwd,
                    tuple(data_links), stage_links, update, scale, probes)
 

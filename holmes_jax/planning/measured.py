@@ -1,5 +1,5 @@
 """A measured profile as planning reads it: per-layer times, the optimizer step, the links of a
-real run's mesh and whole steps of that layout on a few small splits. `python -m holmes_jax.profile`
+real run's mesh and whole steps of that layout at two depths. `python -m holmes_jax.profile`
 measures one; this record needs no JAX."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def _json_link(raw: dict | None) -> Link | None:
 @dataclasses.dataclass(frozen=True)
 class StepProbe:
     """The real train step of the profiled layout on a model of `sum(stage_layers)` layers: its
-    median seconds. Several splits let planning fit what the parts it prices leave out, stage by stage."""
+    median seconds. Two depths let planning fit what the parts it prices leave out."""
 
     stage_layers: tuple[int, ...]
     dp: int
@@ -50,7 +50,7 @@ class Profile:
     # per stage: its layer time over the slowest stage's, timed without waiting for the others
     # (the layer times above are the slowest stage's); empty: every stage alike
     stage_layer_scale: tuple[float, ...] = ()
-    step_probes: tuple[StepProbe, ...] = ()  # whole steps on small splits (older profiles: none)
+    step_probes: tuple[StepProbe, ...] = ()  # whole steps at two depths (older profiles: none)
 
     @property
     def achieved_tflops(self) -> float:

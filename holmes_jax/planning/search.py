@@ -25,14 +25,13 @@ topology's defaults (see `_with_profile`):
   stages by index, replace the topology's where measured. They are ignored (with a note) when the
   plan's pp differs from the profile's. Measure a profile on the layout it will plan (placement,
   dp); a profile with no links (`data_links = []`, `stage_links = []`) sizes layers only.
-- Whole steps: the profile times the real train step of its layout on a few small models
-  (`step_probes`: every stage at 1 layer, every stage at half the profiled stage's layers, and
-  each stage alone at that depth). The model predicts each with the profile's numbers; what they
-  leave unexplained is fitted as a factor on each stage's compute (its layers as the pipeline
-  runs them, padding and slot groups included, rather than as the profile times a stack of them
-  alone) and a fixed part a step (dispatch, buffers, the guard: on CPU devices tens of
-  milliseconds, more at a capped CPU), stage s paying it at its measured speed
-  (`_fit_step_probes`). Used when the plan's mesh is the probes'; see `Plan.notes`.
+- Whole steps: the profile times the real train step of its layout on models of two depths
+  (`step_probes`, 1 and half the profiled stage's layers per stage). The model predicts both
+  with the profile's numbers; what they leave unexplained is fitted as a factor on compute (the
+  layers as the pipeline runs them, rather than as the profile times a stack of them alone) and
+  a fixed part a step (dispatch, buffers, the guard: on CPU devices tens of milliseconds, more
+  at a capped CPU), stage s paying it at its measured speed (`_fit_step_probes`). Used when the
+  plan's mesh is the probes'; see `Plan.notes`.
 
 Every such choice is listed in `Plan.notes` (printed by `explain()`, in the JSON as `notes`).
 """
@@ -94,73 +93,37 @@ def _cost_model(cfg: ModelConfig, pl: Placement, global_batch: int, seq_len: int
 
 def _fit_step_probes(model: CostModel, prof: Profile, cfg: ModelConfig, pl: Placement, par: ParallelConfig,
                      topo: Topology, notes: list[str]) -> CostModel:
-    """`model` with each stage's compute scaled and a fixed part a step added so that it predicts
-    the profile's measured steps (`step_probes`): a factor k_s on stage s's compute (its layers as
-    the pipeline runs them, padding and slot groups included, rather than as the profile times a
-    stack of them alone) and f seconds a step, stage s paying f times its measured speed
-    (`stage_layer_scale`). Least squares on the probes' relative errors: first one factor for
-    every stage (linear), then each stage's own (Gauss-Newton; a stage that no probe's step waits
-    for keeps the common factor). `model` as it is, with a note, where the probes are not of this
-    mesh or do not fit."""
+    """`model` with compute scaled and a fixed part a step added so that it predicts the profile's
+    measured steps (`step_probes`, least squares over them): each probe's step is the model's with
+    no compute (links, the update) plus k times its compute plus f. Stage s pays f times its
+    measured speed (`stage_layer_scale`; the probes' lockstep step waits for the slowest). `model`
+    as it is, with a note, where the probes are not of this mesh or do not fit."""
     probes = [p for p in prof.step_probes if (len(p.stage_layers), p.dp, p.tp) == tuple(pl.grid.shape)]
-    if len({p.stage_layers for p in probes}) < 2:
+    if len({sum(p.stage_layers) for p in probes}) < 2:
         notes.append(f"profile: its step probes are not of this mesh {tuple(pl.grid.shape)} (stage, data, tensor); "
                      f"not fitted")
         return model
     plain = dataclasses.replace(prof, step_probes=())
-    speed = np.array(prof.stage_layer_scale if len(prof.stage_layer_scale) == model.num_stages
-                     else (1.0,) * model.num_stages)
-    measured = np.array([p.step_s for p in probes])
-    models = []
+    rows = []
     for p in probes:
         probe_cfg = dataclasses.replace(cfg, num_layers=sum(p.stage_layers))
         batch = prof.micro_batch * p.microbatches * p.dp
-        models.append(_cost_model(probe_cfg, pl, batch, prof.seq_len, p.microbatches, p.schedule, par, plain, topo)[0])
-
-    def fitted(m: CostModel, k, f) -> CostModel:
-        return m.with_stages([dataclasses.replace(s, device_flops=s.device_flops / ks, fixed_s=f * v)
-                              for s, ks, v in zip(m.stages, k, speed)])
-
-    def errors(theta) -> np.ndarray:  # each probe's predicted step over its measured one, minus 1
-        k, f = theta[:-1], theta[-1]
-        return np.array([fitted(m, k, f).step_times([p.stage_layers])[0] for m, p in zip(models, probes)]) / measured - 1
-
-    # One factor for all stages: step = base (links, the update) + k * compute + f, linear in k and f.
-    base = np.array([m.with_stages([dataclasses.replace(s, device_flops=math.inf) for s in m.stages])
-                     .step_times([p.stage_layers])[0] for m, p in zip(models, probes)])
-    compute = np.array([m.step_times([p.stage_layers])[0] for m, p in zip(models, probes)]) - base
-    a, b = np.stack([compute, np.ones_like(compute)], axis=1) / measured[:, None], measured / measured - base / measured
-    (k, f), *_ = np.linalg.lstsq(a, b, rcond=None)
+        probe, _ = _cost_model(probe_cfg, pl, batch, prof.seq_len, p.microbatches, p.schedule, par, plain, topo)
+        no_compute = probe.with_stages([dataclasses.replace(s, device_flops=math.inf) for s in probe.stages])
+        base = no_compute.predict(p.stage_layers).step_time_s
+        rows.append((base, probe.predict(p.stage_layers).step_time_s - base, p.step_s))
+    base, compute, measured = (np.array(c) for c in zip(*rows))
+    (k, f), *_ = np.linalg.lstsq(np.stack([compute, np.ones_like(compute)], axis=1), measured - base, rcond=None)
     if f < 0:  # no negative work: compute alone, through the origin
-        k, f = float(a[:, 0] @ b / (a[:, 0] @ a[:, 0])), 0.0
+        k, f = float(compute @ (measured - base) / (compute @ compute)), 0.0
     probes_text = ", ".join(f"{list(p.stage_layers)} {p.step_s * 1e3:.0f} ms" for p in probes)
     if not k > 0:
         notes.append(f"profile: step probes {probes_text} do not fit (compute x {k:.3g}); not used")
         return model
-    # Then each stage its own factor: Gauss-Newton from the common one, steps halved until the
-    # error falls, factors kept positive and the fixed part not negative.
-    theta = np.array([k] * model.num_stages + [f])
-    err = errors(theta)
-    for _ in range(20):
-        h = np.maximum(np.abs(theta) * 1e-4, 1e-6)
-        jac = np.stack([(errors(theta + np.eye(len(theta))[i] * h[i]) - err) / h[i] for i in range(len(theta))], axis=1)
-        delta = np.linalg.lstsq(jac, -err, rcond=None)[0]
-        for _ in range(10):
-            trial = np.maximum(theta + delta, [k * 0.05] * model.num_stages + [0.0])
-            trial_err = errors(trial)
-            if trial_err @ trial_err < err @ err:
-                break
-            delta /= 2
-        else:
-            break
-        converged = np.abs(trial - theta).max() < 1e-4 * max(1.0, np.abs(theta).max())
-        theta, err = trial, trial_err
-        if converged:
-            break
-    k, f = theta[:-1], float(theta[-1])
-    notes.append(f"profile: step probes {probes_text}: compute x " + ", ".join(f"{v:.2f}" for v in k)
-                 + f", fixed {f * 1e3:.0f} ms a step")
-    return fitted(model, k, f)
+    speed = prof.stage_layer_scale if len(prof.stage_layer_scale) == model.num_stages else (1.0,) * model.num_stages
+    notes.append(f"profile: step probes {probes_text}: compute x {k:.2f}, fixed {f * 1e3:.0f} ms a step")
+    return model.with_stages([dataclasses.replace(s, device_flops=s.device_flops / k, fixed_s=f * v)
+                              for s, v in zip(model.stages, speed)])
 
 
 def _load_profile(profile, cfg: ModelConfig):
