@@ -13,7 +13,7 @@
   sizes so latency and bandwidth separate: t = latency + bytes / bandwidth (for the ring
   all-reduce, or the pair, the bytes are 2(n - 1)/n of the buffer).
 - Whole steps: the real train step of the profiled layout (mesh, schedule, microbatches) on the
-  model cut to 1 layer per stage and to half the profiled stage's layers per stage, each the
+  model cut to a quarter and to three quarters of the profiled stage's layers per stage, each the
   median of several steps. Planning fits to them what the parts above leave out (a factor on
   compute, a fixed part a step; planning.search). The depths are not the profiled model's, so
   its own step stays a prediction.
@@ -170,8 +170,11 @@ def profile_update(setup, repeats: int = 5) -> float:
 
 
 def probe_depths(stage_layers: tuple[int, ...]) -> tuple[int, int]:
-    """Layers per stage of the two step probes: 1, and half the longest stage (at least 2)."""
-    return 1, max(2, max(stage_layers) // 2)
+    """Layers per stage of the two step probes: a quarter and three quarters of the longest stage
+    (at least 1 and 2). Spanning most of the stage, the fit interpolates towards its depth rather
+    than extrapolating from shallow steps, which multiplies their timing error."""
+    deepest = max(stage_layers)
+    return max(1, deepest // 4), max(2, 3 * deepest // 4)
 
 
 def profile_step(setup, layers_per_stage: int, token_data: data.TokenData, steps: int = 12,
