@@ -27,11 +27,11 @@ topology's defaults (see `_with_profile`):
   dp); a profile with no links (`data_links = []`, `stage_links = []`) sizes layers only.
 - Whole steps: the profile times the real train step of its layout on models of two depths
   (`step_probes`, a quarter and three quarters of the profiled stage's layers per stage). The
-  model predicts both with the profile's numbers; what they leave unexplained is fitted as a factor on compute (the
-  layers as the pipeline runs them, rather than as the profile times a stack of them alone) and
-  a fixed part a step (dispatch, buffers, the guard: on CPU devices tens of milliseconds, more
-  at a capped CPU), stage s paying it at its measured speed (`_fit_step_probes`). Used when the
-  plan's mesh is the probes'; see `Plan.notes`.
+  model predicts both with the profile's numbers; what they leave unexplained is fitted as a
+  factor on compute (the layers as the pipeline runs them, rather than as the profile times a
+  stack of them alone) and a fixed part a step (dispatch, buffers, the guard: on CPU devices
+  tens of milliseconds, more at a capped CPU), stage s paying it at its measured speed
+  (`_fit_step_probes`). Used when the plan's mesh is the probes'; see `Plan.notes`.
 
 Every such choice is listed in `Plan.notes` (printed by `explain()`, in the JSON as `notes`).
 """
