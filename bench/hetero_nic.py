@@ -17,6 +17,10 @@ dp 2, GPipe, 4 microbatches, 16 layers):
   (f) fast network, the roce cluster's processes capped at half the others' CPU time, uniform
   (g) as (f), auto partition from a profile measured on that testbed (it times each stage)
 
+The profiles behind (d) and (g) also time the model's own step at the 3 splits the plan ranks
+fastest (`--splits 3`); `auto` takes the fastest of them, and the plan's prediction of that
+split is what is compared.
+
 Sized with the cost model before measuring (`docs/uneven.md`): a roce stage's gradients cost
 about 60 ms per layer to reduce and gather at 250 Mbit/s, near a layer's share of the pipeline
 (~70 ms), so moving layers to the ib stage pays; the uplink's hops (49 KB each, 8 a step) stay
@@ -59,7 +63,9 @@ WARMUP_STEPS = 4  # not timed: the first steps run slower (allocations, TCP wind
 MODEL = {"preset": "tiny", "num_layers": 16, "hidden": 192, "num_heads": 4, "ffn_hidden": 768}
 SEQ, GLOBAL_BATCH, MICROBATCHES = 64, 8, 4
 RUN_TIMEOUT_S = 600
+PROFILE_TIMEOUT_S = 1200  # a profile that times splits compiles the whole model 3 more times (slow testbed: ~9 min)
 SLOW_SHARE = 0.5  # (f), (g): the roce cluster's processes get this share of the others' CPU time
+AUTO_SPLITS_TIMED = 3  # the profiles behind (d) and (g) time the model at the plan's best 3 splits
 
 
 def gin_args(workdir: Path, topology: Path, placement: str, partition: str, profile: Path | None) -> list[str]:
@@ -100,31 +106,34 @@ class Testbed:
     cpu: emulate.CpuLimits | None = None
 
 
-def run(bed: Testbed, module_args: list[str]) -> int:
+def run(bed: Testbed, module_args: list[str], timeout_s: float = RUN_TIMEOUT_S) -> int:
     cmd = [sys.executable, "-m", *module_args]
     if bed.pin:  # one core per process: rank r on core r
         cmd = ["sh", "-c", 'exec taskset -c "$HOLMES_PROCESS_ID" "$@"', "pin", *cmd]
-    return bed.ec.run(cmd, devices_per_process=1, timeout_s=RUN_TIMEOUT_S, cpu=bed.cpu)
+    return bed.ec.run(cmd, devices_per_process=1, timeout_s=timeout_s, cpu=bed.cpu)
 
 
-def measure_profile(bed: Testbed, path: Path, workdir: Path, topology: Path, placement: str = "holmes"):
-    """The profile of `placement`'s layout, measured by all processes of `bed`; None if that failed."""
+def measure_profile(bed: Testbed, path: Path, workdir: Path, topology: Path, placement: str = "holmes",
+                    splits: int = 0):
+    """The profile of `placement`'s layout, measured by all processes of `bed` (with `splits`:
+    the model's own step at that many splits the plan ranks fastest); None if that failed."""
     from holmes_jax.planning.measured import Profile
 
     t = time.perf_counter()
-    rc = run(bed, ["holmes_jax.profile", "--out", str(path), "--repeats", "5",
-                   *gin_args(workdir, topology, placement, "uniform", None)])
+    rc = run(bed, ["holmes_jax.profile", "--out", str(path), "--repeats", "5", "--splits", str(splits),
+                   *gin_args(workdir, topology, placement, "uniform", None)], timeout_s=PROFILE_TIMEOUT_S)
     if rc:
         print(f"hetero_nic: the profile run ({path.name}) failed with status {rc}", file=sys.stderr)
         return None
     prof = Profile.load(path)
+    timed = ", ".join(f"{list(p.stage_layers)} {p.step_s * 1e3:.0f} ms" for p in prof.split_probes)
     print(f"hetero_nic: {path.name} in {time.perf_counter() - t:.0f} s: layer fwd {prof.layer_fwd_s * 1e3:.2f} ms, "
           f"bwd {prof.layer_bwd_s * 1e3:.2f} ms; data groups "
           + ", ".join(f"{l.gbps * 1e3:.0f} Mbit/s + {l.latency_s * 1e3:.2f} ms" if l else "-" for l in prof.data_links)
           + "; boundary " + ", ".join(f"{l.gbps * 1e3:.0f} Mbit/s + {l.latency_s * 1e3:.2f} ms" for l in prof.stage_links)
           + "; stage layer times x " + (", ".join(f"{v:.2f}" for v in prof.stage_layer_scale) or "-")
-          + "; steps " + ", ".join(f"{list(p.stage_layers)} {p.step_s * 1e3:.0f} ms" for p in prof.step_probes),
-          flush=True)
+          + "; steps " + ", ".join(f"{list(p.stage_layers)} {p.step_s * 1e3:.0f} ms" for p in prof.step_probes)
+          + (f"; splits timed {timed}" if timed else ""), flush=True)
     return prof
 
 
@@ -269,7 +278,7 @@ def main() -> int:
             hetero = tmp / "hetero.toml"
             hetero.write_text(topology_toml(IB_MBIT, ROCE_MBIT, INTER_MBIT, eff, tflops))
             profile_path = tmp / "profile.json"
-            prof = measure_profile(bed, profile_path, tmp / "profile-run", hetero)
+            prof = measure_profile(bed, profile_path, tmp / "profile-run", hetero, splits=AUTO_SPLITS_TIMED)
             if not prof:
                 return 1
             naive_profile = tmp / "profile-naive.json"  # its data groups cross the uplink: measured too
@@ -299,7 +308,7 @@ def main() -> int:
                 with cpu_caps(SLOW_SHARE) as cpu:
                     bed = Testbed(ec, pin, cpu)
                     slow_profile = tmp / "profile-slow.json"
-                    if not measure_profile(bed, slow_profile, tmp / "profile-slow-run", homo):
+                    if not measure_profile(bed, slow_profile, tmp / "profile-slow-run", homo, splits=AUTO_SPLITS_TIMED):
                         return 1
                     if not configs(bed, homo, {"f": ("holmes", "uniform", slow_profile),
                                                "g": ("holmes", "auto", slow_profile)}):

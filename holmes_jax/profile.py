@@ -17,6 +17,10 @@
   median of several steps. Planning fits to them what the parts above leave out (a factor on
   compute, a fixed part a step; planning.search). The depths are not the profiled model's, so
   its own step stays a prediction.
+- Timed splits (`--splits N`, default none): the profiled model's own step at the N splits that
+  the plan, from everything above, ranks fastest on this layout (its `auto` split and those one
+  layer away). Planning's `auto` then takes the fastest measured: where the cost model ranks
+  splits within a few percent of each other, a few compiles of the whole model settle it.
 
 Everything is timed as the step runs it, not at its best: compute over a whole stage's stack of
 layers (a one-layer stack compiles to faster straight-line code than the layer loop a stage
@@ -25,7 +29,7 @@ repeat started together, the median repeat kept. Stages compute and sync in lock
 processes that share CPU cores (as on the emulated testbed) or a link slow each other down; a
 lone best-case run hides that.
 
-`python -m holmes_jax.profile --out profile.json [--gin.NAME=VALUE ...]` writes the JSON
+`python -m holmes_jax.profile --out profile.json [--splits N] [--gin.NAME=VALUE ...]` writes the JSON
 that `python -m holmes_jax.plan --profile` and `ParallelConfig.profile` read.
 """
 
@@ -33,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import time
 from pathlib import Path
 
@@ -42,7 +47,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from holmes_jax import build, cli, configure, data, distributed, train
+from holmes_jax import build, cli, configure, data, distributed, planning, train
 from holmes_jax.pipeline import warmup
 from holmes_jax.pipeline.update import make_update
 from holmes_jax.planning.measured import Profile, StepProbe
@@ -177,18 +182,17 @@ def probe_depths(stage_layers: tuple[int, ...]) -> tuple[int, int]:
     return max(1, deepest // 4), max(2, 3 * deepest // 4)
 
 
-def profile_step(setup, layers_per_stage: int, token_data: data.TokenData, steps: int = 12,
+def profile_step(setup, stage_layers: tuple[int, ...], token_data: data.TokenData, steps: int = 12,
                  warmup_steps: int = 3) -> StepProbe:
     """The median seconds of `steps` train steps of `setup`'s layout (mesh, schedule,
-    microbatches, placement) on its model cut to `layers_per_stage` layers per stage, after
+    microbatches, placement) on its model with `stage_layers` layers per stage, after
     `warmup_steps` untimed ones: the trainer's own loop (`train.train_steps`, a fresh batch
     each step, each step's outputs fetched), timed as its metrics time it."""
     plan, cfgs = setup.plan, setup.cfgs
     probe = dataclasses.replace(
-        cfgs, model=dataclasses.replace(cfgs.model, num_layers=plan.pp * layers_per_stage, init_from=None),
-        parallel=dataclasses.replace(cfgs.parallel, pp=plan.pp, dp=plan.dp, tp=plan.tp, stage_layers=None,
-                                     partition="uniform", microbatches=plan.microbatches, schedule=plan.schedule,
-                                     profile=None))
+        cfgs, model=dataclasses.replace(cfgs.model, num_layers=sum(stage_layers), init_from=None),
+        parallel=dataclasses.replace(cfgs.parallel, pp=plan.pp, dp=plan.dp, tp=plan.tp, stage_layers=tuple(stage_layers),
+                                     microbatches=plan.microbatches, schedule=plan.schedule, profile=None))
     run = build.build(probe, list(setup.mesh.devices.flat))
     state = run.init_state()
     compiled = build.make_train_step(run).lower(state, run.batch("train", 0, token_data)).compile()
@@ -196,11 +200,33 @@ def profile_step(setup, layers_per_stage: int, token_data: data.TokenData, steps
     times, t = [], time.perf_counter()
     for step, state, _ in train.train_steps(compiled, run, state, 0, warmup_steps + steps, token_data):
         if step == warmup_steps and jax.process_count() > 1:  # the timed steps start together
-            multihost_utils.sync_global_devices(f"holmes_jax.profile step probe {layers_per_stage}")
+            multihost_utils.sync_global_devices(f"holmes_jax.profile step probe {list(stage_layers)}")
         times.append(time.perf_counter() - t)
         t = time.perf_counter()
     step_s = float(_median_over_processes(np.array([np.median(times[warmup_steps:])]))[0])
     return StepProbe(tuple(run.pipeline.stage_layers), plan.dp, plan.tp, plan.microbatches, plan.schedule, step_s)
+
+
+def ranked_splits(setup, prof: Profile, count: int) -> list[tuple[int, ...]]:
+    """The `count` splits of the profiled model that the plan, from `prof`, predicts fastest on
+    `setup`'s layout: `auto`'s own and those one layer away from it (a layer moved between two
+    stages), fastest first."""
+    plan, cfgs = setup.plan, setup.cfgs
+    par = dataclasses.replace(cfgs.parallel, pp=plan.pp, dp=plan.dp, tp=plan.tp, microbatches=plan.microbatches,
+                              schedule=plan.schedule, partition="auto", stage_layers=None, profile=None)
+
+    def predict(stage_layers=None):
+        return planning.plan(plan.topology, cfgs.model, dataclasses.replace(par, stage_layers=stage_layers),
+                             global_batch=cfgs.data.global_batch, seq_len=cfgs.data.seq_len, profile=prof)
+
+    best = predict().stage_layers
+    near = {best}
+    for a, b in itertools.permutations(range(len(best)), 2):
+        moved = list(best)
+        moved[a], moved[b] = moved[a] + 1, moved[b] - 1
+        if moved[b] >= 1:
+            near.add(tuple(moved))
+    return sorted(near, key=lambda s: (predict(s).prediction.step_time_s, s))[:count]
 
 
 def _fit(sizes: list[int], times: list[float], factor: float) -> Link:
@@ -266,10 +292,11 @@ def _share_links(links: list, group_sizes: list[int]) -> list:
             for s, n in enumerate(group_sizes)]
 
 
-def profile(setup, repeats: int = 5) -> Profile:
+def profile(setup, repeats: int = 5, splits: int = 0, say=print) -> Profile:
     """Profiles the run that `setup` (a `build.Setup`) builds: the layer over a stage's stack of
     blocks and the optimizer step, each over the whole mesh (medians over processes), every link
-    of the mesh (stage, data), and whole steps of its layout at two depths."""
+    of the mesh (stage, data), whole steps of its layout at two depths and, with `splits` > 0,
+    the model's own step at the `splits` splits that the rest of the profile ranks fastest."""
     mesh, model, cfgs = setup.mesh, setup.model, setup.cfgs
     micro_batch = setup.plan.micro_batch
     flops, t_fwd, t_bwd = profile_layer(model, mesh, max(setup.pipeline.stage_layers), micro_batch,
@@ -283,9 +310,17 @@ def profile(setup, repeats: int = 5) -> Profile:
                               [mesh.shape["data"]] * stages)
     stage_links = tuple(profile_stage_boundary(mesh, s, repeats=repeats) for s in range(stages - 1))
     token_data = data.load(cfgs.data)  # the run's own batches, loaded once for both depths
-    probes = tuple(profile_step(setup, n, token_data) for n in probe_depths(setup.pipeline.stage_layers))
-    return Profile(mesh.local_devices[0].device_kind, micro_batch, cfgs.data.seq_len, flops, t_fwd, t_bwd,
-                   tuple(data_links), stage_links, update, scale, probes)
+    probes = tuple(profile_step(setup, (n,) * stages, token_data) for n in probe_depths(setup.pipeline.stage_layers))
+    result = Profile(mesh.local_devices[0].device_kind, micro_batch, cfgs.data.seq_len, flops, t_fwd, t_bwd,
+                     tuple(data_links), stage_links, update, scale, probes)
+    if splits > 0 and stages > 1:
+        ranked = ranked_splits(setup, result, splits)
+        timed = []
+        for i, split in enumerate(ranked):  # each compiles the whole model: say how far it is
+            timed.append(profile_step(setup, split, token_data))
+            say(f"profile: split {i + 1}/{len(ranked)} {list(split)}: {timed[-1].step_s * 1e3:.0f} ms a step")
+        result = dataclasses.replace(result, split_probes=tuple(timed))
+    return result
 
 
 def main(argv: list[str]) -> int:
@@ -293,11 +328,17 @@ def main(argv: list[str]) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="where to write the profile JSON")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--splits", type=int, default=0,
+                        help="also time the model's own step at this many splits the plan ranks fastest (each "
+                             "compiles the whole model); planning's `auto` then takes the fastest of them")
     args, gin_args = parser.parse_known_args(argv)
+    if args.splits < 0:
+        parser.error(f"--splits {args.splits} is not allowed; allowed: 0 or more")
     cfgs = configure.load_configs(gin_args)
     # Before any backend starts: jax.distributed for several processes (as train does), the CPU device count.
     distributed.initialize(cfgs.parallel.cpu_devices)
-    result = profile(build.build(cfgs), args.repeats)
+    say = print if jax.process_index() == 0 else (lambda *a: None)
+    result = profile(build.build(cfgs), args.repeats, args.splits, say)
     if jax.process_index() == 0:
         Path(args.out).write_text(result.to_json())
         print(result.to_json())

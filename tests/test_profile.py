@@ -1,7 +1,9 @@
+import dataclasses
+
 import pytest
 
 from holmes_jax.planning import workload
-from holmes_jax import build
+from holmes_jax import build, planning
 from holmes_jax.config import ConfigError
 from holmes_jax import profile
 from helpers import small_configs
@@ -10,7 +12,8 @@ from helpers import small_configs
 @pytest.mark.parametrize("zero1", [True, False])  # data groups timed with the sync the step runs
 def test_profile_measures_layers_and_links_and_round_trips(tmp_path, zero1):
     cfgs = small_configs(tmp_path, "--gin.ParallelConfig.pp=2", f"--gin.ParallelConfig.zero1={zero1}")
-    result = profile.profile(build.build(cfgs), repeats=2)
+    setup = build.build(cfgs)
+    result = profile.profile(setup, repeats=2, splits=0 if zero1 else 2)
     analytic = workload.model_costs(cfgs.model, result.micro_batch, result.seq_len).layers[0].fwd_flops
     assert result.layer_fwd_flops == pytest.approx(analytic, rel=0.15)  # XLA also counts softmax and norms
     assert result.layer_fwd_s > 0 and result.layer_bwd_s > 0 and result.achieved_tflops > 0
@@ -20,6 +23,15 @@ def test_profile_measures_layers_and_links_and_round_trips(tmp_path, zero1):
     # whole steps of this layout (pp 2, dp 4 over 8 CPU devices) at 1 and 2 layers a stage
     assert [p.stage_layers for p in result.step_probes] == [(1, 1), (2, 2)]
     assert all((p.dp, p.tp, p.microbatches) == (4, 1, 1) and p.step_s > 0 for p in result.step_probes)
+    if not zero1:  # the model's own step at the two splits the profile ranks fastest, the plan's pick first
+        bare = dataclasses.replace(result, split_probes=())
+        assert [p.stage_layers for p in result.split_probes] == profile.ranked_splits(setup, bare, 2)
+        assert result.split_probes[0].stage_layers == planning.plan(
+            setup.plan.topology, cfgs.model, dataclasses.replace(cfgs.parallel, partition="auto"),
+            global_batch=cfgs.data.global_batch, seq_len=cfgs.data.seq_len, profile=bare).stage_layers
+        assert all(sum(p.stage_layers) == cfgs.model.num_layers and p.step_s > 0 for p in result.split_probes)
+    else:
+        assert result.split_probes == ()
     path = tmp_path / "profile.json"
     path.write_text(result.to_json())
     assert profile.Profile.load(path) == result

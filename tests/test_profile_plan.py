@@ -145,6 +145,38 @@ def test_step_probes_of_another_mesh_are_not_used():
     assert any("step probes are not of this mesh" in n for n in p.notes)
 
 
+def _timed(times: dict, layers=8, dp=4, microbatches=4) -> Profile:
+    probes = tuple(StepProbe(split, dp, 1, microbatches, "gpipe", t) for split, t in times.items())
+    assert all(sum(split) == layers for split in times)
+    return dataclasses.replace(_profile(), split_probes=probes)
+
+
+def test_auto_takes_the_fastest_timed_split_and_keeps_the_cost_models_prediction(tmp_path):
+    timed = _timed({(4, 4): 0.10, (6, 2): 0.08, (3, 5): 0.09})
+    p = _plan(timed)
+    assert p.stage_layers == (6, 2) and p.partitions["auto"].stage_layers == (6, 2)
+    forced = plan(TOPOLOGY, MODEL, ParallelConfig(pp=2, microbatches=4, stage_layers=(6, 2)), global_batch=BATCH,
+                  seq_len=SEQ, profile=_profile())
+    assert p.prediction.step_time_s == pytest.approx(forced.prediction.step_time_s)  # predicted, not the 80 ms timed
+    assert any("splits timed [6, 2] 80 ms, [3, 5] 90 ms, [4, 4] 100 ms: auto takes the fastest" in n for n in p.notes)
+    # Other methods and explicit splits do not look at them; the JSON keeps them.
+    assert _plan(timed, partition="uniform").stage_layers == (4, 4)
+    path = tmp_path / "p.json"
+    path.write_text(timed.to_json())
+    assert Profile.load(path) == timed
+
+
+def test_timed_splits_of_another_layout_or_model_are_not_used():
+    own = _plan(_profile())
+    for timed in (_timed({(5, 5): 0.1, (6, 4): 0.05}, layers=10), _timed({(4, 4): 0.1, (6, 2): 0.05}, dp=2),
+                  _timed({(4, 4): 0.1, (6, 2): 0.05}, microbatches=2)):
+        p = _plan(timed)
+        assert p.stage_layers == own.stage_layers
+        assert any("timed splits are not of this layout" in n for n in p.notes)
+    with pytest.raises(ConfigError, match="split_probes"):
+        _plan(_timed({(4, 4): 0.1, (6, 2): -1.0}))
+
+
 def test_profile_from_a_file_and_from_parallel_config(tmp_path):
     path = tmp_path / "p.json"
     path.write_text(_profile(data_links=(FAST, SLOW)).to_json())

@@ -1,6 +1,7 @@
 """A measured profile as planning reads it: per-layer times, the optimizer step, the links of a
-real run's mesh and whole steps of that layout at two depths. `python -m holmes_jax.profile`
-measures one; this record needs no JAX."""
+real run's mesh, whole steps of that layout at two depths and, where asked for, the profiled
+model's own step at the splits the plan ranks best. `python -m holmes_jax.profile` measures one;
+this record needs no JAX."""
 
 from __future__ import annotations
 
@@ -25,8 +26,8 @@ def _json_link(raw: dict | None) -> Link | None:
 
 @dataclasses.dataclass(frozen=True)
 class StepProbe:
-    """The real train step of the profiled layout on a model of `sum(stage_layers)` layers: its
-    median seconds. Two depths let planning fit what the parts it prices leave out."""
+    """The real train step of the profiled layout on a model of `sum(stage_layers)` layers, split
+    as `stage_layers` says: its median seconds."""
 
     stage_layers: tuple[int, ...]
     dp: int
@@ -51,6 +52,8 @@ class Profile:
     # (the layer times above are the slowest stage's); empty: every stage alike
     stage_layer_scale: tuple[float, ...] = ()
     step_probes: tuple[StepProbe, ...] = ()  # whole steps at two depths (older profiles: none)
+    # the profiled model's own step at the splits the plan ranked fastest (`--splits`; default none)
+    split_probes: tuple[StepProbe, ...] = ()
 
     @property
     def achieved_tflops(self) -> float:
@@ -70,8 +73,8 @@ class Profile:
             raw["data_links"] = tuple(_json_link(l) for l in raw["data_links"])
             raw["stage_links"] = tuple(_json_link(l) for l in raw["stage_links"])
             raw["stage_layer_scale"] = tuple(raw.get("stage_layer_scale", ()))
-            raw["step_probes"] = tuple(StepProbe(**dict(p, stage_layers=tuple(p["stage_layers"])))
-                                       for p in raw.get("step_probes", ()))
+            for key in ("step_probes", "split_probes"):
+                raw[key] = tuple(StepProbe(**dict(p, stage_layers=tuple(p["stage_layers"]))) for p in raw.get(key, ()))
             return cls(**raw)
         except (OSError, ValueError, TypeError, KeyError) as e:
             raise ConfigError(f"--profile {path}: not a readable holmes_jax profile ({e})") from None

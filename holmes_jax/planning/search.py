@@ -32,6 +32,11 @@ topology's defaults (see `_with_profile`):
   stack of them alone) and a fixed part a step (dispatch, buffers, the guard: on CPU devices
   tens of milliseconds, more at a capped CPU), stage s paying it at its measured speed
   (`_fit_step_probes`). Used when the plan's mesh is the probes'; see `Plan.notes`.
+- Timed splits (`split_probes`, `python -m holmes_jax.profile --splits N`): the profiled model's
+  own step at the N splits the cost model ranked fastest on its layout. Where they are of the
+  plan's layout, model, microbatches and schedule, `auto` takes the fastest of them: the cost
+  model ranks, the measurement picks among the few it ranks closest. The prediction stays the
+  cost model's.
 
 Every such choice is listed in `Plan.notes` (printed by `explain()`, in the JSON as `notes`).
 """
@@ -152,6 +157,13 @@ def _load_profile(profile, cfg: ModelConfig):
             if not (isinstance(l.gbps, (int, float)) and l.gbps > 0 and isinstance(l.latency_s, (int, float))
                     and l.latency_s >= 0):
                 raise ConfigError(f"{where}: {kind}[{i}] = {l!r} is not allowed; allowed: gbps > 0, latency_s >= 0")
+    for kind in ("step_probes", "split_probes"):
+        for i, probe in enumerate(getattr(prof, kind)):
+            layers, step_s = probe.stage_layers, probe.step_s
+            if not (layers and all(isinstance(n, int) and n >= 1 for n in layers)
+                    and isinstance(step_s, (int, float)) and step_s > 0):
+                raise ConfigError(f"{where}: {kind}[{i}] = {probe!r} is not allowed; allowed: positive layer counts "
+                                  f"per stage and step_s > 0")
     # A profile of another model: XLA's count of its block is far from this model's analytic one.
     analytic = workload.model_costs(cfg, prof.micro_batch, prof.seq_len).layers[0].fwd_flops
     if not 0.5 <= prof.layer_fwd_flops / analytic <= 2.0:
@@ -343,10 +355,33 @@ def plan(topology, model, parallel: ParallelConfig | None = None, *, global_batc
             best = prediction, c
     prediction, c = best
     partitions = {m: c.model.predict(partition.split(m, c.model, c.weights)) for m in partition.METHODS}
+    notes = c.notes
+    if prof is not None and par.partition == "auto" and par.stage_layers is None:
+        timed, note = _timed_split(prof, cfg, c)
+        notes += (note,) if note else ()
+        if timed is not None:
+            prediction = partitions["auto"] = c.model.predict(timed)
     return Plan(topo, cfg, c.placement, prediction.stage_layers,
                 "explicit" if par.stage_layers is not None else par.partition, c.model.schedule, c.model.microbatches,
                 global_batch, seq_len, par.zero1, par.grad_reduce_dtype, par.update_gather_dtype, prediction,
-                partitions, c.notes)
+                partitions, notes)
+
+
+def _timed_split(prof: Profile, cfg: ModelConfig, c: "_Candidate") -> tuple[tuple[int, ...] | None, str | None]:
+    """`auto`'s split where the profile timed this model's own step at several splits of this
+    layout (`split_probes`): the fastest measured, and a note. (None, note) where the probes are
+    of another layout or model; (None, None) where there are none."""
+    if not prof.split_probes:
+        return None, None
+    mine = [p for p in prof.split_probes
+            if (len(p.stage_layers), p.dp, p.tp) == tuple(c.placement.grid.shape) and sum(p.stage_layers) == cfg.num_layers
+            and (p.microbatches, p.schedule) == (c.model.microbatches, c.model.schedule)]
+    if len(mine) < 2:
+        return None, (f"profile: its timed splits are not of this layout (mesh {tuple(c.placement.grid.shape)}, "
+                      f"{cfg.num_layers} layers, {c.model.microbatches} microbatches, {c.model.schedule}); not used")
+    fastest = min(mine, key=lambda p: p.step_s)
+    timed = ", ".join(f"{list(p.stage_layers)} {p.step_s * 1e3:.0f} ms" for p in sorted(mine, key=lambda p: p.step_s))
+    return tuple(fastest.stage_layers), f"profile: splits timed {timed}: auto takes the fastest"
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
