@@ -283,6 +283,15 @@ def _median_over_processes(values: np.ndarray) -> np.ndarray:
     return np.nanmedian(every, axis=0)
 
 
+def _median_links(links: list[Link]) -> tuple[Link, ...]:
+    """Links that every process measured, each the median over the processes: every process
+    then holds the same profile, and ranks the same splits to time."""
+    if not links:
+        return ()
+    every = _median_over_processes(np.array([[l.bytes_per_s, l.latency_s] for l in links], dtype=np.float64))
+    return tuple(Link(float(b), float(t)) for b, t in every)
+
+
 def _share_links(links: list, group_sizes: list[int]) -> list:
     """Every process's measured links merged: per stage, the median over the processes that
     measured it (a stage's group is measured by its own processes)."""
@@ -308,7 +317,7 @@ def profile(setup, repeats: int = 5, splits: int = 0, say=print) -> Profile:
     # each process measured its own stages' groups: share them
     data_links = _share_links(profile_data_groups(mesh, cfgs.parallel.zero1, repeats=repeats),
                               [mesh.shape["data"]] * stages)
-    stage_links = tuple(profile_stage_boundary(mesh, s, repeats=repeats) for s in range(stages - 1))
+    stage_links = _median_links([profile_stage_boundary(mesh, s, repeats=repeats) for s in range(stages - 1)])
     token_data = data.load(cfgs.data)  # the run's own batches, loaded once for both depths
     probes = tuple(profile_step(setup, (n,) * stages, token_data) for n in probe_depths(setup.pipeline.stage_layers))
     result = Profile(mesh.local_devices[0].device_kind, micro_batch, cfgs.data.seq_len, flops, t_fwd, t_bwd,

@@ -148,18 +148,32 @@ def test_four_processes_pp2_match_one_process(tmp_path, one_process_losses):
     assert losses == pytest.approx(one_process_losses, abs=1e-5)
 
 
+PROFILE = """
+import sys
+from pathlib import Path
+from holmes_jax import build, configure, distributed, profile
+cfgs = configure.load_configs(sys.argv[2:])
+info = distributed.initialize(cfgs.parallel.cpu_devices)
+result = profile.profile(build.build(cfgs), repeats=2, splits=2, say=lambda *a: None)
+Path(f"{sys.argv[1]}.{info.process_index}").write_text(result.to_json())
+"""
+
+
 @pytest.mark.slow
 def test_two_processes_profile_every_stage_and_agree_on_it(tmp_path):
     # Stage 0's data group lives in process 0, stage 1's in process 1: each measures its own and
-    # the medians are shared, so process 0 writes a profile with both.
+    # the medians are shared, so both processes hold the same profile with both stages' links,
+    # and rank (then time) the same splits.
     out = tmp_path / "profile.json"
-    _launch(2, 2, "-m", "holmes_jax.profile", "--out", str(out), "--repeats", "2", *TRAIN_ARGS)
+    _launch(2, 2, "-c", PROFILE, str(out), *TRAIN_ARGS, "--gin.ModelConfig.num_layers=4")
     from holmes_jax.planning.measured import Profile
 
-    prof = Profile.load(out)
+    prof, other = Profile.load(f"{out}.0"), Profile.load(f"{out}.1")
+    assert prof == other
     assert prof.layer_fwd_s > 0 and prof.layer_bwd_s > 0 and prof.update_s_per_param > 0
     assert len(prof.data_links) == 2 and all(link is not None and link.gbps > 0 for link in prof.data_links)
     assert len(prof.stage_links) == 1 and prof.stage_links[0].gbps > 0
+    assert len(prof.split_probes) == 2 and all(sum(p.stage_layers) == 4 for p in prof.split_probes)
 
 
 def test_bad_distributed_environment_exits_2():
