@@ -2,7 +2,7 @@
 side by side on the emulated heterogeneous-NIC testbed (holmes_jax.emulate; root only).
 
 Testbed: 2 clusters of 2 hosts (network namespaces), one process per host with 1 CPU device:
-"ib" hosts' NICs shaped to 2000 Mbit/s, "roce" hosts' to 250 Mbit/s (8x slower, as the paper's
+"ib" hosts' NICs shaped to 2000 Mbit/s, "roce" hosts' to 200 Mbit/s (10x slower, as the paper's
 InfiniBand against its slowest class), each cluster's uplink to 100 Mbit/s (shared by its 2
 hosts). Every process is capped at cores / hosts CPUs (cgroup), so a stage that idles does not
 lend its time to the other: the hosts behave as devices of a fixed speed, as the cost model
@@ -22,8 +22,8 @@ fastest (`--splits 3`); `auto` takes the fastest of them, and the plan's predict
 split is what is compared.
 
 Sized with the cost model before measuring (`docs/uneven.md`): a roce stage's gradients cost
-about 60 ms per layer to reduce and gather at 250 Mbit/s, near a layer's share of the pipeline
-(~70 ms), so moving layers to the ib stage pays; the uplink's hops (49 KB each, 8 a step) stay
+about 95 ms per layer to reduce and gather at 200 Mbit/s, well above a layer's share of the
+pipeline (~55 ms), so moving layers to the ib stage pays; the uplink's hops (49 KB each, 8 a step) stay
 near 10 ms each. (f)/(g) leave out when the machine cannot cap a process's CPU time.
 
 Predictions: the plan's step time, from the topology TOML written here (NIC Gb/s = the shaped
@@ -57,7 +57,7 @@ from pathlib import Path
 from holmes_jax import emulate
 
 CLUSTERS = [("ib", "infiniband", 2), ("roce", "roce", 2)]
-IB_MBIT, ROCE_MBIT, INTER_MBIT = 2000.0, 250.0, 100.0
+IB_MBIT, ROCE_MBIT, INTER_MBIT = 2000.0, 200.0, 100.0
 STEPS = 16
 WARMUP_STEPS = 4  # not timed: the first steps run slower (allocations, TCP windows opening)
 MODEL = {"preset": "tiny", "num_layers": 16, "hidden": 192, "num_heads": 4, "ffn_hidden": 768}
@@ -158,12 +158,15 @@ WHAT = {"a": f"homogeneous {IB_MBIT:g} Mbit/s", "b": "hetero, naive", "c": "hete
 
 
 # `--size`: the cost model's view of candidate testbeds before measuring, from a stand-in profile
-# of this model on the 4-process testbed (per layer and microbatch: forward 2.5 ms, backward 9 ms;
-# TCP reaches ~60% of a shaped NIC's rate and ~95% of the uplink's; the optimizer 5 ns a parameter).
-STAND_IN = {"fwd_s": 2.5e-3, "bwd_s": 9e-3, "nic_efficiency": 0.6, "uplink_efficiency": 0.95, "update_s": 5e-9}
+# of this model on the 4-process testbed, as measured there (per layer and microbatch: forward 2.5 ms,
+# backward 9.7 ms; a data group's sync reaches ~42% of a 2000 Mbit/s NIC's rate and ~75% of a
+# slower one's (measured at 250), each after ~2.5 ms; a hop ~95% of the uplink's; the optimizer
+# 5 ns a parameter).
+STAND_IN = {"fwd_s": 2.5e-3, "bwd_s": 9.7e-3, "fast_nic_efficiency": 0.42, "slow_nic_efficiency": 0.75,
+            "latency_s": 2.5e-3, "uplink_efficiency": 0.95, "update_s": 5e-9}
 
 
-def size(candidates=((1000, 200), (500, 100), (250, 100), (250, 200), (125, 100))) -> None:
+def size(candidates=((1000, 200), (500, 100), (250, 100), (200, 100), (200, 200), (160, 100), (125, 100))) -> None:
     """Prints the predicted (a)-(e) for each (roce Mbit/s, uplink Mbit/s) candidate."""
     from holmes_jax.config import ModelConfig, ParallelConfig
     from holmes_jax.models.presets import resolve
@@ -176,8 +179,9 @@ def size(candidates=((1000, 200), (500, 100), (250, 100), (250, 200), (125, 100)
     flops = workload.model_costs(resolve(cfg), micro_batch, SEQ).layers[0].fwd_flops
     sin = STAND_IN
 
-    def link(mbit, efficiency):
-        return Link(mbit * efficiency * 1e6 / 8, 0.5e-3)
+    def data_link(mbit):
+        efficiency = sin["fast_nic_efficiency"] if mbit >= IB_MBIT else sin["slow_nic_efficiency"]
+        return Link(mbit * efficiency * 1e6 / 8, sin["latency_s"])
 
     print(f"{'roce':>6} {'uplink':>6} | " + " ".join(f"{k:>6}" for k in "abcde") + " | d layers  e layers | "
           "d/c   d/e   b/d   d/a  | hop")
@@ -189,10 +193,10 @@ def size(candidates=((1000, 200), (500, 100), (250, 100), (250, 200), (125, 100)
                     "c": (IB_MBIT, roce, uplink, "holmes", "uniform"), "d": (IB_MBIT, roce, uplink, "holmes", "auto"),
                     "e": (IB_MBIT, roce, uplink, "holmes", "holmes-ratio")}.items():
                 topo = Path(tmp) / "t.toml"
-                topo.write_text(topology_toml(ib_r, roce_r, up, {"intra": sin["nic_efficiency"],
+                topo.write_text(topology_toml(ib_r, roce_r, up, {"intra": sin["fast_nic_efficiency"],
                                                                  "inter": sin["uplink_efficiency"]}, 0.05))
-                links = () if key == "b" else (link(ib_r, sin["nic_efficiency"]), link(roce_r, sin["nic_efficiency"]))
-                hop = link(up / CLUSTERS[0][2], sin["uplink_efficiency"])
+                links = () if key == "b" else (data_link(ib_r), data_link(roce_r))
+                hop = Link(up / CLUSTERS[0][2] * sin["uplink_efficiency"] * 1e6 / 8, 0.5e-3)
                 prof = Profile("stand-in", micro_batch, SEQ, flops, sin["fwd_s"], sin["bwd_s"], links, (hop,),
                                sin["update_s"])
                 par = ParallelConfig(pp=2, dp=2, tp=1, microbatches=MICROBATCHES, schedule="gpipe",
