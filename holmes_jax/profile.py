@@ -283,22 +283,14 @@ def _median_over_processes(values: np.ndarray) -> np.ndarray:
     return np.nanmedian(every, axis=0)
 
 
-def _median_links(links: list[Link]) -> tuple[Link, ...]:
-    """Links that every process measured, each the median over the processes: every process
-    then holds the same profile, and ranks the same splits to time."""
+def _share_links(links: list) -> tuple:
+    """Every process's measured links merged, so that every process holds the same profile (and
+    ranks the same splits to time): each the median over the processes that measured it (None:
+    not measured there), None where none did."""
     if not links:
         return ()
-    every = _median_over_processes(np.array([[l.bytes_per_s, l.latency_s] for l in links], dtype=np.float64))
-    return tuple(Link(float(b), float(t)) for b, t in every)
-
-
-def _share_links(links: list, group_sizes: list[int]) -> list:
-    """Every process's measured links merged: per stage, the median over the processes that
-    measured it (a stage's group is measured by its own processes)."""
     mine = np.array([[l.bytes_per_s, l.latency_s] if l else [np.nan, np.nan] for l in links], dtype=np.float64)
-    every = _median_over_processes(mine)
-    return [Link(float(every[s, 0]), float(every[s, 1])) if n > 1 and not np.isnan(every[s, 0]) else None
-            for s, n in enumerate(group_sizes)]
+    return tuple(None if np.isnan(b) else Link(float(b), float(t)) for b, t in _median_over_processes(mine))
 
 
 def profile(setup, repeats: int = 5, splits: int = 0, say=print) -> Profile:
@@ -314,14 +306,13 @@ def profile(setup, repeats: int = 5, splits: int = 0, say=print) -> Profile:
     update = profile_update(setup, repeats)
     t_fwd, t_bwd, update = (float(v) for v in _median_over_processes(np.array([t_fwd, t_bwd, update])))
     stages = mesh.shape["stage"]
-    # each process measured its own stages' groups: share them
-    data_links = _share_links(profile_data_groups(mesh, cfgs.parallel.zero1, repeats=repeats),
-                              [mesh.shape["data"]] * stages)
-    stage_links = _median_links([profile_stage_boundary(mesh, s, repeats=repeats) for s in range(stages - 1)])
+    # each process measured its own stages' groups and its own side of each boundary: share them
+    data_links = _share_links(profile_data_groups(mesh, cfgs.parallel.zero1, repeats=repeats))
+    stage_links = _share_links([profile_stage_boundary(mesh, s, repeats=repeats) for s in range(stages - 1)])
     token_data = data.load(cfgs.data)  # the run's own batches, loaded once for both depths
     probes = tuple(profile_step(setup, (n,) * stages, token_data) for n in probe_depths(setup.pipeline.stage_layers))
     result = Profile(mesh.local_devices[0].device_kind, micro_batch, cfgs.data.seq_len, flops, t_fwd, t_bwd,
-                     tuple(data_links), stage_links, update, scale, probes)
+                     data_links, stage_links, update, scale, probes)
     if splits > 0 and stages > 1:
         ranked = ranked_splits(setup, result, splits)
         timed = []
