@@ -6,8 +6,10 @@ Testbed: 2 clusters of 2 hosts (network namespaces), one process per host with 1
 InfiniBand against its slowest class), each cluster's uplink to 100 Mbit/s (shared by its 2
 hosts). Every process is capped at cores / hosts CPUs (cgroup), so a stage that idles does not
 lend its time to the other: the hosts behave as devices of a fixed speed, as the cost model
-assumes. Configurations, each a real `python -m holmes_jax.train` run of STEPS steps (pp 2,
-dp 2, GPipe, 4 microbatches, 16 layers):
+assumes. Configurations, each real `python -m holmes_jax.train` runs of STEPS steps (pp 2,
+dp 2, GPipe, 4 microbatches, 16 layers), launched ROUNDS = 2 times in interleaved rounds
+((b) (c) (d) (e), then again) and timed as the median of both launches' steps after the
+warm-up, because one launch of a configuration varies by up to +-9% on a shared machine:
 
   (a) homogeneous fast network (every NIC and the uplinks at 2000 Mbit/s), Holmes placement
   (b) heterogeneous network, naive placement: each stage's data group spans the slow uplink
@@ -66,6 +68,7 @@ RUN_TIMEOUT_S = 600
 PROFILE_TIMEOUT_S = 1200  # a profile that times splits compiles the whole model 3 more times (slow testbed: ~9 min)
 SLOW_SHARE = 0.5  # (f), (g): the roce cluster's processes get this share of the others' CPU time
 AUTO_SPLITS_TIMED = 3  # the profiles behind (d) and (g) time the model at the plan's best 3 splits
+ROUNDS = 2  # each testbed's configurations are launched this many times, interleaved, and their steps pooled
 
 
 def gin_args(workdir: Path, topology: Path, placement: str, partition: str, profile: Path | None) -> list[str]:
@@ -138,16 +141,18 @@ def measure_profile(bed: Testbed, path: Path, workdir: Path, topology: Path, pla
 
 
 def train(bed: Testbed, key: str, workdir: Path, topology: Path, placement: str, partition: str,
-          profile: Path) -> float | None:
-    """Configuration `key` trained on `bed`: its median step time after the warm-up; None if it failed."""
+          profile: Path) -> list[float] | None:
+    """Configuration `key` trained on `bed`: its step times after the warm-up; None if it failed."""
     t = time.perf_counter()
     rc = run(bed, ["holmes_jax.train", *gin_args(workdir, topology, placement, partition, profile)])
     if rc:
         print(f"hetero_nic: run ({key}) failed with status {rc}", file=sys.stderr)
         return None
-    print(f"hetero_nic: ({key}) done in {time.perf_counter() - t:.0f} s", flush=True)
     rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-    return float(statistics.median(r["step_time_s"] for r in rows[WARMUP_STEPS:]))
+    steps = [float(r["step_time_s"]) for r in rows[WARMUP_STEPS:]]
+    print(f"hetero_nic: ({key}) done in {time.perf_counter() - t:.0f} s, median step "
+          f"{statistics.median(steps) * 1e3:.0f} ms", flush=True)
+    return steps
 
 
 NAMES = {"a": "a_homogeneous_s", "b": "b_naive_s", "c": "c_holmes_uniform_s", "d": "d_holmes_auto_s",
@@ -258,12 +263,18 @@ def main() -> int:
             return p.prediction.step_time_s, p.stage_layers, p
 
         def configs(bed: Testbed, topology: Path, runs: dict) -> bool:
+            """Each configuration of `runs` launched ROUNDS times, in interleaved rounds (so the
+            testbed's drift over minutes falls on all of them alike): the median of the pooled steps."""
+            steps: dict = {key: [] for key in runs}
+            for round_ in range(ROUNDS):
+                for key, (placement, partition, profile) in runs.items():
+                    measured = train(bed, key, tmp / f"run-{key}-{round_}", topology, placement, partition, profile)
+                    if measured is None:
+                        return False
+                    steps[key] += measured
             for key, (placement, partition, profile) in runs.items():
                 predicted, layers, the_plan = predict(topology, placement, partition, profile)
-                measured = train(bed, key, tmp / f"run-{key}", topology, placement, partition, profile)
-                if measured is None:
-                    return False
-                out[key] = (measured, predicted, layers, the_plan)
+                out[key] = (statistics.median(steps[key]), predicted, layers, the_plan)
             return True
 
         def cpu_caps(slow: float = 1.0):
