@@ -6,7 +6,7 @@ Testbed: 2 clusters of 2 hosts (network namespaces), one process per host with 1
 InfiniBand against its slowest class), each cluster's uplink to 100 Mbit/s (shared by its 2
 hosts). Every process is capped at cores / hosts CPUs (cgroup), so a stage that idles does not
 lend its time to the other: the hosts behave as devices of a fixed speed, as the cost model
-assumes. Configurations, each real `python -m holmes_jax.train` runs of STEPS steps (pp 2,
+assumes. Each configuration is a real `python -m holmes_jax.train` run of STEPS steps (pp 2,
 dp 2, GPipe, 4 microbatches, 16 layers), launched ROUNDS = 2 times in interleaved rounds
 ((b) (c) (d) (e), then again) and timed as the median of both launches' steps after the
 warm-up, because one launch of a configuration varies by up to +-9% on a shared machine:
@@ -25,8 +25,8 @@ split is what is compared.
 
 Sized with the cost model before measuring (`docs/uneven.md`): a roce stage's gradients cost
 about 95 ms per layer to reduce and gather at 200 Mbit/s, well above a layer's share of the
-pipeline (~55 ms), so moving layers to the ib stage pays; the uplink's hops (49 KB each, 8 a step) stay
-near 10 ms each. (f)/(g) leave out when the machine cannot cap a process's CPU time.
+pipeline (~55 ms), so moving layers to the ib stage pays; the uplink's hops (49 KB each, 8 a
+step) stay near 10 ms each. (f)/(g) leave out when the machine cannot cap a process's CPU time.
 
 Predictions: the plan's step time, from the topology TOML written here (NIC Gb/s = the shaped
 rates, efficiency = measured TCP throughput / shaped rate, the inter-cluster link per host = the
