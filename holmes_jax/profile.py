@@ -14,13 +14,15 @@
   all-reduce, or the pair, the bytes are 2(n - 1)/n of the buffer).
 - Whole steps: the real train step of the profiled layout (mesh, schedule, microbatches) on the
   model cut to a quarter and to three quarters of the profiled stage's layers per stage, each the
-  median of several steps. Planning fits to them what the parts above leave out (a factor on
-  compute, a fixed part a step; planning.search). The depths are not the profiled model's, so
-  its own step stays a prediction.
+  median of its steps over two interleaved rounds (`PROBE_ROUNDS`: both depths, then both again,
+  so that the machine's drift falls on both alike). Planning fits to them what the parts above
+  leave out (a factor on compute, a fixed part a step; planning.search). The depths are not the
+  profiled model's, so its own step stays a prediction.
 - Timed splits (`--splits N`, default none): the profiled model's own step at the N splits that
   the plan, from everything above, ranks fastest on this layout (its `auto` split and those one
-  layer away). Planning's `auto` then takes the fastest measured: where the cost model ranks
-  splits within a few percent of each other, a few compiles of the whole model settle it.
+  layer away), timed in rounds as the whole steps are. Planning's `auto` then takes the fastest
+  measured: where the cost model ranks splits within a few percent of each other, a few compiles
+  of the whole model settle it.
 
 Everything is timed as the step runs it, not at its best: compute over a whole stage's stack of
 layers (a one-layer stack compiles to faster straight-line code than the layer loop a stage
@@ -182,29 +184,58 @@ def probe_depths(stage_layers: tuple[int, ...]) -> tuple[int, int]:
     return max(1, deepest // 4), max(2, 3 * deepest // 4)
 
 
-def profile_step(setup, stage_layers: tuple[int, ...], token_data: data.TokenData, steps: int = 12,
-                 warmup_steps: int = 3) -> StepProbe:
-    """The median seconds of `steps` train steps of `setup`'s layout (mesh, schedule,
-    microbatches, placement) on its model with `stage_layers` layers per stage, after
-    `warmup_steps` untimed ones: the trainer's own loop (`train.train_steps`, a fresh batch
-    each step, each step's outputs fetched), timed as its metrics time it."""
+PROBE_ROUNDS = 2  # each probe timed in this many interleaved rounds (A B, A B): the machine drifts over minutes
+
+
+def _compile_step(setup, stage_layers: tuple[int, ...], token_data: data.TokenData):
+    """`setup`'s layout (mesh, schedule, microbatches, placement) on its model with `stage_layers`
+    layers per stage: the run and its compiled train step, with the step's communicators across
+    clusters opened."""
     plan, cfgs = setup.plan, setup.cfgs
     probe = dataclasses.replace(
         cfgs, model=dataclasses.replace(cfgs.model, num_layers=sum(stage_layers), init_from=None),
         parallel=dataclasses.replace(cfgs.parallel, pp=plan.pp, dp=plan.dp, tp=plan.tp, stage_layers=tuple(stage_layers),
                                      microbatches=plan.microbatches, schedule=plan.schedule, profile=None))
     run = build.build(probe, list(setup.mesh.devices.flat))
-    state = run.init_state()
-    compiled = build.make_train_step(run).lower(state, run.batch("train", 0, token_data)).compile()
-    warmup.warm_up(run, compiled.as_text(), say=lambda *a: None)  # the step's communicators across clusters
+    compiled = build.make_train_step(run).lower(run.init_state(), run.batch("train", 0, token_data)).compile()
+    warmup.warm_up(run, compiled.as_text(), say=lambda *a: None)
+    return run, compiled
+
+
+def _time_steps(run, compiled, token_data: data.TokenData, steps: int, warmup_steps: int) -> list[float]:
+    """Seconds of each of `steps` train steps from a fresh state, after `warmup_steps` untimed
+    ones: the trainer's own loop (`train.train_steps`, a fresh batch each step, each step's
+    outputs fetched), timed as its metrics time it."""
     times, t = [], time.perf_counter()
-    for step, state, _ in train.train_steps(compiled, run, state, 0, warmup_steps + steps, token_data):
+    for step, _, _ in train.train_steps(compiled, run, run.init_state(), 0, warmup_steps + steps, token_data):
         if step == warmup_steps and jax.process_count() > 1:  # the timed steps start together
-            multihost_utils.sync_global_devices(f"holmes_jax.profile step probe {list(stage_layers)}")
+            multihost_utils.sync_global_devices(f"holmes_jax.profile steps {list(run.pipeline.stage_layers)}")
         times.append(time.perf_counter() - t)
         t = time.perf_counter()
-    step_s = float(_median_over_processes(np.array([np.median(times[warmup_steps:])]))[0])
-    return StepProbe(tuple(run.pipeline.stage_layers), plan.dp, plan.tp, plan.microbatches, plan.schedule, step_s)
+    return times[warmup_steps:]
+
+
+def profile_steps(setup, layouts: list[tuple[int, ...]], token_data: data.TokenData, rounds: int = PROBE_ROUNDS,
+                  steps: int = 12, warmup_steps: int = 3, say=lambda *a: None) -> list[StepProbe]:
+    """The step of `setup`'s layout with each of `layouts` (layers per stage): each compiled once,
+    then timed in `rounds` interleaved rounds (every layout, then every layout again), each time
+    `steps` steps from a fresh state after `warmup_steps`, so that the machine's drift over those
+    minutes falls on every layout alike; the median of the pooled steps (median over processes).
+    Only one state is alive at a time."""
+    compiled = []
+    for i, layers in enumerate(layouts):  # each compiles the model at that depth: say how far it is
+        compiled.append(_compile_step(setup, layers, token_data))
+        say(f"profile: compiled {i + 1}/{len(layouts)} {list(layers)}")
+    pooled: list[list[float]] = [[] for _ in layouts]
+    for r in range(rounds):
+        for i, (run, step) in enumerate(compiled):
+            pooled[i] += _time_steps(run, step, token_data, steps, warmup_steps)
+            median_ms = np.median(pooled[i][-steps:]) * 1e3
+            say(f"profile: round {r + 1}/{rounds} {list(layouts[i])}: {median_ms:.0f} ms a step")
+    medians = _median_over_processes(np.array([np.median(times) for times in pooled]))
+    plan = setup.plan
+    return [StepProbe(tuple(layers), plan.dp, plan.tp, plan.microbatches, plan.schedule, float(s))
+            for layers, s in zip(layouts, medians)]
 
 
 def ranked_splits(setup, prof: Profile, count: int) -> list[tuple[int, ...]]:
@@ -310,15 +341,12 @@ def profile(setup, repeats: int = 5, splits: int = 0, say=print) -> Profile:
     data_links = _share_links(profile_data_groups(mesh, cfgs.parallel.zero1, repeats=repeats))
     stage_links = _share_links([profile_stage_boundary(mesh, s, repeats=repeats) for s in range(stages - 1)])
     token_data = data.load(cfgs.data)  # the run's own batches, loaded once for both depths
-    probes = tuple(profile_step(setup, (n,) * stages, token_data) for n in probe_depths(setup.pipeline.stage_layers))
+    probes = tuple(profile_steps(setup, [(n,) * stages for n in probe_depths(setup.pipeline.stage_layers)], token_data,
+                                 say=say))
     result = Profile(mesh.local_devices[0].device_kind, micro_batch, cfgs.data.seq_len, flops, t_fwd, t_bwd,
                      data_links, stage_links, update, scale, probes)
     if splits > 0 and stages > 1:
-        ranked = ranked_splits(setup, result, splits)
-        timed = []
-        for i, split in enumerate(ranked):  # each compiles the whole model: say how far it is
-            timed.append(profile_step(setup, split, token_data))
-            say(f"profile: split {i + 1}/{len(ranked)} {list(split)}: {timed[-1].step_s * 1e3:.0f} ms a step")
+        timed = profile_steps(setup, ranked_splits(setup, result, splits), token_data, say=say)
         result = dataclasses.replace(result, split_probes=tuple(timed))
     return result
 

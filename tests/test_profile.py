@@ -48,3 +48,20 @@ def test_a_bad_profile_file_is_a_config_error(tmp_path):
     (tmp_path / "p.json").write_text("{}")
     with pytest.raises(ConfigError, match="profile"):
         profile.Profile.load(tmp_path / "p.json")
+
+
+def test_step_probes_are_timed_in_interleaved_rounds(tmp_path, monkeypatch):
+    """Every layout compiled once, then timed layout by layout in each round (A B, A B), and each
+    probe the median of its pooled steps."""
+    setup = build.build(small_configs(tmp_path, "--gin.ParallelConfig.pp=2"))
+    monkeypatch.setattr(profile, "_compile_step", lambda setup, layers, token_data: (layers, None))
+    order, rounds = [], {(1, 1): [[1.0, 2.0], [3.0, 9.0]], (2, 2): [[4.0, 4.0], [5.0, 6.0]]}
+
+    def time_steps(run, compiled, token_data, steps, warmup_steps):
+        order.append(run)
+        return rounds[run][sum(o == run for o in order) - 1]
+
+    monkeypatch.setattr(profile, "_time_steps", time_steps)
+    probes = profile.profile_steps(setup, [(1, 1), (2, 2)], token_data=None, rounds=2)
+    assert order == [(1, 1), (2, 2), (1, 1), (2, 2)]
+    assert [p.step_s for p in probes] == [2.5, 4.5]  # medians of 1, 2, 3, 9 and of 4, 4, 5, 6
