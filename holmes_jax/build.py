@@ -84,13 +84,15 @@ class Setup:
         params = self.model.init(self.cfgs.train.seed) if params is None else params
         return {"params": params, "opt_state": self.tx.init(params), "step": jnp.zeros((), jnp.int32)}
 
+    def _fresh_state(self, params: dict | None = None) -> dict:
+        return self._with_nothing_pending(self.pipeline.to_staged(self._canonical_state(params)))
+
     def init_state(self) -> dict:
         params, folder = None, self.cfgs.model.init_from
         if folder:  # a Hugging Face model's weights, as global arrays (every process reads the files)
             params = jax.tree.map(lambda x, sh: jax.make_array_from_callback(x.shape, sh, lambda i: x[i]),
                                   export.import_hf(folder, self.cfgs.model), self.canonical_shardings["params"])
-        return jax.jit(lambda p: self._with_nothing_pending(self.pipeline.to_staged(self._canonical_state(p))),
-                       out_shardings=self.state_shardings)(params)
+        return jax.jit(self._fresh_state, out_shardings=self.state_shardings)(params)
 
     def _settled(self, state: dict) -> dict:
         return {"params": self.settle(state["params"], state["pending"]), "opt_state": state["opt_state"],
@@ -113,9 +115,11 @@ class Setup:
                        out_shardings=self.state_shardings)(canonical)
 
     def abstract_canonical(self) -> dict:
-        shapes = jax.eval_shape(self._canonical_state)
-        return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes,
-                            self.canonical_shardings)
+        return _abstract(self._canonical_state, self.canonical_shardings)
+
+    def abstract_state(self) -> dict:
+        """The train state's shapes and shardings: enough to compile the step without making one."""
+        return _abstract(self._fresh_state, self.state_shardings)
 
     def batch(self, split: str, step: int, token_data: data.TokenData) -> jax.Array:
         """The global batch of `step`; on several processes each builds only its own shards."""
@@ -124,6 +128,12 @@ class Setup:
         m = self.plan.microbatches
         tokens = tokens.reshape(m, d.global_batch // m, d.seq_len + 1)
         return jax.make_array_from_callback(tokens.shape, self.batch_sharding, lambda index: tokens[index])
+
+
+def _abstract(make, shardings) -> dict:
+    """What `make()` returns, as shapes with `shardings`, computed without allocating it."""
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), jax.eval_shape(make),
+                        shardings)
 
 
 def build(cfgs: Configs, devices=None) -> Setup:

@@ -197,7 +197,7 @@ def _compile_step(setup, stage_layers: tuple[int, ...], token_data: data.TokenDa
         parallel=dataclasses.replace(cfgs.parallel, pp=plan.pp, dp=plan.dp, tp=plan.tp, stage_layers=tuple(stage_layers),
                                      microbatches=plan.microbatches, schedule=plan.schedule, profile=None))
     run = build.build(probe, list(setup.mesh.devices.flat))
-    compiled = build.make_train_step(run).lower(run.init_state(), run.batch("train", 0, token_data)).compile()
+    compiled = build.make_train_step(run).lower(run.abstract_state(), run.batch("train", 0, token_data)).compile()
     warmup.warm_up(run, compiled.as_text(), say=lambda *a: None)
     return run, compiled
 

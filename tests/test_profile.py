@@ -1,9 +1,10 @@
 import dataclasses
 
+import jax
 import pytest
 
 from holmes_jax.planning import workload
-from holmes_jax import build, planning
+from holmes_jax import build, data, planning
 from holmes_jax.config import ConfigError
 from holmes_jax import profile
 from helpers import small_configs
@@ -65,3 +66,19 @@ def test_step_probes_are_timed_in_interleaved_rounds(tmp_path, monkeypatch):
     probes = profile.profile_steps(setup, [(1, 1), (2, 2)], token_data=None, rounds=2)
     assert order == [(1, 1), (2, 2), (1, 1), (2, 2)]
     assert [p.step_s for p in probes] == [2.5, 4.5]  # medians of 1, 2, 3, 9 and of 4, 4, 5, 6
+
+
+def test_a_probe_compiles_from_the_states_shapes_alone(tmp_path):
+    """`Setup.abstract_state` has the train state's structure, shapes, dtypes and shardings, so the
+    profile compiles each probe's step without making a state for it, and that step runs a real one."""
+    setup = build.build(small_configs(tmp_path, "--gin.ParallelConfig.pp=2", "--gin.ModelConfig.num_layers=4",
+                                      "--gin.ParallelConfig.stage_layers=(3, 1)"))
+    abstract, state = setup.abstract_state(), setup.init_state()
+    assert jax.tree.structure(abstract) == jax.tree.structure(state)
+    for a, real in zip(jax.tree.leaves(abstract), jax.tree.leaves(state)):
+        assert (a.shape, a.dtype, a.sharding) == (real.shape, real.dtype, real.sharding)
+    tokens = data.load(setup.cfgs.data)
+    batch = setup.batch("train", 0, tokens)
+    from_shapes = build.make_train_step(setup).lower(abstract, batch).compile()
+    expected = build.make_train_step(setup)(setup.init_state(), batch)[1]["loss"]
+    assert float(from_shapes(state, batch)[1]["loss"]) == float(expected)
