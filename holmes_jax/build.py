@@ -84,8 +84,11 @@ class Setup:
         params = self.model.init(self.cfgs.train.seed) if params is None else params
         return {"params": params, "opt_state": self.tx.init(params), "step": jnp.zeros((), jnp.int32)}
 
+    def _staged_state(self, canonical: dict) -> dict:
+        return self._with_nothing_pending(self.pipeline.to_staged(canonical))
+
     def _fresh_state(self, params: dict | None = None) -> dict:
-        return self._with_nothing_pending(self.pipeline.to_staged(self._canonical_state(params)))
+        return self._staged_state(self._canonical_state(params))
 
     def init_state(self) -> dict:
         params, folder = None, self.cfgs.model.init_from
@@ -111,8 +114,7 @@ class Setup:
                        out_shardings=self.canonical_shardings)(state)
 
     def staged(self, canonical: dict) -> dict:
-        return jax.jit(lambda c: self._with_nothing_pending(self.pipeline.to_staged(c)),
-                       out_shardings=self.state_shardings)(canonical)
+        return jax.jit(self._staged_state, out_shardings=self.state_shardings)(canonical)
 
     def abstract_canonical(self) -> dict:
         return _abstract(self._canonical_state, self.canonical_shardings)
