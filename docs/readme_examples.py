@@ -8,7 +8,7 @@ of EXAMPLES[NAME] and what it prints now:
     python docs/readme_examples.py --check          # exit 1 naming the blocks that differ
 
 The plan and bench examples are deterministic and quick (tests/test_readme.py checks them); the
-default training run takes minutes and its timings vary, so only this script refreshes it.
+training runs take minutes and their timings vary, so only this script refreshes them.
 """
 
 from __future__ import annotations
@@ -37,12 +37,20 @@ def _train_run(lines: list[str]) -> list[str]:
     return lines[:first] + ["..."] + lines[-2:]
 
 
+def _text_to_model(lines: list[str]) -> list[str]:
+    """Up to the plan, then from the last step line on (the summary and the later commands)."""
+    plan = next(i for i, line in enumerate(lines) if line.startswith("plan:"))
+    last_step = max(i for i, line in enumerate(lines) if line.startswith("step "))
+    return lines[:plan] + ["..."] + lines[last_step:]
+
+
 @dataclasses.dataclass(frozen=True)
 class Example:
     command: str  # as the README shows it, run from the repository root
     fast: bool  # deterministic and quick: the test checks it
     trim: Callable[[list[str]], list[str]] = _whole
     extra: tuple[str, ...] = ()  # arguments the run adds but the README leaves out
+    script: bool = False  # a bash script, run in an empty folder, not a command in the repository
 
 
 EXAMPLES = {
@@ -50,20 +58,31 @@ EXAMPLES = {
         "python -m holmes_jax.plan --topology configs/topologies/ib4_roce4.toml --model 7.5b --tp 8 --pp 2", True),
     "paper-scenarios": Example("python bench/paper_scenarios.py", True),
     "train-default": Example("python -m holmes_jax.train", False, _train_run, ("--gin.TrainConfig.workdir={tmp}",)),
+    "text-to-model": Example(
+        """STDLIB=$(python -c "import sysconfig; print(sysconfig.get_paths()['stdlib'])")
+holmes-data prepare $STDLIB/email --out data --tokenizer bpe:2048   # train a 2048-token BPE, tokenize
+holmes-train --gin.DataConfig.source=data --gin.TrainConfig.steps=60 --gin.TrainConfig.workdir=run
+holmes-generate --workdir run --prompt "def " --max-tokens 40 --greedy
+holmes-report run --out report.png         # loss curves, step time against the plan's prediction
+holmes-export --workdir run --out hf       # a Hugging Face folder: GPT2LMHeadModel for this GPT-2-style model""",
+        False, _text_to_model, script=True),
 }
 
 
 def output(name: str) -> str:
     """What EXAMPLES[name] prints now, trimmed as the README shows it."""
     example = EXAMPLES[name]
-    args = example.command.split()
     with tempfile.TemporaryDirectory() as tmp:  # the run's workdir: nothing lands in the repository
-        argv = [sys.executable] + args[1:] + [a.format(tmp=tmp) for a in example.extra]
-        result = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=3600,
+        if example.script:
+            argv, cwd = ["bash", "-e", "-c", example.command], tmp
+        else:
+            argv = [sys.executable] + example.command.split()[1:] + [a.format(tmp=tmp) for a in example.extra]
+            cwd = REPO
+        result = subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=3600,
                                 env=dict(os.environ, PYTHONPATH=str(REPO)))
     if result.returncode:
         raise RuntimeError(f"{example.command} failed ({result.returncode}):\n{result.stderr}")
-    return "\n".join(example.trim(result.stdout.rstrip("\n").splitlines()))
+    return "\n".join(line.rstrip() for line in example.trim(result.stdout.rstrip("\n").splitlines()))
 
 
 def block(name: str) -> str:
