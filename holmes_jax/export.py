@@ -213,29 +213,37 @@ def from_hf(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict:
     return params
 
 
-def _read_tensors(folder: Path) -> dict[str, np.ndarray]:
+def _tensor_files(folder: Path) -> list[Path]:
     """model.safetensors, or every shard a model.safetensors.index.json lists."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
     else:
-        files = ["model.safetensors"]
-    tensors = {}
-    for name in files:
+        names = ["model.safetensors"]
+    for name in names:
         if not (folder / name).is_file():
             raise ConfigError(f"ModelConfig.init_from = {str(folder)!r} has no {name}")
-        tensors.update(safetensors.numpy.load_file(folder / name))
-    return tensors
+    return [folder / name for name in names]
 
 
-def import_hf(folder: str | Path, cfg: ModelConfig) -> dict:
-    """Canonical float32 parameters (numpy) of the Hugging Face model in `folder`, which must fit `cfg`."""
+def check_hf_folder(folder: str | Path, cfg: ModelConfig) -> Path:
+    """`folder` as a Path, once its config.json fits `cfg` and its tensor files are there (a
+    ConfigError otherwise); reads no tensors, so a run checks it before it writes anything."""
     folder = Path(folder).expanduser()
     if not (folder / "config.json").is_file():
         raise ConfigError(f"ModelConfig.init_from = {str(folder)!r} is not allowed; allowed: a Hugging Face model "
                           f"folder with config.json and model.safetensors")
     check_fits(json.loads((folder / "config.json").read_text()), cfg)
-    return from_hf(_read_tensors(folder), cfg)
+    _tensor_files(folder)
+    return folder
+
+
+def import_hf(folder: str | Path, cfg: ModelConfig) -> dict:
+    """Canonical float32 parameters (numpy) of the Hugging Face model in `folder`, which must fit `cfg`."""
+    tensors = {}
+    for path in _tensor_files(check_hf_folder(folder, cfg)):
+        tensors.update(safetensors.numpy.load_file(path))
+    return from_hf(tensors, cfg)
 
 
 def save_hf(params: dict, cfg: ModelConfig, out: str | Path, tokenizer: Path | None = None) -> Path:

@@ -19,7 +19,7 @@ from typing import Callable
 import jax
 import numpy as np
 
-from holmes_jax import cli, configure, data, distributed, guard, metrics
+from holmes_jax import cli, configure, data, distributed, export, guard, metrics
 from holmes_jax.build import Setup, build, make_eval_step, make_train_step, peak_tflops
 from holmes_jax.checkpoint import Checkpointer
 from holmes_jax.config import ConfigError
@@ -115,6 +115,8 @@ def run(cfgs: Configs, devices=None, quiet: bool = False) -> dict:
     guard.injected_fault()  # a malformed HOLMES_FAULT is bad input: found before anything runs
     token_data = data.load(cfgs.data)
     token_data.check_model_vocab(cfgs.model.vocab_size)
+    if cfgs.model.init_from and not (Path(cfgs.train.workdir) / "checkpoints").is_dir():  # a resumed run ignores it
+        export.check_hf_folder(cfgs.model.init_from, cfgs.model)
     setup = build(cfgs, devices)
     tcfg = cfgs.train
     say(f"holmes_jax: {cfgs.model.preset} model, "

@@ -179,6 +179,21 @@ def test_a_fresh_run_starts_from_init_from(tmp_path):
     assert int(state["step"]) == 0
 
 
+def test_a_run_refuses_an_init_from_that_does_not_fit_before_writing_anything(tmp_path):
+    cfg = presets.resolve(ModelConfig(preset="llama-tiny", num_layers=2, hidden=64, num_heads=4, ffn_hidden=128))
+    folder, _ = _saved(tmp_path, cfg)
+    workdir = tmp_path / "run"
+    cfgs = small_configs(workdir, "--gin.ModelConfig.preset=llama-tiny", "--gin.ModelConfig.num_layers=4",
+                         f"--gin.ModelConfig.init_from={folder}")
+    with pytest.raises(ConfigError, match="num_layers = 4 but the folder has 2"):
+        train.run(cfgs, jax.devices()[:1], quiet=True)
+    (folder / "model.safetensors").unlink()
+    cfgs = small_configs(workdir, "--gin.ModelConfig.preset=llama-tiny", f"--gin.ModelConfig.init_from={folder}")
+    with pytest.raises(ConfigError, match="has no model.safetensors"):
+        train.run(cfgs, jax.devices()[:1], quiet=True)
+    assert not workdir.exists()
+
+
 @pytest.mark.slow
 def test_load_gives_the_runs_model(run):
     m = inference.load(run)
