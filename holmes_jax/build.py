@@ -90,12 +90,18 @@ class Setup:
     def _fresh_state(self, params: dict | None = None) -> dict:
         return self._staged_state(self._canonical_state(params))
 
+    # The jitted programs below are made once per Setup: a new `jax.jit` of a new function traces
+    # and compiles again on every call (a profile starts many fresh states, a run saves often).
+    @functools.cached_property
+    def _jitted_fresh_state(self):
+        return jax.jit(self._fresh_state, out_shardings=self.state_shardings)
+
     def init_state(self) -> dict:
         params, folder = None, self.cfgs.model.init_from
         if folder:  # a Hugging Face model's weights, as global arrays (every process reads the files)
             params = jax.tree.map(lambda x, sh: jax.make_array_from_callback(x.shape, sh, lambda i: x[i]),
                                   export.import_hf(folder, self.cfgs.model), self.canonical_shardings["params"])
-        return jax.jit(self._fresh_state, out_shardings=self.state_shardings)(params)
+        return self._jitted_fresh_state(params)
 
     def _settled(self, state: dict) -> dict:
         return {"params": self.settle(state["params"], state["pending"]), "opt_state": state["opt_state"],
@@ -108,13 +114,16 @@ class Setup:
         shardings = {k: v for k, v in self.state_shardings.items() if k != "pending"}
         return jax.jit(self._settled, out_shardings=shardings)
 
-    def canonical(self, state: dict) -> dict:
-        """What a checkpoint stores: the updates settled, real layers only, in model order."""
-        return jax.jit(lambda st: self.pipeline.to_canonical(self._settled(st)),
-                       out_shardings=self.canonical_shardings)(state)
+    @functools.cached_property
+    def canonical(self):
+        """`canonical(state)`: what a checkpoint stores, the updates settled, real layers only, in
+        model order; jitted once, run at every save."""
+        return jax.jit(lambda st: self.pipeline.to_canonical(self._settled(st)), out_shardings=self.canonical_shardings)
 
-    def staged(self, canonical: dict) -> dict:
-        return jax.jit(self._staged_state, out_shardings=self.state_shardings)(canonical)
+    @functools.cached_property
+    def staged(self):
+        """`staged(canonical)`: the train state of a canonical one (a restored checkpoint)."""
+        return jax.jit(self._staged_state, out_shardings=self.state_shardings)
 
     def abstract_canonical(self) -> dict:
         return _abstract(self._canonical_state, self.canonical_shardings)

@@ -200,3 +200,19 @@ def test_clipping_scales_to_the_limit_and_reports_the_norm_before_it():
     jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-6), clipped, expected)
     unclipped, _ = optimizer.clip_gradients(grads, 2 * norm)  # under the limit: unchanged
     jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-6), unclipped, grads)
+
+
+def test_fresh_states_saves_and_restores_compile_once(tmp_path):
+    # A profile starts many fresh states and a run saves at every checkpoint: the second time
+    # round must reuse the programs, not trace and compile them again.
+    setup = build.build(small_configs(tmp_path, "--gin.ParallelConfig.pp=2"))
+    setup.staged(setup.canonical(setup.init_state()))
+    compiles = []
+    listener = lambda name, secs, **kw: name == "/jax/core/compile/backend_compile_duration" and compiles.append(name)  # noqa: E731
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        state = setup.staged(setup.canonical(setup.init_state()))
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert compiles == []
+    assert jax.tree.structure(state) == jax.tree.structure(setup.abstract_state())
