@@ -115,7 +115,8 @@ def run(cfgs: Configs, devices=None, quiet: bool = False) -> dict:
     guard.injected_fault()  # a malformed HOLMES_FAULT is bad input: found before anything runs
     token_data = data.load(cfgs.data)
     token_data.check_model_vocab(cfgs.model.vocab_size)
-    if cfgs.model.init_from and not (Path(cfgs.train.workdir) / "checkpoints").is_dir():  # a resumed run ignores it
+    checkpoints = Path(cfgs.train.workdir) / "checkpoints"
+    if cfgs.model.init_from and not checkpoints.is_dir():  # a resumed run ignores it
         export.check_hf_folder(cfgs.model.init_from, cfgs.model)
     setup = build(cfgs, devices)
     tcfg = cfgs.train
@@ -128,7 +129,7 @@ def run(cfgs: Configs, devices=None, quiet: bool = False) -> dict:
     say(setup.plan.explain())
 
     workdir = prepare_workdir(tcfg.workdir)
-    ckpt = Checkpointer(workdir / "checkpoints", cfgs.checkpoint) if cfgs.checkpoint.enabled else None
+    ckpt = Checkpointer(checkpoints, cfgs.checkpoint) if cfgs.checkpoint.enabled else None
     try:
         return _resume_and_train(cfgs, setup, token_data, workdir, ckpt, say, quiet)
     except OSError as e:  # metrics.jsonl, config.gin; checkpoint writes report their own
