@@ -27,7 +27,7 @@ def make_optimizer(tcfg: TrainConfig) -> tuple[optax.GradientTransformation, opt
 
 def clip_gradients(grads, max_norm: float):
     """(grads scaled down to global norm `max_norm` where it is above, their global norm)."""
-    norm = optax.global_norm(grads)
+    norm = optax.tree.norm(grads)
     scale = jnp.minimum(1.0, max_norm / jnp.maximum(norm, 1e-12))
     return jax.tree.map(lambda g: (g * scale).astype(g.dtype), grads), norm
 
