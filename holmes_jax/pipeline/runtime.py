@@ -64,13 +64,6 @@ def _is_block_leaf(path) -> bool:
     return any(getattr(k, "key", None) == "blocks" for k in path)
 
 
-def _when(pred, then, otherwise):
-    """`lax.cond` for a traced predicate; a Python bool picks its branch at trace time."""
-    if isinstance(pred, bool):
-        return then() if pred else otherwise()
-    return lax.cond(pred, then, otherwise)
-
-
 def map_blocks(fn, tree):
     """Applies `fn` to the leaves under a `blocks` key (parameters and their optimizer moments)."""
     return jax.tree_util.tree_map_with_path(lambda path, x: fn(x) if _is_block_leaf(path) else x, tree)
