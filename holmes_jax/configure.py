@@ -113,6 +113,29 @@ def operative_config(cfgs: Configs) -> str:
     return text
 
 
+def _bindings(text: str) -> dict[str, str]:
+    """'Class.field' -> its value as written, from a config.gin (a value gin wraps over several
+    lines is joined)."""
+    found, name = {}, None
+    for line in text.splitlines():
+        if m := re.match(r"^(\w+\.\w+) = (.*)$", line):
+            name, found[m[1]] = m[1], m[2]
+        elif name and line[:1].isspace():
+            found[name] += " " + line.strip()
+        else:
+            name = None
+    return found
+
+
+def changed_settings(old: str, new: str) -> list[str]:
+    """'Class.field OLD -> NEW' for each setting that differs between two config.gin texts, but
+    `TrainConfig.stop_after`, which a run ended early and resumed changes by design."""
+    before, after = _bindings(old), _bindings(new)
+    return [f"{k} {before.get(k, '(unset)')} -> {after.get(k, '(unset)')}"
+            for k in sorted(before.keys() | after.keys())
+            if before.get(k) != after.get(k) and k != "TrainConfig.stop_after"]
+
+
 def field_meanings() -> dict[str, str]:
     """'Class.field' -> the trailing `# comment` of its line in holmes_jax/config.py (the one place
     a field's meaning is written down)."""

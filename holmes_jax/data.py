@@ -3,7 +3,8 @@
 Sources (`DataConfig.source`):
 - `stdlib`: the `.py` files of this Python's standard library, read as bytes (vocab 256), in sorted
   path order. Every Python install has them, so the default run downloads nothing.
-- a text file, or a folder of text files (all files under it, sorted), read as bytes.
+- a text file, or a folder of text files (the files under it, sorted, without hidden paths and
+  binary files, as `prepare` reads a folder), read as bytes.
 - a flat token file ending in `.bin`: a headerless little-endian array of `DataConfig.token_dtype`
   (uint16 or uint32) token ids, e.g. written with `np.asarray(ids, np.uint16).tofile(path)`;
   `DataConfig.vocab_size` gives its vocabulary (default: unknown; its ids are scanned once).
@@ -15,7 +16,8 @@ Sources (`DataConfig.source`):
 `ModelConfig.vocab_size` is set; byte text declares none, so a preset keeps its own (every preset
 has at least 256); `TokenData.check_model_vocab` rejects a model too small for the ids.
 
-Text is cached as a uint8 memmap under `DataConfig.cache_dir`, keyed by the file list and sizes.
+Text is cached as a uint8 memmap under `DataConfig.cache_dir`, keyed by the files' absolute paths,
+sizes and modification times, so an edited file or another folder of the same name is read anew.
 The last `val_fraction` of the tokens is the validation split. The batch for step k is a pure
 function of (seed, split, k), so a resumed run sees exactly the batches an uninterrupted one would.
 """
@@ -78,23 +80,35 @@ def _stdlib_files() -> list[Path]:
     return sorted(p for p in root.rglob("*.py") if not skip.intersection(p.relative_to(root).parts))
 
 
-def _text_files(source: str) -> list[Path]:
+def _text_files(source: str) -> tuple[list[Path], int]:
+    """The files of a text source and how many binary files of its folder were skipped."""
     path = Path(source).expanduser()
     if path.is_file():
-        return [path]
+        return [path], 0
     if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file())
-        if files:
-            return files
-        raise ConfigError(f"DataConfig.source = {source!r} is a folder with no files in it")
+        files = prepare.folder_files(path)
+        text = [f for f in files if not _binary_file(f)]
+        if text:
+            return text, len(files) - len(text)
+        what = "only binary files in it" if files else "no files in it (hidden ones are skipped)"
+        raise ConfigError(f"DataConfig.source = {source!r} is a folder with {what}")
     raise ConfigError(f"DataConfig.source = {source!r} is not a readable file or folder; use 'stdlib', a text file or folder, a prepared folder or a .bin token file")
 
 
+def _binary_file(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return prepare.is_binary(f.read(prepare.BINARY_SNIFF))
+    except OSError as e:
+        raise ConfigError(f"DataConfig.source: {str(path)!r} cannot be read ({e.strerror or e})") from None
+
+
 def _cached_bytes(files: list[Path], cache_dir: Path, source: str) -> np.ndarray:
-    """Concatenates `files` into one uint8 memmap, built once per distinct file list."""
+    """Concatenates `files` into one uint8 memmap, built once per distinct list of files and versions."""
     key = hashlib.sha256()
     for f in files:
-        key.update(f"{f}\0{f.stat().st_size}\0".encode())
+        stat = f.stat()
+        key.update(f"{f.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}\0".encode())
     if not any(f.stat().st_size for f in files):
         raise ConfigError(f"DataConfig.source = {source!r} holds no text: its files are empty")
     cache = cache_dir / f"bytes-{key.hexdigest()[:16]}.u8"
@@ -156,10 +170,10 @@ def read_meta(folder: Path) -> dict:
 def vocab_size(cfg: DataConfig) -> int | None:
     """The vocabulary the data declares, known without reading tokens: a prepared folder's, a
     `.bin`'s `DataConfig.vocab_size`; None for byte text and for a `.bin` without one."""
-    if cfg.source.endswith(".bin"):
-        return cfg.vocab_size
     folder = None if cfg.source == "stdlib" else _prepared(cfg.source)
-    return read_meta(folder)["vocab_size"] if folder else None
+    if folder:
+        return read_meta(folder)["vocab_size"]
+    return cfg.vocab_size if cfg.source.endswith(".bin") else None
 
 
 def padded_vocab(n: int, multiple: int = 128) -> int:
@@ -170,10 +184,11 @@ def padded_vocab(n: int, multiple: int = 128) -> int:
 def load(cfg: DataConfig) -> TokenData:
     cache_dir = Path(cfg.cache_dir or Path.home() / ".cache" / "holmes_jax").expanduser()
     declared = True
+    folder = None if cfg.source == "stdlib" else _prepared(cfg.source)  # a folder may be named x.bin
     if cfg.source == "stdlib":
         tokens = _cached_bytes(_stdlib_files(), cache_dir, cfg.source)
         vocab, what = BYTE_VOCAB, "python stdlib sources (bytes)"
-    elif cfg.source.endswith(".bin"):
+    elif cfg.source.endswith(".bin") and not folder:
         path = Path(cfg.source).expanduser()
         tokens = _token_file(path, cfg.token_dtype, cfg.source)
         top = _max_id(tokens)
@@ -182,7 +197,7 @@ def load(cfg: DataConfig) -> TokenData:
                               f"DataConfig.vocab_size = {cfg.vocab_size}; set it to at least {top + 1}")
         vocab, declared = cfg.vocab_size or top + 1, cfg.vocab_size is not None
         what = f"token file {path} ({cfg.token_dtype})"
-    elif folder := _prepared(cfg.source):
+    elif folder:
         meta = read_meta(folder)
         if cfg.vocab_size is not None and cfg.vocab_size != meta["vocab_size"]:
             raise ConfigError(f"DataConfig.vocab_size = {cfg.vocab_size} disagrees with {folder / META_FILE} "
@@ -194,13 +209,16 @@ def load(cfg: DataConfig) -> TokenData:
         vocab = meta["vocab_size"]
         what = f"prepared {folder} ({meta['tokenizer']} tokenizer, vocabulary {vocab}, {meta['documents']:,} documents)"
     else:
-        tokens = _cached_bytes(_text_files(cfg.source), cache_dir, cfg.source)
-        vocab, what = BYTE_VOCAB, f"text {cfg.source} (bytes)"
-    n_val = max(int(len(tokens) * cfg.val_fraction), cfg.seq_len + 1)
-    if len(tokens) - n_val < cfg.seq_len + 1:
+        files, skipped = _text_files(cfg.source)
+        tokens = _cached_bytes(files, cache_dir, cfg.source)
+        skip_note = f", binary files skipped: {skipped}" if skipped else ""
+        vocab, what = BYTE_VOCAB, f"text {cfg.source} (bytes{skip_note})"
+    span = cfg.seq_len + 1
+    n_val = max(int(len(tokens) * cfg.val_fraction), span)
+    if len(tokens) - n_val < span:
         raise ConfigError(
             f"DataConfig.source = {cfg.source!r} holds {len(tokens)} tokens, too few for DataConfig.seq_len = "
-            f"{cfg.seq_len} with a validation split"
+            f"{cfg.seq_len} with a validation split: each split needs seq_len + 1 = {span}, so at least {2 * span} tokens"
         )
     return TokenData(tokens[:-n_val], tokens[-n_val:], vocab, f"{what}: {len(tokens):,} tokens", cfg.source, declared)
 

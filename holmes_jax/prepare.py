@@ -14,7 +14,8 @@ Tokenizers (T):
 
 DIR gets `tokens.bin` (every document followed by end-of-text, little-endian uint16 when the
 vocabulary fits, else uint32), `tokenizer.json` (not for bytes) and `meta.json`. It is written
-to a temporary folder beside DIR and renamed, so a failure leaves no half-written DIR.
+to a temporary folder beside DIR and renamed (into an existing empty DIR, its files are moved,
+meta.json last), so a failure leaves no half-written DIR.
 """
 
 from __future__ import annotations
@@ -78,6 +79,17 @@ class Progress:
             self.stream.write("\n")
 
 
+def folder_files(folder: Path) -> list[Path]:
+    """The files under `folder`, sorted, without hidden paths (a `.git` folder, say)."""
+    return sorted(f for f in folder.rglob("*") if f.is_file()
+                  and not any(part.startswith(".") for part in f.relative_to(folder).parts))
+
+
+def is_binary(head: bytes) -> bool:
+    """Whether a file starting with `head` is binary (a NUL byte in its first 8 KiB, as git decides)."""
+    return b"\0" in head[:BINARY_SNIFF]
+
+
 def input_files(sources: list[str]) -> list[Path]:
     files = []
     for source in sources:
@@ -85,8 +97,7 @@ def input_files(sources: list[str]) -> list[Path]:
         if path.is_file():
             files.append(path)
         elif path.is_dir():
-            files += sorted(f for f in path.rglob("*") if f.is_file()
-                            and not any(part.startswith(".") for part in f.relative_to(path).parts))
+            files += folder_files(path)
         else:
             raise ConfigError(f"SRC {source!r} is not a readable file or folder; "
                               "give text files, folders or .jsonl files")
@@ -107,7 +118,7 @@ def documents(files: list[Path], progress: Progress) -> Iterator[bytes]:
         except OSError as e:
             raise ConfigError(f"SRC {str(f)!r} cannot be read: {e.strerror or e}") from None
         progress.advance(len(text))
-        if b"\0" in text[:BINARY_SNIFF]:
+        if is_binary(text):
             progress.binary_files += 1
         elif text:
             yield text
@@ -118,8 +129,8 @@ def _jsonl_documents(f: Path, lines, progress: Progress) -> Iterator[bytes]:
         progress.advance(len(line))
         if not line.strip():
             continue
-        try:
-            text = json.loads(line).get("text")
+        try:  # bytes that are not UTF-8 become U+FFFD, as in text files
+            text = json.loads(line.decode("utf-8", "replace")).get("text")
         except (ValueError, AttributeError):
             text = None
         if not isinstance(text, str):
@@ -147,6 +158,9 @@ class HFTokenizer:
         if eot is None:
             tokenizer.add_special_tokens([EOT_TEXT])
             eot, vocab = EOT_TEXT, tokenizer.get_vocab(with_added_tokens=True)
+        # A "<|endoftext|>" (or any special token) written in the text is text: only the separator
+        # this module puts after each document is the end-of-text id.
+        tokenizer.encode_special_tokens = True
         self.tokenizer, self.eot_id, self.vocab_size = tokenizer, vocab[eot], max(vocab.values()) + 1
 
     def encode(self, docs: list[bytes]) -> list[np.ndarray]:
@@ -221,7 +235,9 @@ def _batches(docs: Iterator[bytes], limit: int) -> Iterator[list[bytes]]:
 
 def prepare(sources: list[str], out: str, spec: str) -> dict:
     """Tokenizes `sources` with tokenizer `spec` into the folder `out`; returns its meta.json."""
-    out_path = Path(out).expanduser()
+    if not out:
+        raise ConfigError("--out '' is not allowed; allowed: a new or empty folder")
+    out_path = Path(out).expanduser().resolve()  # `.` has no name to put the temporary folder beside
     files = input_files(sources)
     total = sum(f.stat().st_size for f in files)
     tmp = _writable_temp_dir(out_path)
@@ -243,9 +259,13 @@ def prepare(sources: list[str], out: str, spec: str) -> dict:
                 "documents": progress.documents, "tokens": progress.tokens, "eot_id": tokenizer.eot_id,
                 "sources": [str(s) for s in sources], "binary_files_skipped": progress.binary_files}
         (tmp / META_FILE).write_text(json.dumps(meta, indent=1) + "\n")
-        if out_path.exists():
-            out_path.rmdir()  # empty (checked above); rename cannot replace a folder on every OS
-        os.replace(tmp, out_path)
+        if out_path.exists():  # empty (checked above), perhaps a shell's working folder: fill it, meta.json last
+            for name in (TOKEN_FILE, TOKENIZER_FILE, META_FILE):
+                if (tmp / name).exists():
+                    os.replace(tmp / name, out_path / name)
+            tmp.rmdir()
+        else:
+            os.replace(tmp, out_path)
     except OSError as e:  # reading errors are ConfigErrors already: this is the output side
         shutil.rmtree(tmp, ignore_errors=True)
         raise ConfigError(f"--out {str(out_path)!r} cannot be written: {e.strerror or e}") from None
@@ -253,3 +273,8 @@ def prepare(sources: list[str], out: str, spec: str) -> dict:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return meta
+
+
+if __name__ == "__main__":  # the command lives in holmes_jax.data, beside the other data tools
+    print("error: the command is python -m holmes_jax.data prepare SRC ... --out DIR", file=sys.stderr)
+    sys.exit(2)

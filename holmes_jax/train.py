@@ -148,7 +148,12 @@ def _resume_and_train(cfgs: Configs, setup: Setup, token_data, workdir: Path, ck
     else:
         state, start = setup.init_state(), 0
     if lead:  # only now: a checkpoint that does not fit must not leave this run's config behind
-        (workdir / "config.gin").write_text(configure.operative_config(cfgs))
+        settings, saved = configure.operative_config(cfgs), workdir / "config.gin"
+        if restored and saved.is_file() and (changed := configure.changed_settings(saved.read_text(), settings)):
+            # Legitimate (a longer run, a new learning rate), but new data or seq_len means other
+            # batches than an uninterrupted run's: say which, before config.gin forgets the old.
+            say(f"resumed with settings changed since the checkpointed run: {'; '.join(changed)}")
+        saved.write_text(settings)
         (workdir / "plan.json").write_text(setup.plan.to_json(indent=1))  # what `holmes_jax.report` compares against
     last = min(tcfg.steps, tcfg.stop_after or tcfg.steps)
     if start >= last:

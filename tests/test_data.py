@@ -1,4 +1,5 @@
 import dataclasses
+import os
 
 import numpy as np
 import pytest
@@ -50,7 +51,7 @@ def test_missing_sources_are_config_errors(source, tmp_path):
 
 def test_corpus_too_small_is_a_config_error(tmp_path):
     (tmp_path / "t.txt").write_bytes(b"xy" * 10)
-    with pytest.raises(ConfigError, match="too few"):
+    with pytest.raises(ConfigError, match="too few .* each split needs seq_len \\+ 1 = 65, so at least 130 tokens"):
         data.load(DataConfig(source=str(tmp_path / "t.txt"), seq_len=64, cache_dir=str(tmp_path)))
 
 
@@ -167,3 +168,32 @@ def test_train_exits_2_with_one_error_line_on_bad_token_files(tmp_path, case):
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: ") and names in lines[0], r.stderr
     assert not workdir.exists()
+
+
+def test_the_text_cache_reads_an_edited_file_and_another_folder_of_the_same_name_anew(tmp_path, monkeypatch):
+    cache = str(tmp_path / "cache")
+    for project, letter in (("p1", b"A"), ("p2", b"B")):
+        _write(tmp_path / project / "corpus" / "a.txt", letter * 400)
+    for project, letter in (("p1", b"A"), ("p2", b"B")):  # the same relative name and size
+        monkeypatch.chdir(tmp_path / project)
+        tokens = data.load(DataConfig(source="corpus", seq_len=8, cache_dir=cache))
+        assert set(np.unique(tokens.train)) == {letter[0]}
+    edited = tmp_path / "p2" / "corpus" / "a.txt"
+    edited.write_bytes(b"C" * 400)  # same size; a later modification time, as an editor leaves it
+    later = edited.stat().st_mtime_ns + 10**9
+    os.utime(edited, ns=(later, later))
+    tokens = data.load(DataConfig(source="corpus", seq_len=8, cache_dir=cache))
+    assert set(np.unique(tokens.train)) == {ord("C")}
+
+
+def test_a_text_folder_skips_hidden_paths_and_binary_files(tmp_path):
+    corpus = tmp_path / "repo"
+    _write(corpus / "notes.txt", b"notes " * 100)
+    _write(corpus / ".git" / "objects" / "ab", b"git internals " * 100)
+    _write(corpus / "model.bin.dat", b"\x00\x01" * 300)
+    tokens = data.load(DataConfig(source=str(corpus), seq_len=8, cache_dir=str(tmp_path / "cache")))
+    assert len(tokens.train) + len(tokens.val) == 600
+    assert "binary files skipped: 1" in tokens.description
+    (corpus / "notes.txt").unlink()
+    with pytest.raises(ConfigError, match="is a folder with only binary files in it"):
+        data.load(DataConfig(source=str(corpus), seq_len=8, cache_dir=str(tmp_path / "cache")))

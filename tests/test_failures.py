@@ -197,6 +197,18 @@ def test_a_damaged_checkpoint_is_set_aside_and_the_one_before_used(tmp_path, cap
         assert got[step] == pytest.approx(loss, abs=1e-6), step
 
 
+def test_a_resume_with_other_settings_names_them_before_config_gin_is_rewritten(tmp_path, capsys):
+    train.run(small_configs(tmp_path, *ONE_DEVICE, "--gin.TrainConfig.stop_after=2", "--gin.CheckpointConfig.every=2"),
+              devices=jax.devices()[:1], quiet=True)
+    capsys.readouterr()
+    train.run(small_configs(tmp_path, *ONE_DEVICE, "--gin.CheckpointConfig.every=2", "--gin.TrainConfig.steps=3",
+                            "--gin.DataConfig.seq_len=16"), devices=jax.devices()[:1])
+    said = capsys.readouterr().out.splitlines()  # stop_after, which ended the first run, is not named
+    assert ("resumed with settings changed since the checkpointed run: "
+            "DataConfig.seq_len 32 -> 16; TrainConfig.steps 6 -> 3") in said, said
+    assert "DataConfig.seq_len = 16" in (tmp_path / "config.gin").read_text()
+
+
 def test_no_readable_checkpoint_is_a_run_error(tmp_path):
     _run(tmp_path, "--gin.TrainConfig.steps=1")
     _damage_metadata(tmp_path / "checkpoints" / "1")

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from holmes_jax import cli, data, prepare
-from holmes_jax.config import ConfigError
+from holmes_jax.config import ConfigError, DataConfig
 from helpers import read_metrics, small_configs
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
@@ -140,6 +140,41 @@ def test_jsonl_lines_are_documents_and_a_tokenizer_without_end_of_text_gets_one(
     assert tok.token_to_id("<|endoftext|>") == 270
     _, docs = _documents(tmp_path / "out")
     assert [tok.decode(d[:-1].tolist()) for d in docs] == ["first document", "second, with ünïcode"]
+
+
+@pytest.mark.parametrize("spec", ["bpe:300", "tokenizer.json"])
+def test_end_of_text_written_in_the_text_is_text_not_a_document_break(tmp_path, spec):
+    text = 'SEPARATOR = "<|endoftext|>"  # and </s> too\n' * 20
+    (tmp_path / "src.py").write_text(text)
+    if spec == "tokenizer.json":
+        spec = str(_train_hf_tokenizer(tmp_path / "tok.json", [text] * 5, ["</s>", "<|endoftext|>"], size=300))
+    meta = prepare.prepare([str(tmp_path / "src.py")], str(tmp_path / "out"), spec)
+    meta, docs = _documents(tmp_path / "out")
+    assert meta["documents"] == len(docs) == 1
+    from tokenizers import Tokenizer
+
+    assert Tokenizer.from_file(str(tmp_path / "out" / "tokenizer.json")).decode(docs[0][:-1].tolist()) == text
+
+
+def test_jsonl_bytes_that_are_not_utf8_become_replacement_characters(tmp_path):
+    (tmp_path / "docs.jsonl").write_bytes(b'{"text": "caf\xe9"}\n{"text": "ok"}\n')
+    prepare.prepare([str(tmp_path / "docs.jsonl")], str(tmp_path / "out"), "bytes")
+    _, docs = _documents(tmp_path / "out")
+    assert [bytes(d[:-1].astype(np.uint8)).decode() for d in docs] == ["caf\ufffd", "ok"]
+
+
+def test_out_may_be_the_empty_working_folder_and_a_folder_named_like_a_token_file(tmp_path, monkeypatch):
+    (tmp_path / "text.txt").write_text("some text " * 50)
+    (tmp_path / "here").mkdir()
+    monkeypatch.chdir(tmp_path / "here")
+    code, _, err = _cli("prepare", str(tmp_path / "text.txt"), "--out", ".")
+    assert code == 0, err
+    assert sorted(p.name for p in (tmp_path / "here").iterdir()) == ["meta.json", "tokens.bin"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["here", "text.txt"]  # no temporary folder left
+    prepare.prepare([str(tmp_path / "text.txt")], str(tmp_path / "corpus.bin"), "bytes")
+    tokens = data.load(DataConfig(source=str(tmp_path / "corpus.bin"), seq_len=8))
+    assert tokens.vocab_size == 257 and "prepared" in tokens.description
+    assert data.vocab_size(DataConfig(source=str(tmp_path / "corpus.bin"))) == 257
 
 
 def test_progress_line_reports_bytes_documents_and_tokens(monkeypatch):
