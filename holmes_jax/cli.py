@@ -11,9 +11,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import shutil
 import signal
 import sys
-from typing import Callable, NoReturn
+from pathlib import Path
+from typing import Callable, Iterator, NoReturn
 
 from holmes_jax.config import ConfigError
 
@@ -72,3 +76,36 @@ def non_negative_int(text: str) -> int:
     if not text.isdigit():
         raise argparse.ArgumentTypeError(f"{text!r} is not allowed; allowed: a non-negative integer")
     return int(text)
+
+
+def new_folder(out: str | Path) -> Path:
+    """`out` (absolute) once it is free for a command's `--out`: new, or an empty folder; ConfigError otherwise."""
+    if not str(out):
+        raise ConfigError("--out '' is not allowed; allowed: a new or empty folder")
+    path = Path(out).expanduser().resolve()  # `.` has no name to put a temporary folder beside
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise ConfigError(f"--out {str(path)!r} already exists and is not an empty folder; remove it or choose another")
+    return path
+
+
+@contextlib.contextmanager
+def output_folder(out: str | Path, last: str) -> Iterator[Path]:
+    """Yields a temporary folder beside `out` (see `new_folder`) to write into, then moves it to
+    `out`: one rename, or into an existing empty folder (the working one, say) file by file with
+    `last`, the file readers look for, last. A failure leaves no `out` and no temporary folder."""
+    path = new_folder(out)
+    tmp = path.parent / f".{path.name}.{os.getpid()}.tmp"  # ours by name: a leftover of a killed run
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        yield tmp
+        if path.exists():
+            for f in sorted(tmp.iterdir(), key=lambda f: f.name == last):
+                os.replace(f, path / f.name)
+        else:
+            os.replace(tmp, path)
+    except OSError as e:  # the output side: readers report their own errors
+        raise ConfigError(f"--out {str(path)!r} cannot be written: {e.strerror or e}") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -37,7 +37,7 @@ import numpy as np
 
 from holmes_jax import cli, prepare
 from holmes_jax.config import ConfigError, DataConfig
-from holmes_jax.prepare import BYTE_VOCAB, META_FILE, TOKEN_FILE
+from holmes_jax.prepare import BYTE_VOCAB, META_FILE, TOKEN_FILE, TOKENIZER_FILE
 
 SCAN_CHUNK = 1 << 24  # token ids read at a time when scanning a file for its largest id
 
@@ -174,6 +174,12 @@ def vocab_size(cfg: DataConfig) -> int | None:
     if folder:
         return read_meta(folder)["vocab_size"]
     return cfg.vocab_size if cfg.source.endswith(".bin") else None
+
+
+def tokenizer_path(cfg: DataConfig) -> Path | None:
+    """The tokenizer.json of a prepared source that has one (bytes have none)."""
+    folder = None if cfg.source == "stdlib" else _prepared(cfg.source)
+    return folder / TOKENIZER_FILE if folder and (folder / TOKENIZER_FILE).is_file() else None
 
 
 def padded_vocab(n: int, multiple: int = 128) -> int:

@@ -103,8 +103,14 @@ def _fields(hf: dict) -> dict:
 
 def check_fits(hf: dict, cfg: ModelConfig) -> None:
     """ConfigError naming every ModelConfig field that differs from what config.json describes."""
+    try:
+        fields = _fields(hf)
+    except KeyError as e:
+        raise ConfigError(f"ModelConfig.init_from: config.json has no {e.args[0]!r}") from None
+    except (TypeError, AttributeError) as e:  # a field null or of another type
+        raise ConfigError(f"ModelConfig.init_from: config.json has a field of the wrong type ({e})") from None
     wrong = []
-    for name, want in _fields(hf).items():
+    for name, want in fields.items():
         have = getattr(cfg, name)
         same = math.isclose(have, want, rel_tol=1e-9) if isinstance(want, float) else have == want
         if not same:
@@ -181,6 +187,9 @@ def from_hf(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict:
     def take(name: str, shape: tuple) -> np.ndarray:
         if name not in tensors:
             raise ConfigError(f"ModelConfig.init_from: the model has no tensor {name!r}")
+        if not np.issubdtype(tensors[name].dtype, np.floating) and tensors[name].dtype.name != "bfloat16":
+            raise ConfigError(f"ModelConfig.init_from: tensor {name!r} is {tensors[name].dtype}; "
+                              f"allowed: float32, float16, bfloat16")
         x = np.asarray(tensors[name], np.float32)
         if x.shape != shape:
             raise ConfigError(f"ModelConfig.init_from: tensor {name!r} is {x.shape}, the ModelConfig needs {shape}")
@@ -217,7 +226,10 @@ def _tensor_files(folder: Path) -> list[Path]:
     """model.safetensors, or every shard a model.safetensors.index.json lists."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ConfigError(f"ModelConfig.init_from: {str(index)!r} has no weight_map")
+        names = sorted(set(weight_map.values()))
     else:
         names = ["model.safetensors"]
     for name in names:
@@ -233,9 +245,19 @@ def check_hf_folder(folder: str | Path, cfg: ModelConfig) -> Path:
     if not (folder / "config.json").is_file():
         raise ConfigError(f"ModelConfig.init_from = {str(folder)!r} is not allowed; allowed: a Hugging Face model "
                           f"folder with config.json and model.safetensors")
-    check_fits(json.loads((folder / "config.json").read_text()), cfg)
+    check_fits(_read_json(folder / "config.json"), cfg)
     _tensor_files(folder)
     return folder
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        found = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"ModelConfig.init_from: {str(path)!r} cannot be read as JSON ({e})") from None
+    if not isinstance(found, dict):
+        raise ConfigError(f"ModelConfig.init_from: {str(path)!r} holds no JSON object")
+    return found
 
 
 def import_hf(folder: str | Path, cfg: ModelConfig) -> dict:
@@ -247,23 +269,27 @@ def import_hf(folder: str | Path, cfg: ModelConfig) -> dict:
 
 
 def save_hf(params: dict, cfg: ModelConfig, out: str | Path, tokenizer: Path | None = None) -> Path:
-    """Writes `params` of `cfg` as a Hugging Face folder `out` (and copies `tokenizer`, a tokenizer.json)."""
+    """Writes `params` of `cfg` as a Hugging Face folder `out`, which must be new or empty (and
+    copies `tokenizer`, a tokenizer.json); returns its absolute path."""
     config = hf_config(cfg)
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    safetensors.numpy.save_file(to_hf(params, cfg), out / "model.safetensors", metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    if tokenizer is not None:
-        shutil.copyfile(tokenizer, out / "tokenizer.json")
-    return out
+    with cli.output_folder(out, last="config.json") as tmp:
+        try:
+            safetensors.numpy.save_file(to_hf(params, cfg), tmp / "model.safetensors", metadata={"format": "pt"})
+        except safetensors.SafetensorError as e:  # a full disk, say: its I/O errors come wrapped
+            raise OSError(str(e)) from None
+        if tokenizer is not None:
+            shutil.copyfile(tokenizer, tmp / "tokenizer.json")
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return Path(out).expanduser().resolve()
 
 
 def export(workdir: str | Path, out: str | Path, step: int | None = None) -> Path:
     """Writes checkpoint `step` (default the newest) of the run in `workdir` to the folder `out`."""
     cfg, data = inference.read_configs(workdir)
-    architecture(cfg)  # before the restore: an unexportable config fails fast
+    architecture(cfg)  # before the restore: an unexportable config or a taken --out fails fast
+    cli.new_folder(out)
     params, _ = inference.restore_params(workdir, cfg, step, jax.devices("cpu")[0])
-    return save_hf(params, cfg, out, inference.tokenizer_file(data))
+    return save_hf(params, cfg, out, inference.tokenizer_file(workdir, data))
 
 
 def main(argv: list[str]) -> int:
@@ -274,7 +300,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--step", type=cli.non_negative_int, help="the checkpoint's step (default: the newest)")
     args = p.parse_args(argv)
     out = export(args.workdir, args.out, args.step)
-    print(f"wrote {out}: {', '.join(sorted(f.name for f in out.iterdir()))}")
+    print(f"wrote {args.out}: {', '.join(sorted(f.name for f in out.iterdir()))}")
     return 0
 
 

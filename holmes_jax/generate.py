@@ -63,8 +63,9 @@ def _last_logits(model: gpt.GPT, params: dict, tokens: jax.Array, n: jax.Array) 
 def _sample(logits: np.ndarray, temperature: float, top_k: int | None, rng: np.random.Generator) -> int:
     if top_k is not None and top_k < len(logits):
         logits = np.where(logits >= np.sort(logits)[-top_k], logits, -np.inf)
-    z = logits / temperature
-    p = np.exp(z - z.max())
+    logits = np.asarray(logits, np.float64)  # a tiny temperature is 0 in float32
+    with np.errstate(over="ignore"):  # the largest at 0 first: the rest may go to -inf, never NaN
+        p = np.exp((logits - logits.max()) / temperature)
     return int(rng.choice(len(p), p=p / p.sum()))
 
 

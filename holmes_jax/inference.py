@@ -23,6 +23,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from holmes_jax import configure
+from holmes_jax import data as data_sources
 from holmes_jax.config import ConfigError, DataConfig, ModelConfig
 from holmes_jax.models import gpt
 
@@ -61,10 +62,11 @@ def restore_params(workdir: str | Path, cfg: ModelConfig, step: int | None = Non
     return params, step
 
 
-def tokenizer_file(data: DataConfig) -> Path | None:
-    """The tokenizer.json of a run's prepared data folder, if it has one (else the run read bytes)."""
-    path = Path(data.source).expanduser() / "tokenizer.json"
-    return path if path.is_file() else None
+def tokenizer_file(workdir: str | Path, data: DataConfig) -> Path | None:
+    """The tokenizer.json a run trained with: the copy in its workdir, else (a run from before
+    runs kept one) its data folder's, found from here; None when the run read bytes."""
+    kept = Path(workdir) / "tokenizer.json"
+    return kept if kept.is_file() else data_sources.tokenizer_path(data)
 
 
 @dataclasses.dataclass
@@ -97,7 +99,7 @@ def load(workdir: str | Path, step: int | None = None) -> Model:
     cfg, data = read_configs(workdir)
     params, step = restore_params(workdir, cfg, step)
     tokenizer = None
-    path = tokenizer_file(data)
+    path = tokenizer_file(workdir, data)
     if path is not None:
         import tokenizers
 

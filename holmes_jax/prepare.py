@@ -21,8 +21,6 @@ meta.json last), so a failure leaves no half-written DIR.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -30,6 +28,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from holmes_jax import cli
 from holmes_jax.config import ConfigError
 
 # The prepared folder's format, which holmes_jax.data reads.
@@ -207,19 +206,6 @@ def make_tokenizer(spec: str, docs: Callable[[Progress], Iterator[bytes]], total
         raise ConfigError(f"--tokenizer {spec!r}: not a tokenizer.json the tokenizers library reads ({e})") from None
 
 
-def _writable_temp_dir(out: Path) -> Path:
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ConfigError(f"--out {str(out)!r} already exists and is not an empty folder; remove it or choose another")
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.parent / f".{out.name}.{os.getpid()}.tmp"  # ours by name: a leftover of a killed run
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        return tmp
-    except OSError as e:
-        raise ConfigError(f"--out {str(out)!r} cannot be written: {e.strerror or e}") from None
-
-
 def _batches(docs: Iterator[bytes], limit: int) -> Iterator[list[bytes]]:
     """`docs` in lists of about `limit` bytes."""
     batch, size = [], 0
@@ -235,13 +221,10 @@ def _batches(docs: Iterator[bytes], limit: int) -> Iterator[list[bytes]]:
 
 def prepare(sources: list[str], out: str, spec: str) -> dict:
     """Tokenizes `sources` with tokenizer `spec` into the folder `out`; returns its meta.json."""
-    if not out:
-        raise ConfigError("--out '' is not allowed; allowed: a new or empty folder")
-    out_path = Path(out).expanduser().resolve()  # `.` has no name to put the temporary folder beside
+    cli.new_folder(out)  # before the reading and tokenizing
     files = input_files(sources)
     total = sum(f.stat().st_size for f in files)
-    tmp = _writable_temp_dir(out_path)
-    try:
+    with cli.output_folder(out, last=META_FILE) as tmp:
         tokenizer = make_tokenizer(spec, lambda progress: documents(files, progress), total)
         dtype = np.dtype("<u2" if tokenizer.vocab_size <= 1 << 16 else "<u4")
         progress = Progress("tokenizing", total)
@@ -259,19 +242,6 @@ def prepare(sources: list[str], out: str, spec: str) -> dict:
                 "documents": progress.documents, "tokens": progress.tokens, "eot_id": tokenizer.eot_id,
                 "sources": [str(s) for s in sources], "binary_files_skipped": progress.binary_files}
         (tmp / META_FILE).write_text(json.dumps(meta, indent=1) + "\n")
-        if out_path.exists():  # empty (checked above), perhaps a shell's working folder: fill it, meta.json last
-            for name in (TOKEN_FILE, TOKENIZER_FILE, META_FILE):
-                if (tmp / name).exists():
-                    os.replace(tmp / name, out_path / name)
-            tmp.rmdir()
-        else:
-            os.replace(tmp, out_path)
-    except OSError as e:  # reading errors are ConfigErrors already: this is the output side
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise ConfigError(f"--out {str(out_path)!r} cannot be written: {e.strerror or e}") from None
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return meta
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import shutil
 import signal
 import tempfile
 import time
@@ -154,6 +155,8 @@ def _resume_and_train(cfgs: Configs, setup: Setup, token_data, workdir: Path, ck
             # batches than an uninterrupted run's: say which, before config.gin forgets the old.
             say(f"resumed with settings changed since the checkpointed run: {'; '.join(changed)}")
         saved.write_text(settings)
+        if tokenizer := data.tokenizer_path(cfgs.data):  # export and generate find it here, from any folder
+            shutil.copyfile(tokenizer, workdir / "tokenizer.json")
         (workdir / "plan.json").write_text(setup.plan.to_json(indent=1))  # what `holmes_jax.report` compares against
     last = min(tcfg.steps, tcfg.stop_after or tcfg.steps)
     if start >= last:

@@ -12,7 +12,7 @@ import pytest
 import safetensors.numpy
 
 from helpers import REPO, run_module, small_configs
-from holmes_jax import build, export, generate, inference, train
+from holmes_jax import build, export, generate, inference, prepare, train
 from holmes_jax.config import ConfigError, ModelConfig
 from holmes_jax.models import gpt, presets
 
@@ -32,13 +32,13 @@ def _tokenizer_json(text: str, path) -> None:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    """A run of two steps, checkpointed at both, on a data folder that has a tokenizer.json."""
+    """A run of two steps, checkpointed at both, on a prepared data folder with a tokenizer.json."""
     root = tmp_path_factory.mktemp("run")
     folder = root / "data"
-    folder.mkdir()
     text = (REPO / "holmes_jax" / "train.py").read_text()
-    (folder / "train.txt").write_text(text)
-    _tokenizer_json(text, folder / "tokenizer.json")
+    (root / "train.txt").write_text(text)
+    _tokenizer_json(text, root / "bpe.json")
+    prepare.prepare([str(root / "train.txt")], str(folder), str(root / "bpe.json"))
     cfgs = small_configs(root / "work", *RUN, "--gin.TrainConfig.steps=2", "--gin.CheckpointConfig.every=1",
                          "--gin.ParallelConfig.dp=1", "--gin.TrainConfig.eval_batches=1", f"--gin.DataConfig.source={folder}")
     train.run(cfgs, jax.devices()[:1], quiet=True)
@@ -153,6 +153,51 @@ def test_import_names_every_field_that_does_not_fit(tmp_path):
         export.import_hf(folder, gpt2)
 
 
+def _drop(config: dict, key: str) -> dict:
+    return {k: v for k, v in config.items() if k != key}
+
+
+DAMAGED_FOLDERS = {  # case: (what is written over the saved folder, what the error names)
+    "config.json not JSON": (lambda f, c, t: (f / "config.json").write_text("{broken"), "cannot be read as JSON"),
+    "a field missing": (lambda f, c, t: (f / "config.json").write_text(json.dumps(_drop(c, "intermediate_size"))),
+                        "config.json has no 'intermediate_size'"),
+    "a field null": (lambda f, c, t: (f / "config.json").write_text(json.dumps(c | {"head_dim": None})), "wrong type"),
+    "an index without weight_map": (lambda f, c, t: (f / "model.safetensors.index.json").write_text("{}"),
+                                    "has no weight_map"),
+    "integer tensors": (lambda f, c, t: safetensors.numpy.save_file({k: v.astype(np.int32) for k, v in t.items()},
+                                                                     f / "model.safetensors"),
+                        "allowed: float32, float16, bfloat16"),
+}
+
+
+@pytest.mark.parametrize("case", DAMAGED_FOLDERS)
+def test_a_damaged_folder_is_one_error_naming_what_is_wrong(tmp_path, case):
+    cfg = presets.resolve(ModelConfig(preset="llama-tiny", num_layers=2, hidden=64, ffn_hidden=96))
+    folder, _ = _saved(tmp_path, cfg)
+    damage, names = DAMAGED_FOLDERS[case]
+    damage(folder, json.loads((folder / "config.json").read_text()), safetensors.numpy.load_file(folder / "model.safetensors"))
+    with pytest.raises(ConfigError, match=names):
+        export.import_hf(folder, cfg)
+
+
+def test_export_writes_only_a_new_or_empty_folder(tmp_path):
+    cfg = presets.resolve(ModelConfig(preset="llama-tiny", num_layers=2, hidden=64, ffn_hidden=96))
+    folder, params = _saved(tmp_path, cfg)
+    before = {f.name: f.stat().st_mtime_ns for f in folder.iterdir()}
+    with pytest.raises(ConfigError, match="already exists and is not an empty folder"):
+        export.save_hf(params, cfg, folder)  # an old export's files would be read with the new ones
+    assert {f.name: f.stat().st_mtime_ns for f in folder.iterdir()} == before
+    (tmp_path / "empty").mkdir()
+    assert export.save_hf(params, cfg, tmp_path / "empty") == (tmp_path / "empty").resolve()
+    assert sorted(f.name for f in (tmp_path / "empty").iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["empty", "hf"]  # no temporary folder left
+
+
+def test_a_tiny_temperature_samples_the_largest_logit():
+    rng = np.random.default_rng(0)
+    assert generate._sample(np.array([1.0, 3.0, 2.0], np.float32), 1e-310, None, rng) == 1
+
+
 def test_gpt2_biases_round_trip_as_zeros_and_nonzero_ones_need_bias(tmp_path):
     cfg = presets.resolve(ModelConfig(preset="tiny", num_layers=2, hidden=64, ffn_hidden=96))
     folder, params = _saved(tmp_path, cfg)
@@ -199,7 +244,9 @@ def test_load_gives_the_runs_model(run):
     m = inference.load(run)
     cfg, _ = inference.read_configs(run)
     assert m.config == cfg and m.step == 2
-    assert m.tokenizer is not None and m.tokenizer.get_vocab_size() <= 200
+    assert m.tokenizer.get_vocab_size() == 201  # the data's tokenizer, <|endoftext|> added by prepare
+    # The run keeps a copy: found from any working folder, and after the data folder moves.
+    assert inference.tokenizer_file(run, inference.read_configs(run)[1]) == run / "tokenizer.json"
     params, _ = inference.restore_params(run, cfg)
     jax.tree.map(np.testing.assert_array_equal, m.params, params)
     tokens = np.random.default_rng(0).integers(0, 256, (2, 20))
