@@ -106,10 +106,10 @@ def _binary_file(path: Path) -> bool:
 def _cached_bytes(files: list[Path], cache_dir: Path, source: str) -> np.ndarray:
     """Concatenates `files` into one uint8 memmap, built once per distinct list of files and versions."""
     key = hashlib.sha256()
-    for f in files:
-        stat = f.stat()
+    stats = [f.stat() for f in files]
+    for f, stat in zip(files, stats):
         key.update(f"{f.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}\0".encode())
-    if not any(f.stat().st_size for f in files):
+    if not any(stat.st_size for stat in stats):
         raise ConfigError(f"DataConfig.source = {source!r} holds no text: its files are empty")
     cache = cache_dir / f"bytes-{key.hexdigest()[:16]}.u8"
     if not cache.exists():
@@ -147,9 +147,9 @@ def _max_id(tokens: np.ndarray) -> int:
 
 
 def _prepared(source: str) -> Path | None:
-    """The folder of a prepared source (one holding meta.json), else None."""
+    """The folder of a prepared source (one holding meta.json; a folder may be named x.bin), else None."""
     path = Path(source).expanduser()
-    return path if (path / META_FILE).is_file() else None
+    return path if source != "stdlib" and (path / META_FILE).is_file() else None
 
 
 def read_meta(folder: Path) -> dict:
@@ -170,7 +170,7 @@ def read_meta(folder: Path) -> dict:
 def vocab_size(cfg: DataConfig) -> int | None:
     """The vocabulary the data declares, known without reading tokens: a prepared folder's, a
     `.bin`'s `DataConfig.vocab_size`; None for byte text and for a `.bin` without one."""
-    folder = None if cfg.source == "stdlib" else _prepared(cfg.source)
+    folder = _prepared(cfg.source)
     if folder:
         return read_meta(folder)["vocab_size"]
     return cfg.vocab_size if cfg.source.endswith(".bin") else None
@@ -178,7 +178,7 @@ def vocab_size(cfg: DataConfig) -> int | None:
 
 def tokenizer_path(cfg: DataConfig) -> Path | None:
     """The tokenizer.json of a prepared source that has one (bytes have none)."""
-    folder = None if cfg.source == "stdlib" else _prepared(cfg.source)
+    folder = _prepared(cfg.source)
     return folder / TOKENIZER_FILE if folder and (folder / TOKENIZER_FILE).is_file() else None
 
 
@@ -190,7 +190,7 @@ def padded_vocab(n: int, multiple: int = 128) -> int:
 def load(cfg: DataConfig) -> TokenData:
     cache_dir = Path(cfg.cache_dir or Path.home() / ".cache" / "holmes_jax").expanduser()
     declared = True
-    folder = None if cfg.source == "stdlib" else _prepared(cfg.source)  # a folder may be named x.bin
+    folder = _prepared(cfg.source)
     if cfg.source == "stdlib":
         tokens = _cached_bytes(_stdlib_files(), cache_dir, cfg.source)
         vocab, what = BYTE_VOCAB, "python stdlib sources (bytes)"
