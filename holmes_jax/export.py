@@ -178,47 +178,76 @@ def to_hf(params: dict, cfg: ModelConfig) -> dict[str, np.ndarray]:
     return {name: np.ascontiguousarray(x) for name, x in tensors.items()}
 
 
+def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple]:
+    """Every Hugging Face tensor `cfg` reads, with the shape it must have."""
+    abstract = jax.eval_shape(lambda: gpt.GPT(cfg).init(0))
+    shapes = {}
+    for name, path, layer, transposed in _pairs(cfg):
+        shape = _get(abstract, path).shape[1 if layer is not None else 0:]
+        shapes[name] = shape[::-1] if transposed else shape
+    if architecture(cfg) == GPT2:
+        for i in range(cfg.num_layers):
+            shapes[f"transformer.h.{i}.attn.c_attn.weight"] = (cfg.hidden, 3 * cfg.hidden)
+            if cfg.bias:
+                shapes[f"transformer.h.{i}.attn.c_attn.bias"] = (3 * cfg.hidden,)
+    return shapes
+
+
+def _full_names(found: dict, cfg: ModelConfig) -> dict:
+    """`found` keyed by GPT2LMHeadModel's names also when it was saved from GPT2Model (no prefix)."""
+    if architecture(cfg) == GPT2 and "transformer.wte.weight" not in found:
+        return {"transformer." + k if not k.startswith("lm_head") else k: v for k, v in found.items()}
+    return found
+
+
+_FLOATS = ("float32", "float16", "bfloat16", "float64")
+
+
+def _check_tensors(found: dict[str, tuple[str, tuple]], cfg: ModelConfig, read) -> None:
+    """ConfigError when a tensor `cfg` needs is missing, not floating point or of another shape, or
+    a GPT-2 bias is nonzero while `cfg` has none. `found`: name -> (dtype name, shape) of every
+    tensor there; `read(name)` reads one (only those biases are read)."""
+    for name, shape in _expected_shapes(cfg).items():
+        if name not in found:
+            raise ConfigError(f"ModelConfig.init_from: the model has no tensor {name!r}")
+        dtype, have = found[name]
+        if dtype not in _FLOATS:
+            raise ConfigError(f"ModelConfig.init_from: tensor {name!r} is {dtype}; allowed: float32, float16, bfloat16")
+        if tuple(have) != tuple(shape):
+            raise ConfigError(f"ModelConfig.init_from: tensor {name!r} is {tuple(have)}, the ModelConfig needs "
+                              f"{tuple(shape)}")
+    if architecture(cfg) == GPT2 and not cfg.bias:
+        for i in range(cfg.num_layers):
+            if any(f"transformer.h.{i}.{b}" in found and np.any(read(f"transformer.h.{i}.{b}") != 0)
+                   for b in _GPT2_BIASES):
+                raise ConfigError(f"ModelConfig.bias = False but the GPT-2 model's layer {i} has nonzero biases; "
+                                  f"set ModelConfig.bias = True")
+
+
 def from_hf(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict:
     """Hugging Face tensors -> canonical float32 parameters of `cfg`; ConfigError when a tensor is
     missing or its shape does not fit."""
-    if architecture(cfg) == GPT2 and "transformer.wte.weight" not in tensors:  # saved from GPT2Model
-        tensors = {"transformer." + k if not k.startswith("lm_head") else k: v for k, v in tensors.items()}
-
-    def take(name: str, shape: tuple) -> np.ndarray:
-        if name not in tensors:
-            raise ConfigError(f"ModelConfig.init_from: the model has no tensor {name!r}")
-        if not np.issubdtype(tensors[name].dtype, np.floating) and tensors[name].dtype.name != "bfloat16":
-            raise ConfigError(f"ModelConfig.init_from: tensor {name!r} is {tensors[name].dtype}; "
-                              f"allowed: float32, float16, bfloat16")
-        x = np.asarray(tensors[name], np.float32)
-        if x.shape != shape:
-            raise ConfigError(f"ModelConfig.init_from: tensor {name!r} is {x.shape}, the ModelConfig needs {shape}")
-        return x
-
+    tensors = _full_names(tensors, cfg)
+    _check_tensors({k: (x.dtype.name, x.shape) for k, x in tensors.items()}, cfg, tensors.__getitem__)
     abstract = jax.eval_shape(lambda: gpt.GPT(cfg).init(0))
     params = jax.tree.map(lambda s: np.zeros(s.shape, np.float32), abstract)
     for name, path, layer, transposed in _pairs(cfg):
         leaf = _get(params, path)
-        shape = leaf.shape[1:] if layer is not None else leaf.shape
-        x = take(name, shape[::-1] if transposed else shape)
+        x = np.asarray(tensors[name], np.float32)
         x = x.T if transposed else x
         if layer is None:
             _get(params, path[:-1])[path[-1]] = x
         else:
             leaf[layer] = x
     if architecture(cfg) == GPT2:
-        h, blocks = cfg.hidden, params["blocks"]
+        blocks = params["blocks"]
         for i in range(cfg.num_layers):
             pre = f"transformer.h.{i}."
-            qkv = np.split(take(pre + "attn.c_attn.weight", (h, 3 * h)), 3, axis=1)
-            for p, x in zip("qkv", qkv):
+            for p, x in zip("qkv", np.split(np.asarray(tensors[pre + "attn.c_attn.weight"], np.float32), 3, axis=1)):
                 blocks[p]["kernel"][i] = x
             if cfg.bias:
-                for p, x in zip("qkv", np.split(take(pre + "attn.c_attn.bias", (3 * h,)), 3)):
+                for p, x in zip("qkv", np.split(np.asarray(tensors[pre + "attn.c_attn.bias"], np.float32), 3)):
                     blocks[p]["bias"][i] = x
-            elif any(np.any(tensors.get(pre + name, 0) != 0) for name in _GPT2_BIASES):
-                raise ConfigError(f"ModelConfig.bias = False but the GPT-2 model's layer {i} has nonzero biases; "
-                                  f"set ModelConfig.bias = True")
     return params
 
 
@@ -238,15 +267,35 @@ def _tensor_files(folder: Path) -> list[Path]:
     return [folder / name for name in names]
 
 
+_HEADER_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}  # safetensors' names
+
+
 def check_hf_folder(folder: str | Path, cfg: ModelConfig) -> Path:
-    """`folder` as a Path, once its config.json fits `cfg` and its tensor files are there (a
-    ConfigError otherwise); reads no tensors, so a run checks it before it writes anything."""
+    """`folder` as a Path, once its config.json and its tensors' names, types and shapes fit `cfg`
+    (a ConfigError otherwise). It reads the tensor headers, not the weights (only GPT-2's biases when
+    `cfg` has none), so a run checks its init_from before it writes anything."""
     folder = Path(folder).expanduser()
     if not (folder / "config.json").is_file():
         raise ConfigError(f"ModelConfig.init_from = {str(folder)!r} is not allowed; allowed: a Hugging Face model "
                           f"folder with config.json and model.safetensors")
     check_fits(_read_json(folder / "config.json"), cfg)
-    _tensor_files(folder)
+    found, where = {}, {}
+    for path in _tensor_files(folder):
+        try:
+            with safetensors.safe_open(path, framework="numpy") as f:
+                for name in f.keys():
+                    tensor = f.get_slice(name)
+                    found[name] = (_HEADER_DTYPES.get(tensor.get_dtype(), tensor.get_dtype()), tuple(tensor.get_shape()))
+                    where[name] = path
+        except (OSError, safetensors.SafetensorError) as e:
+            raise ConfigError(f"ModelConfig.init_from: {str(path)!r} cannot be read as safetensors ({e})") from None
+
+    names = _full_names({name: name for name in found}, cfg)  # our name -> the name in the file
+
+    def read(name: str) -> np.ndarray:
+        with safetensors.safe_open(where[names[name]], framework="numpy") as f:
+            return f.get_tensor(names[name])
+    _check_tensors(_full_names(found, cfg), cfg, read)
     return folder
 
 

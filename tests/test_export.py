@@ -167,6 +167,12 @@ DAMAGED_FOLDERS = {  # case: (what is written over the saved folder, what the er
     "integer tensors": (lambda f, c, t: safetensors.numpy.save_file({k: v.astype(np.int32) for k, v in t.items()},
                                                                      f / "model.safetensors"),
                         "allowed: float32, float16, bfloat16"),
+    "not safetensors": (lambda f, c, t: (f / "model.safetensors").write_bytes(b"\x00" * 64), "cannot be read as safetensors"),
+    "a tensor missing": (lambda f, c, t: safetensors.numpy.save_file(_drop(t, "model.layers.1.mlp.up_proj.weight"),
+                                                                      f / "model.safetensors"),
+                         "no tensor 'model.layers.1.mlp.up_proj.weight'"),
+    "a tensor of another shape": (lambda f, c, t: safetensors.numpy.save_file(
+        t | {"model.norm.weight": np.ones(65, np.float32)}, f / "model.safetensors"), r"is \(65,\), the ModelConfig needs \(64,\)"),
 }
 
 
@@ -235,6 +241,10 @@ def test_a_run_refuses_an_init_from_that_does_not_fit_before_writing_anything(tm
     (folder / "model.safetensors").unlink()
     cfgs = small_configs(workdir, "--gin.ModelConfig.preset=llama-tiny", f"--gin.ModelConfig.init_from={folder}")
     with pytest.raises(ConfigError, match="has no model.safetensors"):
+        train.run(cfgs, jax.devices()[:1], quiet=True)
+    tensors = safetensors.numpy.load_file(_saved(tmp_path / "again", cfg)[0] / "model.safetensors")
+    safetensors.numpy.save_file(_drop(tensors, "model.embed_tokens.weight"), folder / "model.safetensors")
+    with pytest.raises(ConfigError, match="no tensor 'model.embed_tokens.weight'"):  # found in the headers
         train.run(cfgs, jax.devices()[:1], quiet=True)
     assert not workdir.exists()
 
