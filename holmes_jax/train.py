@@ -19,6 +19,7 @@ from typing import Callable
 
 import jax
 import numpy as np
+import optax
 
 from holmes_jax import cli, configure, data, distributed, export, guard, metrics
 from holmes_jax.build import Setup, build, make_eval_step, make_train_step, peak_tflops
@@ -80,7 +81,7 @@ class StepLogger:
         elapsed = (time.perf_counter() - self.t_last) / len(outs)
         row = {"step": step, "loss": float(outs[-1]["loss"]), "grad_norm": float(outs[-1]["grad_norm"]),
                "skipped": sum(bool(o["skipped"]) for o in outs),  # steps since the last row whose update was skipped
-               "lr": float(self.setup.schedule(step - 1)), "step_time_s": elapsed,
+               "lr": float(self.setup.schedule(optimizer_steps(state["opt_state"]) - 1)), "step_time_s": elapsed,
                "tokens_per_s": self.tokens_per_step / elapsed,
                "tflops_per_device": self.flops_per_device / elapsed / 1e12}
         row["mfu"] = row["tflops_per_device"] / self.peak
@@ -90,6 +91,17 @@ class StepLogger:
         self.log and self.log.write(row)
         self.rows.append(row)
         self.pending, self.t_last = [], time.perf_counter()
+
+    def exclude(self, seconds: float) -> None:
+        """Leaves `seconds` spent outside the steps (a checkpoint save) out of the next row's step time."""
+        self.t_last += seconds
+
+
+def optimizer_steps(opt_state) -> int:
+    """The updates the optimizer has made: the step count less the skipped steps, which is what its
+    learning-rate schedule counts."""
+    return int(optax.tree_utils.tree_get(opt_state, "count",
+                                         filtering=lambda path, _: path[-1].tuple_name == "ScaleByScheduleState"))
 
 
 def prepare_workdir(path: str) -> Path:
@@ -136,7 +148,9 @@ def run(cfgs: Configs, devices=None, quiet: bool = False) -> dict:
     except OSError as e:  # metrics.jsonl, config.gin; checkpoint writes report their own
         raise cli.RunError(f"cannot write {e.filename or workdir}: {e.strerror}") from None
     finally:
-        ckpt and ckpt.close()
+        if ckpt:
+            with guard.Signals():  # a signal while the last writes are waited for must not cut them short
+                ckpt.close()
 
 
 def _resume_and_train(cfgs: Configs, setup: Setup, token_data, workdir: Path, ckpt: Checkpointer | None, say,
@@ -175,12 +189,19 @@ def _resume_and_train(cfgs: Configs, setup: Setup, token_data, workdir: Path, ck
     log = metrics.MetricsLog(workdir / "metrics.jsonl", tcfg.steps, quiet, stop=last) if lead else None
     logger = StepLogger(setup, make_eval_step(setup), token_data, log, peak)
     bad = guard.BadSteps(tcfg.max_bad_steps, say)
-    save = lambda step, state, force: ckpt and ckpt.save(step, lambda: setup.canonical(state), force=force)
+
+    def save(step: int, state: dict, force: bool) -> None:
+        t0 = time.perf_counter()
+        ckpt and ckpt.save(step, lambda: setup.canonical(state), force=force)
+        logger.exclude(time.perf_counter() - t0)
+
     hooks = [Hook(tcfg.log_every, lambda step, state: logger.row(step, state, last))]
     if ckpt:
         # A skipped step's state is the last good one: saved under this step it would push good
-        # checkpoints out of the newest `keep` while the loss diverges.
-        hooks.append(Hook(cfgs.checkpoint.every, lambda step, state: bad.in_a_row or save(step, state, step == last)))
+        # checkpoints out of the newest `keep` while the loss diverges. The last step's is saved
+        # (as a stop's is): it is what the run ends with, and a rerun finds nothing left to do.
+        hooks.append(Hook(cfgs.checkpoint.every, lambda step, state: (bad.in_a_row and step < last)
+                          or save(step, state, step == last)))
     vote = guard.StopVote(setup.mesh)
     # The log closes (its TensorBoard events flushed) however the loop ends.
     with guard.Signals() as signals, contextlib.closing(log) if log else contextlib.nullcontext():

@@ -99,6 +99,21 @@ def test_a_diverging_run_exits_1_and_keeps_its_finite_checkpoints(tmp_path):
     ckpt.close()
 
 
+def test_a_run_ending_on_skipped_steps_saves_its_last_step_and_logs_the_learning_rate_it_used(tmp_path):
+    diverging = ("--gin.TrainConfig.learning_rate=1e6", "--gin.TrainConfig.max_bad_steps=6")
+    summary = _run(tmp_path, *diverging)
+    rows = read_metrics(tmp_path)
+    assert summary["steps"] == 6 and rows[-1]["skipped"] == 1  # lr 1e6 diverges within six steps
+    schedule = build.build(small_configs(tmp_path, *diverging), jax.devices()[:1]).schedule
+    skipped = 0
+    for row in rows:  # the schedule counts the optimizer's updates, which skip with the model
+        skipped += row["skipped"]
+        assert row["lr"] == pytest.approx(float(schedule(row["step"] - skipped - 1))), row
+    ckpt = Checkpointer(tmp_path / "checkpoints", small_configs(tmp_path).checkpoint)
+    assert ckpt.latest_step() == 6  # the state the run ends with: a rerun has nothing left to do
+    ckpt.close()
+
+
 def test_bad_steps_stop_at_the_limit_and_reset_on_a_good_step():
     said = []
     bad = guard.BadSteps(2, said.append)
@@ -154,6 +169,26 @@ def test_a_signalled_run_exits_128_plus_the_signal_with_one_line(tmp_path, name,
     assert r.stderr.strip().splitlines() == [
         f"stopped by SIG{name} after step 2; checkpoint saved at step 2: run the same command again to resume"]
     assert (tmp_path / "checkpoints" / "2").is_dir()
+
+
+@pytest.mark.slow
+def test_a_signal_while_the_last_checkpoint_is_written_does_not_cut_it_short(tmp_path):
+    # The signal comes as the run waits for its last write, after the loop's handlers are gone.
+    script = ("import os, signal, sys\n"
+              "from holmes_jax import checkpoint, train\n"
+              "close = checkpoint.Checkpointer.close\n"
+              "def signalled(self):\n"
+              "    os.kill(os.getpid(), signal.SIGTERM)\n"
+              "    close(self)\n"
+              "checkpoint.Checkpointer.close = signalled\n"
+              "train.main(sys.argv[1:])\n")
+    r = subprocess.run([sys.executable, "-c", script, *FLAGS, f"--gin.TrainConfig.workdir={tmp_path}",
+                        "--gin.TrainConfig.steps=3"], capture_output=True, text=True, timeout=300, cwd=REPO,
+                       env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert r.returncode == 0, r.stderr[-3000:]
+    ckpt = Checkpointer(tmp_path / "checkpoints", small_configs(tmp_path).checkpoint)
+    assert ckpt.latest_step() == 3
+    ckpt.close()
 
 
 @pytest.mark.parametrize("value", ["signal:KILL:step:3", "signal:TERM:loop:3", "signal:TERM:step:x", "nan:3",

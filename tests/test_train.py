@@ -1,4 +1,5 @@
 import re
+import time
 
 import jax
 import numpy as np
@@ -167,6 +168,16 @@ def test_metrics_rows_hold_the_contract_fields(tmp_path):
         assert row["tokens_per_s"] == pytest.approx(16 * 32 / row["step_time_s"])
     assert [r["step"] for r in rows if "val_loss" in r] == [3, 6]
     assert summary["final_loss"] == rows[-1]["loss"]
+
+
+def test_a_checkpoint_saves_time_is_not_step_time(tmp_path, monkeypatch):
+    from holmes_jax.checkpoint import Checkpointer
+
+    save = Checkpointer.save
+    monkeypatch.setattr(Checkpointer, "save", lambda *a, **k: (time.sleep(3), save(*a, **k)))  # a slow disk
+    train.run(small_configs(tmp_path, "--gin.CheckpointConfig.every=2"), devices=jax.devices()[:1], quiet=True)
+    times = {r["step"]: r["step_time_s"] for r in read_metrics(tmp_path)}
+    assert sorted(times) == [1, 2, 3, 4, 5, 6] and max(times.values()) < 1.5, times  # each save took over 3 s
 
 
 @pytest.mark.parametrize("args, names", [
