@@ -55,7 +55,7 @@ sys.excepthook = lambda kind, error, tb: None if _is_closed_loop(error) else _ex
 sys.unraisablehook = lambda unraisable: None if _is_closed_loop(unraisable.exc_value) else _unraisablehook(unraisable)
 
 
-def _reason(error: Exception) -> str:
+def reason(error: Exception) -> str:
     """What went wrong, in a few words: the operating system's message when there is one (a full
     disk), else the error's first line without TensorStore's spec dump."""
     text = str(error).strip()
@@ -102,7 +102,7 @@ class Checkpointer:
                 self._manager.save(step, args=ocp.args.StandardSave(state_fn()), force=True)
             except Exception as e:
                 raise RunError(f"cannot write checkpoints in {self.directory} (saving step {step}, or the one "
-                               f"before it in the background): {_reason(e)}") from None
+                               f"before it in the background): {reason(e)}") from None
 
     def restore(self, step: int, target):
         """`target`: arrays or `jax.ShapeDtypeStruct`s carrying the shardings to restore onto."""
@@ -123,7 +123,7 @@ class Checkpointer:
                     raise FileNotFoundError("its metadata is missing")
             except Exception as e:
                 damaged.append(step)
-                say(f"checkpoint step {step} cannot be read ({_reason(e)}); trying an older one")
+                say(f"checkpoint step {step} cannot be read ({reason(e)}); trying an older one")
                 continue
             if wrong := mismatches(saved.tree, target):
                 more = f" (and {len(wrong) - SHOWN_MISMATCHES} more)" if len(wrong) > SHOWN_MISMATCHES else ""
@@ -134,7 +134,7 @@ class Checkpointer:
                 state = self.restore(step, target)
             except Exception as e:
                 damaged.append(step)
-                say(f"checkpoint step {step} cannot be read ({_reason(e)}); trying an older one")
+                say(f"checkpoint step {step} cannot be read ({reason(e)}); trying an older one")
                 continue
             if damaged:
                 self._set_aside(damaged)
@@ -165,6 +165,6 @@ class Checkpointer:
         try:
             self._manager.wait_until_finished()
         except Exception as e:
-            raise RunError(f"cannot write checkpoints in {self.directory}: {_reason(e)}") from None
+            raise RunError(f"cannot write checkpoints in {self.directory}: {reason(e)}") from None
         finally:
             self._manager.close()

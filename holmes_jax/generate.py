@@ -1,6 +1,6 @@
 """`python -m holmes_jax.generate --workdir W --prompt TEXT --max-tokens N [--greedy]
-[--temperature X] [--top-k K] [--seed S]`: prints the prompt and a continuation from a run's newest
-checkpoint.
+[--temperature X] [--top-k K] [--seed S] [--step N]`: prints the prompt and a continuation from a
+run's newest checkpoint (or that of step N).
 
 Text becomes tokens with the run's tokenizer.json, or as UTF-8 bytes when the run read bytes;
 bytes that are not valid UTF-8 print as U+FFFD. There is no KV cache: every new token reruns the
@@ -24,6 +24,10 @@ from holmes_jax.models import gpt
 
 
 def encode(m: Model, text: str) -> list[int]:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # bytes a terminal passed that are not UTF-8 arrive as lone surrogates
+        raise ConfigError(f"--prompt {text!r} is not allowed; allowed: UTF-8 text") from None
     if m.tokenizer is None:
         return list(text.encode("utf-8"))
     return m.tokenizer.encode(text).ids

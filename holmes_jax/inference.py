@@ -24,6 +24,7 @@ import orbax.checkpoint as ocp
 
 from holmes_jax import configure
 from holmes_jax import data as data_sources
+from holmes_jax.checkpoint import reason
 from holmes_jax.config import ConfigError, DataConfig, ModelConfig
 from holmes_jax.models import gpt
 
@@ -57,8 +58,14 @@ def restore_params(workdir: str | Path, cfg: ModelConfig, step: int | None = Non
     target = {"params": jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), abstract)}
     args = ocp.args.PyTreeRestore(item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
                                   partial_restore=True)
-    params = manager.restore(step, args=args)["params"]
-    manager.close()
+    try:
+        params = manager.restore(step, args=args)["params"]
+    except Exception as e:  # a truncated file after a crash or a full disk
+        others = " or ".join(str(s) for s in sorted(steps) if s != step)
+        allowed = f"allowed: --step {others}" if others else "there is no other checkpoint"
+        raise ConfigError(f"checkpoint step {step} in {directory} cannot be read ({reason(e)}); {allowed}") from None
+    finally:
+        manager.close()
     return params, step
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import json
 import logging
+import os
 from pathlib import Path
 
 from tensorboardX import SummaryWriter
@@ -57,6 +58,12 @@ class MetricsLog:
         self.path, self.total_steps, self.quiet = Path(path), total_steps, quiet
         self.stop = stop or total_steps
         self.tensorboard = SummaryWriter(str(self.path.parent / "tensorboard"))
+        if self.path.is_file():  # a resumed run's
+            written = self.path.read_bytes()
+            if written and not written.endswith(b"\n"):
+                # A write cut short (a crash, a full disk) left a partial last row: dropped, or this
+                # run's first row would be glued to it and neither could be read.
+                os.truncate(self.path, written.rfind(b"\n") + 1)
         self._windows = collections.deque(maxlen=self.RECENT)  # (steps, seconds) between logged rows
         self._last_step = None
 

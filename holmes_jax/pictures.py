@@ -15,7 +15,7 @@ from matplotlib import transforms
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.patches import FancyArrowPatch, Patch, Rectangle
-from matplotlib.ticker import FuncFormatter
+from matplotlib.ticker import FuncFormatter, MaxNLocator
 
 from holmes_jax.planning import schedule as schedules
 from holmes_jax.planning.contract import Plan
@@ -261,6 +261,7 @@ def draw_report(rows: list[dict], predicted_step_s: float | None, path: str, tit
     time_ax.set_title("step time", loc="left")
     time_ax.legend(frameon=False, fontsize=9, loc="upper left", bbox_to_anchor=(0, -0.14))
     for ax in (loss_ax, time_ax):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))  # no step 0.96 by a lone row
         for side in ("top", "right"):
             ax.spines[side].set_visible(False)
     if title:

@@ -13,19 +13,40 @@ from holmes_jax.config import ConfigError
 from holmes_jax.planning.cli import PICTURE_SUFFIXES
 
 
+NUMBERS = ("loss", "step_time_s")  # what the report draws from every row, beside its step
+
+
+def _row(line: str) -> dict | None:
+    """The metrics row on `line`, or None when it is not one."""
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return None
+    if (isinstance(row, dict) and isinstance(row.get("step"), int)
+            and all(isinstance(row.get(key), (int, float)) for key in NUMBERS)):
+        return row
+    return None
+
+
 def read_rows(workdir: Path) -> list[dict]:
     """metrics.jsonl's rows by step; where a resumed run logged a step again, its later row."""
     path = workdir / "metrics.jsonl"
     if not path.is_file():
         raise ConfigError(f"WORKDIR {str(workdir)!r} holds no metrics.jsonl; allowed: the workdir of a run "
                           f"(TrainConfig.workdir)")
-    rows = {}
-    for number, line in enumerate(path.read_text().splitlines(), 1):
-        try:
-            row = json.loads(line)
-            rows[int(row["step"])] = row
-        except (ValueError, KeyError, TypeError):
-            raise ConfigError(f"{path}:{number} is not a metrics row (one JSON object with a 'step')") from None
+    try:
+        text = path.read_bytes().decode("utf-8", errors="replace")  # other bytes fail as a line that is no row
+    except OSError as e:
+        raise ConfigError(f"{path} cannot be read: {e.strerror}") from None
+    lines, rows = text.splitlines(), {}
+    for number, line in enumerate(lines, 1):
+        row = _row(line)
+        if row is None and number == len(lines) and not text.endswith("\n"):
+            continue  # a last row cut short (a crash, a full disk): the rows before it still draw
+        if row is None:
+            raise ConfigError(f"{path}:{number} is not a metrics row (one JSON object with an integer "
+                              f"'step' and the numbers {' and '.join(map(repr, NUMBERS))})")
+        rows[row["step"]] = row
     if not rows:
         raise ConfigError(f"{path} is empty: the run logged no step yet")
     return [rows[s] for s in sorted(rows)]
@@ -48,11 +69,11 @@ def main(argv: list[str]) -> int:
     p.add_argument("--out", help="the picture (.png, .svg or .pdf); default WORKDIR/report.png")
     args = p.parse_args(argv)
     workdir = Path(args.workdir)
+    rows, predicted = read_rows(workdir), predicted_step_s(workdir)  # first: a wrong WORKDIR is named as such
     out = Path(args.out) if args.out else workdir / "report.png"
     if out.suffix.lower() not in PICTURE_SUFFIXES or not out.parent.is_dir():
         raise ConfigError(f"--out {str(out)!r} is not allowed; allowed: a file ending in "
                           f"{', '.join(PICTURE_SUFFIXES)} in an existing folder")
-    rows, predicted = read_rows(workdir), predicted_step_s(workdir)
     pictures.draw_report(rows, predicted, str(out), title=str(workdir))
     measured = float(np.median([r["step_time_s"] for r in rows[1:] or rows]))  # the first pays for warm-up
     print(f"wrote {out}: steps {rows[0]['step']}-{rows[-1]['step']}, loss {rows[0]['loss']:.4g} -> "

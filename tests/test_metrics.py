@@ -99,16 +99,40 @@ def test_the_report_draws_the_run_against_its_prediction(run_dir, tmp_path):
 
 def test_the_report_keeps_a_resumed_runs_later_rows(tmp_path):
     rows = [{"step": 1, "loss": 3.0}, {"step": 2, "loss": 2.5}, {"step": 2, "loss": 2.4}, {"step": 3, "loss": 2.0}]
+    rows = [dict(row, step_time_s=0.1) for row in rows]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert [r["loss"] for r in report.read_rows(tmp_path)] == [3.0, 2.4, 2.0]
     assert report.predicted_step_s(tmp_path) is None
 
 
-@pytest.mark.parametrize("files, message", [({}, "no metrics.jsonl"), ({"metrics.jsonl": "{\"loss\": 1}\n"},
-                                                                        "metrics.jsonl:1 is not a metrics row")])
+@pytest.mark.parametrize("files, message", [
+    ({}, "no metrics.jsonl"),
+    ({"metrics.jsonl": "{\"loss\": 1}\n"}, "metrics.jsonl:1 is not a metrics row"),
+    ({"metrics.jsonl": "{\"step\": 1, \"loss\": 1}\n"}, "metrics.jsonl:1 is not a metrics row"),  # no step_time_s
+    ({"metrics.jsonl": b"\xff\xfe\n"}, "metrics.jsonl:1 is not a metrics row"),  # not UTF-8
+])
 def test_the_report_refuses_what_is_not_a_run(tmp_path, files, message):
     for name, text in files.items():
-        (tmp_path / name).write_text(text)
+        (tmp_path / name).write_bytes(text if isinstance(text, bytes) else text.encode())
     code, _, err = _report(tmp_path)
     assert code == 2 and err.startswith("error:") and message in err and len(err.splitlines()) == 1
     assert not (tmp_path / "report.png").exists()
+
+
+def test_the_report_names_a_missing_workdir_not_its_default_out(tmp_path):
+    code, _, err = _report(tmp_path / "absent")
+    assert code == 2 and err.startswith("error: WORKDIR") and "holds no metrics.jsonl" in err, err
+
+
+def test_a_last_row_cut_short_is_skipped_by_the_report_and_dropped_on_resume(tmp_path):
+    row = {"loss": 3.0, "step_time_s": 0.1, "tokens_per_s": 1.0, "tflops_per_device": 1.0}
+    whole = "".join(json.dumps(dict(row, step=s)) + "\n" for s in (1, 2))
+    (tmp_path / "metrics.jsonl").write_text(whole + json.dumps(dict(row, step=3))[:20])  # a crash, a full disk
+    assert [r["step"] for r in report.read_rows(tmp_path)] == [1, 2]
+    code, out, err = _report(tmp_path, "--out", tmp_path / "r.png")
+    assert code == 0 and "steps 1-2" in out, err
+    log = metrics.MetricsLog(tmp_path / "metrics.jsonl", total_steps=4, quiet=True)  # the resumed run
+    log.write(dict(row, step=3))
+    log.close()
+    assert (tmp_path / "metrics.jsonl").read_text() == whole + json.dumps(dict(row, step=3)) + "\n"
+    assert [r["step"] for r in report.read_rows(tmp_path)] == [1, 2, 3]

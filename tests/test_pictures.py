@@ -69,3 +69,13 @@ def test_plan_draw_refuses_a_bad_file_name(tmp_path, target, message):
 def test_draw_needs_the_callback():
     with pytest.raises(ConfigError, match="--draw"):
         planning_cli.main(["--topology", str(TOPOLOGIES / "cpu_2x4.toml"), "--model", "tiny", "--draw", "x.png"])
+
+
+def test_a_report_of_one_row_marks_whole_steps_only(tmp_path, monkeypatch):
+    figures = []
+    monkeypatch.setattr(pictures.Figure, "savefig", lambda fig, *a, **k: figures.append(fig))
+    pictures.draw_report([{"step": 1, "loss": 5.3, "step_time_s": 0.7}], 0.1, str(tmp_path / "r.png"))
+    for ax in figures[0].axes:
+        low, high = ax.get_xlim()
+        shown = [t for t in ax.get_xticks() if low <= t <= high]
+        assert shown == [1], shown  # not 0.96, 0.98, ... around the only step

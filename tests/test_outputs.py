@@ -1,0 +1,49 @@
+"""What reads a run back: `python -m holmes_jax.generate` (and `holmes_jax.load`) on bad input or a
+damaged checkpoint ends with one error line."""
+
+import contextlib
+import glob
+import io
+import os
+import shutil
+
+import jax
+import pytest
+
+from holmes_jax import cli, generate, train
+from helpers import small_configs
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """A run with checkpoints at steps 1 and 2."""
+    workdir = tmp_path_factory.mktemp("run")
+    train.run(small_configs(workdir, "--gin.ParallelConfig.dp=1", "--gin.TrainConfig.steps=2",
+                            "--gin.CheckpointConfig.every=1"), devices=jax.devices()[:1], quiet=True)
+    return workdir
+
+
+def _generate(*args):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), pytest.raises(SystemExit) as e:
+        cli.run(generate.main, [str(a) for a in args])
+    return e.value.code, out.getvalue(), err.getvalue()
+
+
+def test_a_prompt_that_is_not_utf8_is_one_error_line(run_dir):
+    prompt = b"ab\xff".decode("utf-8", "surrogateescape")  # what Python makes of such bytes in argv
+    code, _, err = _generate("--workdir", run_dir, "--prompt", prompt, "--max-tokens", 1)
+    assert code == 2 and err.startswith("error: --prompt") and "UTF-8" in err and len(err.splitlines()) == 1, err
+
+
+def test_a_damaged_checkpoint_is_one_error_line_naming_the_others(run_dir, tmp_path):
+    run_dir = shutil.copytree(run_dir, tmp_path / "run")  # the other tests keep theirs whole
+    code, out, err = _generate("--workdir", run_dir, "--prompt", "ab", "--max-tokens", 1, "--greedy")
+    assert code == 0 and out.startswith("ab"), err
+    for f in glob.glob(str(run_dir / "checkpoints" / "2" / "default" / "ocdbt.process_0" / "d" / "*")):
+        os.truncate(f, 10)  # a crash or a full disk
+    code, _, err = _generate("--workdir", run_dir, "--prompt", "ab", "--max-tokens", 1)
+    assert code == 2 and err.startswith("error: checkpoint step 2 in ") and "cannot be read" in err, err
+    assert err.strip().endswith("allowed: --step 1") and len(err.splitlines()) == 1, err
+    code, out, err = _generate("--workdir", run_dir, "--prompt", "ab", "--max-tokens", 1, "--step", 1)
+    assert code == 0 and out.startswith("ab"), err
