@@ -70,3 +70,15 @@ def test_one_device_per_axis_has_no_communicator():
     comms = communicators(t, placement.place(t, tp=1, pp=8).grid)  # one device per stage
     assert {c.kind for c in comms} == {"stage_boundary"}
     assert [c.transport for c in comms] == ["nvlink"] * 3 + ["socket"] + ["nvlink"] * 3
+
+
+def test_naive_boundary_whose_pairs_each_stay_in_one_cluster_is_not_a_cross_cluster_hop():
+    # naive on ib4_roce4, pp 2: replica d of both stages sits in the same cluster (IB, RoCE, IB, RoCE),
+    # so every boundary pair stays inside one cluster, though the boundary touches both
+    t = load(TOPOLOGIES / "ib4_roce4.toml")
+    grid = placement.place(t, 8, 2, method="naive").grid
+    boundary = [c for c in communicators(t, grid) if c.kind == "stage_boundary"]
+    assert [(c.clusters, c.transport, c.spans_clusters) for c in boundary] == [(("ib", "roce"), "ib", False)]
+    assert cross_cluster_hops(t, grid) == ()
+    holmes = placement.place(t, 8, 2).grid
+    assert cross_cluster_hops(t, holmes) == (0,)

@@ -22,6 +22,13 @@ def test_holmes_ratio():
     assert partition.ratio_split(4, [1000, 1, 1]) == (2, 1, 1)  # every stage keeps a layer
 
 
+@pytest.mark.parametrize("ratios", [[1.0, float("inf")], [1.0, float("nan")], [0.0, 1.0]])
+def test_holmes_ratio_refuses_ratios_that_are_not_finite_and_positive(ratios):
+    # an infinite ratio made every quota nan and the split (0, -9223372036854775808)
+    with pytest.raises(ConfigError, match="allowed: finite positive numbers"):
+        partition.ratio_split(8, ratios)
+
+
 @pytest.mark.parametrize("call", [
     lambda: partition.uniform(3, 4),
     lambda: partition.ratio_split(2, [1, 1, 1]),

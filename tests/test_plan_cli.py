@@ -1,6 +1,8 @@
 import contextlib
+import dataclasses
 import io
 import json
+import signal
 from pathlib import Path
 
 import jax
@@ -11,8 +13,11 @@ import holmes_jax
 from holmes_jax import cli
 from holmes_jax.config import ConfigError, ModelConfig, ParallelConfig
 from holmes_jax.mesh.devices import build_mesh
-from holmes_jax.planning import Plan, plan
+from holmes_jax.models import presets
+from holmes_jax.planning import Plan, plan, workload
 from holmes_jax.planning.cli import main
+from holmes_jax.planning.measured import Profile, StepProbe
+from holmes_jax.planning.topology import Cluster, Link, Topology
 from helpers import run_module
 
 REPO = Path(__file__).resolve().parent.parent
@@ -126,6 +131,8 @@ def test_build_mesh_from_a_plan_on_eight_cpu_devices():
     (["--stage-layers", "20,20"], ["stage_layers = [20, 20] is not allowed"]),
     (["--global-batch", "102", "--tp", "8", "--pp", "2"], ["global_batch = 102 is not allowed with dp = 4"]),
     (["--tp", "8", "--pp", "2", "--microbatches", "5"], ["microbatches = 5 is not allowed"]),
+    # pp left to the search: the layouts that fit the clusters say why, not pp = 1's --allow-mixed
+    (["--tp", "8", "--microbatches", "7"], ["microbatches = 7 is not allowed"]),
     (["--seq-len", "4096"], ["seq_len = 4096 is not allowed"]),
 ])
 def test_bad_input_is_one_error_line_and_exit_2(args, words):
@@ -155,3 +162,66 @@ def test_api_errors_are_config_errors():
         plan(3, "7.5b")
     with pytest.raises(ConfigError, match="auto = .* is not allowed"):
         plan(IB4_ROCE4, "7.5b", auto={"layers"})
+
+
+def test_huge_global_batch_is_answered_at_once():
+    """The microbatch search listed every divisor of a replica's samples: 2**64 never finished."""
+    def too_slow(*_):
+        raise TimeoutError("the plan took over 60 s")
+
+    previous = signal.signal(signal.SIGALRM, too_slow)
+    signal.alarm(60)
+    try:
+        code, out, err = _cli("--topology", IB4_ROCE4, "--model", "7.5b", "--tp", "8", "--pp", "2",
+                              "--global-batch", str(2 ** 64))
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert code == 2 and err.startswith("error: ") and "device memory" in err
+
+
+def test_topology_with_an_infinite_rate_is_one_error_line(tmp_path):
+    path = tmp_path / "inf.toml"
+    path.write_text('[[cluster]]\nname = "x"\nnic = "roce"\nnodes = 1\ndevices_per_node = 2\nnic_gbps = inf\n')
+    code, out, err = _cli("--topology", str(path), "--model", "tiny")
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert "nic_gbps = inf is not allowed; allowed: a finite number > 0" in err
+
+
+def test_auto_finds_the_split_that_fits_memory_when_the_time_balanced_one_does_not():
+    """Fast devices want most layers, but only the even split fits 50 GB: a plan, not 'no layout fits'."""
+    topo = Topology((Cluster("fast", "infiniband", 4, 8, device_tflops=1000, device_memory_gb=50),
+                     Cluster("slow", "infiniband", 4, 8, device_tflops=100, device_memory_gb=50)))
+    p = plan(topo, "7.5b", ParallelConfig(tp=8, pp=2, microbatches=64, schedule="1f1b"))
+    assert p.prediction.fits and p.stage_layers == (18, 18)
+    assert not p.partitions["params"].fits  # 17,19 is over memory: the even split is the only one
+
+
+def _tiny_profile(**changes):
+    flops = workload.model_costs(presets.resolve(ModelConfig(preset="tiny")), 2, 256).layers[0].fwd_flops
+    link = Link(10e9 / 8, 1e-5)
+    prof = Profile("cpu", 2, 256, flops, 1e-3, 2e-3, (link, link), (link,))
+    return dataclasses.replace(prof, **changes)
+
+
+def _probes(**changes):
+    fields = dict(dp=4, tp=1, microbatches=64, schedule="gpipe")
+    return tuple(StepProbe(**dict(fields, stage_layers=layers, step_s=step_s, **changes))
+                 for layers, step_s in (((1, 1), 1.0), ((2, 2), 2.0)))
+
+
+@pytest.mark.parametrize("changes, words", [
+    ({"layer_fwd_s": float("inf")}, "layer_fwd_s = inf is not allowed; allowed: a finite number > 0"),
+    ({"layer_bwd_s": float("nan")}, "layer_bwd_s = nan is not allowed; allowed: a finite number >= 0"),
+    ({"update_s_per_param": -1.0}, "update_s_per_param = -1.0 is not allowed"),
+    ({"update_s_per_param": "x"}, "update_s_per_param = 'x' is not allowed"),
+    ({"stage_links": (Link(10e9 / 8, float("inf")),)}, "stage_links[0].latency_s = inf is not allowed"),
+    ({"step_probes": _probes(schedule="zb")}, "step_probes[0].schedule = 'zb' is not allowed"),
+    ({"step_probes": _probes(microbatches=0)}, "step_probes[0].microbatches = 0 is not allowed"),
+])
+def test_profile_figures_the_cost_model_cannot_use_are_config_errors(changes, words):
+    """They gave nan predictions, a negative step or a traceback (ValueError, ZeroDivisionError)."""
+    with pytest.raises(ConfigError) as e:
+        plan(TOPOLOGIES / "cpu_2x4.toml", "tiny", ParallelConfig(pp=2, dp=4, microbatches=64),
+             profile=_tiny_profile(**changes))
+    assert words in str(e.value)

@@ -30,10 +30,9 @@ class Communicator:
     transport: str  # nvlink | ib | socket
     groups: int  # how many communicators of this kind the stage (or boundary) has
     size: int  # devices in each
-
-    @property
-    def spans_clusters(self) -> bool:
-        return len(self.clusters) > 1
+    # some group joins devices of different clusters; `clusters` alone cannot say (naive placement:
+    # a boundary's pairs may each stay inside one cluster while they touch two in all)
+    spans_clusters: bool = False
 
     def to_dict(self) -> dict:
         where = {"stages": list(self.stages)} if self.kind == "stage_boundary" else {"stage": self.stages[0]}
@@ -41,15 +40,16 @@ class Communicator:
                 "transport": self.transport, "groups": self.groups, "size": self.size}
 
 
-def _transport(topology: Topology, groups: list[np.ndarray]) -> tuple[str, tuple[int, ...]]:
-    """(transport, cluster indices) of communicators over `groups` of device numbers."""
+def _transport(topology: Topology, groups: list[np.ndarray]) -> tuple[str, tuple[int, ...], bool]:
+    """(transport, cluster indices, whether some group spans clusters) of communicators over
+    `groups` of device numbers."""
     clusters = sorted({int(c) for g in groups for c in topology.device_cluster[g]})
     if any(len(set(topology.device_cluster[g])) > 1 for g in groups):
-        return "socket", tuple(clusters)
+        return "socket", tuple(clusters), True
     if all(len(set(topology.device_node[g])) == 1 for g in groups):
-        return "nvlink", tuple(clusters)
+        return "nvlink", tuple(clusters), False
     rdma = all(topology.clusters[c].nic in ("infiniband", "roce") for c in clusters)
-    return ("ib" if rdma else "socket"), tuple(clusters)
+    return ("ib" if rdma else "socket"), tuple(clusters), False
 
 
 def communicators(topology: Topology, grid: np.ndarray) -> tuple[Communicator, ...]:
@@ -60,10 +60,10 @@ def communicators(topology: Topology, grid: np.ndarray) -> tuple[Communicator, .
     found = []
 
     def add(kind, stages, groups):
-        transport, clusters = _transport(topology, groups)
+        transport, clusters, spans = _transport(topology, groups)
         found.append(Communicator(kind, stages, tuple(topology.clusters[c].name for c in clusters),
                                   tuple(sorted({topology.clusters[c].nic for c in clusters})), transport,
-                                  len(groups), len(groups[0])))
+                                  len(groups), len(groups[0]), spans))
 
     for s in range(pp):
         if dp > 1:

@@ -41,8 +41,8 @@ def ratio_split(num_layers: int, ratios: Sequence[float]) -> tuple[int, ...]:
     at least one layer per stage."""
     check_stages(num_layers, len(ratios))
     r = np.asarray(ratios, dtype=float)
-    if not np.all(r > 0):
-        raise ConfigError(f"partition ratios {list(ratios)} are not allowed; allowed: positive numbers")
+    if not np.all((r > 0) & np.isfinite(r)):  # an infinite ratio makes every quota nan
+        raise ConfigError(f"partition ratios {list(ratios)} are not allowed; allowed: finite positive numbers")
     quota = num_layers * r / r.sum()
     n = np.floor(quota).astype(int)
     n[np.argsort(n - quota, kind="stable")[: num_layers - n.sum()]] += 1

@@ -141,29 +141,38 @@ def _load_profile(profile, cfg: ModelConfig):
     where = f"profile {str(profile)!r}" if isinstance(profile, (str, os.PathLike)) else "profile"
     for name in ("micro_batch", "seq_len"):
         check_positive(f"{where}: {name}", getattr(prof, name))
-    for name, low in (("layer_fwd_flops", 0.0), ("layer_fwd_s", 0.0)):
-        value = getattr(prof, name)
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > low:
-            raise ConfigError(f"{where}: {name} = {value!r} is not allowed; allowed: a positive number")
-    if not isinstance(prof.layer_bwd_s, (int, float)) or isinstance(prof.layer_bwd_s, bool) or prof.layer_bwd_s < 0:
-        raise ConfigError(f"{where}: layer_bwd_s = {prof.layer_bwd_s!r} is not allowed; allowed: a number >= 0")
+
+    def number(name, value, low_open=True):
+        # finite too: JSON spells Infinity and NaN, and either turns every prediction into nan
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if not (ok and (value > 0 if low_open else value >= 0)):
+            raise ConfigError(f"{where}: {name} = {value!r} is not allowed; "
+                              f"allowed: a finite number {'>' if low_open else '>='} 0")
+
+    for name in ("layer_fwd_flops", "layer_fwd_s"):
+        number(name, getattr(prof, name))
+    for name in ("layer_bwd_s", "update_s_per_param"):
+        number(name, getattr(prof, name), low_open=False)
     for i, scale in enumerate(prof.stage_layer_scale):
         if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not 0 < scale <= 1:
             raise ConfigError(f"{where}: stage_layer_scale[{i}] = {scale!r} is not allowed; allowed: a number in (0, 1]")
     for kind, links in (("data_links", prof.data_links), ("stage_links", prof.stage_links)):
         for i, l in enumerate(links):
-            if l is None:
-                continue
-            if not (isinstance(l.gbps, (int, float)) and l.gbps > 0 and isinstance(l.latency_s, (int, float))
-                    and l.latency_s >= 0):
-                raise ConfigError(f"{where}: {kind}[{i}] = {l!r} is not allowed; allowed: gbps > 0, latency_s >= 0")
+            if l is not None:
+                number(f"{kind}[{i}].bytes_per_s", l.bytes_per_s)
+                number(f"{kind}[{i}].latency_s", l.latency_s, low_open=False)
     for kind in ("step_probes", "split_probes"):
         for i, probe in enumerate(getattr(prof, kind)):
-            layers, step_s = probe.stage_layers, probe.step_s
-            if not (layers and all(isinstance(n, int) and n >= 1 for n in layers)
-                    and isinstance(step_s, (int, float)) and step_s > 0):
-                raise ConfigError(f"{where}: {kind}[{i}] = {probe!r} is not allowed; allowed: positive layer counts "
-                                  f"per stage and step_s > 0")
+            layers = probe.stage_layers
+            if not (layers and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in layers)):
+                raise ConfigError(f"{where}: {kind}[{i}].stage_layers = {list(layers)!r} is not allowed; "
+                                  f"allowed: positive layer counts per stage")
+            for name in ("dp", "tp", "microbatches"):
+                check_positive(f"{where}: {kind}[{i}].{name}", getattr(probe, name))
+            if probe.schedule not in SCHEDULES:
+                raise ConfigError(f"{where}: {kind}[{i}].schedule = {probe.schedule!r} is not allowed; "
+                                  f"choose one of {', '.join(map(repr, SCHEDULES))}")
+            number(f"{kind}[{i}].step_s", probe.step_s)
     # A profile of another model: XLA's count of its block is far from this model's analytic one.
     analytic = workload.model_costs(cfg, prof.micro_batch, prof.seq_len).layers[0].fwd_flops
     if not 0.5 <= prof.layer_fwd_flops / analytic <= 2.0:
@@ -290,7 +299,8 @@ def _microbatch_options(par: ParallelConfig, free: set, global_batch: int, dp: i
     per_replica = global_batch // dp
     if "microbatches" in free:
         cap = min(MAX_MICROBATCHES_PER_STAGE * pp, MAX_MICROBATCHES)
-        allowed = [m for m in placement.divisors(per_replica) if m <= cap]
+        # only up to the cap: listing every divisor of a huge batch would take forever
+        allowed = [m for m in range(1, min(cap, per_replica) + 1) if per_replica % m == 0]
         return [m for m in allowed if m >= pp] or allowed[-1:]
     if per_replica % par.microbatches:
         raise ConfigError(f"microbatches = {par.microbatches} is not allowed: each data replica's {per_replica} "
@@ -398,11 +408,15 @@ def _candidates(topo: Topology, cfg: ModelConfig, par: ParallelConfig, free: set
                 allow_mixed: bool, ratios, prof=None) -> tuple[list[_Candidate], list[str]]:
     """Every (layout, microbatches, schedule) that fits the topology, the model, the batch and
     device memory; and why the others do not."""
-    found, errors = [], []
+    found, errors, misfits = [], [], []  # misfits: layouts the model or the topology refuse
     for tp, pp, dp in _layouts(topo, cfg, par, free):
         try:
             _check_model(cfg, tp, pp)
             pl = placement.place(topo, tp, pp, dp, par.placement, allow_mixed)
+        except ConfigError as e:
+            misfits.append(str(e))
+            continue
+        try:
             options = _microbatch_options(par, free, global_batch, pl.grid.shape[1], pp)
         except ConfigError as e:
             errors.append(str(e))
@@ -414,6 +428,9 @@ def _candidates(topo: Topology, cfg: ModelConfig, par: ParallelConfig, free: set
                 split = partition.split(par.partition, model, weights, par.stage_layers)
             else:
                 split = partition.time_balanced(model)
+                if not model.stage_terms([split])["fits"][0]:
+                    # more layers on a fast stage can be over memory where the even split is not
+                    split = partition.uniform(cfg.num_layers, pp)
             bound = float(model.lower_bounds([split])[0])
             if bound == np.inf:
                 memory = model.stage_terms([split])["memory"][0]
@@ -424,4 +441,6 @@ def _candidates(topo: Topology, cfg: ModelConfig, par: ParallelConfig, free: set
                               f"device_memory_gb in the topology)")
                 continue
             found.append(_Candidate(bound, pl, model, weights, split, notes))
-    return found, errors
+    # Batch and memory misfits first: a searched pp that does not fit the clusters is no news when
+    # the layouts that do fit fail for another reason (--microbatches 7 is not an --allow-mixed problem).
+    return found, errors + misfits

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import tomllib
 from pathlib import Path
 
@@ -83,11 +84,12 @@ DEVICE_MEMORY_GB_DEFAULT = 80.0
 
 
 def _number(where: str, value, low: float, high: float | None = None, low_open: bool = True) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    # inf is refused too: TOML spells it `inf`, and an infinite rate or latency breaks the cost model
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     ok = ok and (value > low if low_open else value >= low) and (high is None or value <= high)
     if not ok:
         span = f"{'>' if low_open else '>='} {low:g}" + ("" if high is None else f" and <= {high:g}")
-        raise ConfigError(f"{where} = {value!r} is not allowed; allowed: a number {span}")
+        raise ConfigError(f"{where} = {value!r} is not allowed; allowed: a finite number {span}")
 
 
 _LINK_FIELDS = ("nic", "gbps", "latency_us", "efficiency")  # as [inter_cluster] spells them
