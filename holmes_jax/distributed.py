@@ -21,13 +21,16 @@ communicators of their own. They are set on every platform: without NCCL they do
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
+import re
 import socket
 
 import jax
 import numpy as np
 
+from holmes_jax.cli import RunError
 from holmes_jax.config import ConfigError, check_positive
 from holmes_jax.mesh import nic
 
@@ -93,6 +96,26 @@ def _int(env, name: str, low: int) -> int:
     return value
 
 
+def _index(env, name: str, count_name: str, count: int) -> int:
+    """`env[name]`: this process's index among the `count` that `count_name` says there are."""
+    index = _int(env, name, 0)
+    if index >= count:
+        raise ConfigError(f"{name} = {index} is not allowed; allowed: 0 .. {count_name} - 1 = {count - 1}")
+    return index
+
+
+def _jax_port(env) -> None:
+    """JAX's detection (SLURM, Open MPI 4) takes its coordinator port from JAX_COORDINATOR_PORT."""
+    port = env.get("JAX_COORDINATOR_PORT")
+    if port is not None and not (port.isdigit() and 0 < int(port) < 65536):
+        raise ConfigError(f"JAX_COORDINATOR_PORT = {port!r} is not allowed; allowed: 1 .. 65535")
+
+
+# The first name of a SLURM node list, as JAX reads it (the text before ',' or '[', then the first
+# number in the brackets): 'node001', 'node[001-004],gpu7'.
+SLURM_NODELIST = re.compile(r"[^\s,\[\]]+(\[\d|,|$)")
+
+
 def _coordinator(env) -> str | None:
     address = env.get(COORDINATOR)
     if address is None:
@@ -101,6 +124,18 @@ def _coordinator(env) -> str | None:
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ConfigError(f"{COORDINATOR} = {address!r} is not allowed; allowed: HOST:PORT, e.g. 10.0.0.1:29500")
     return address
+
+
+def _port_in_use(port: int) -> bool:
+    """Whether a process on this host listens on `port` (the coordinator's server binds it on all
+    addresses)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as that server does: TIME_WAIT is no conflict
+        try:
+            s.bind(("", port))
+        except OSError as e:
+            return e.errno == errno.EADDRINUSE
+    return False
 
 
 def launch_method(env=None) -> tuple[str, dict]:
@@ -126,15 +161,31 @@ def launch_method(env=None) -> tuple[str, dict]:
         if any(name not in env for name in needed):
             raise ConfigError(f"SLURM_NTASKS = {env['SLURM_NTASKS']} but {', '.join(n for n in needed if n not in env)} "
                               "unset: start one process per task with srun")
+        # JAX reads these with int() (a traceback) and checks none of them: a rank out of range or
+        # an empty coordinator host ends only in its connection timeout, minutes later.
+        _index(env, "SLURM_PROCID", "SLURM_NTASKS", _int(env, "SLURM_NTASKS", 1))
+        _int(env, "SLURM_LOCALID", 0)
+        if coordinator is None:
+            if not SLURM_NODELIST.match(env["SLURM_STEP_NODELIST"]):
+                raise ConfigError(f"SLURM_STEP_NODELIST = {env['SLURM_STEP_NODELIST']!r} is not allowed; allowed: "
+                                  "a SLURM node list starting with a host name, e.g. node[001-004]")
+            _jax_port(env)
         return "slurm", {"coordinator_address": coordinator, "cluster_detection_method": "slurm"}
     if "OMPI_COMM_WORLD_SIZE" in env and _int(env, "OMPI_COMM_WORLD_SIZE", 1) > 1:
+        count = _int(env, "OMPI_COMM_WORLD_SIZE", 2)
+        if "OMPI_COMM_WORLD_RANK" not in env:  # JAX would raise a KeyError
+            raise ConfigError(f"OMPI_COMM_WORLD_SIZE = {count} but OMPI_COMM_WORLD_RANK unset: "
+                              "start one process per rank with mpirun")
+        index = _index(env, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", count)
+        if "OMPI_COMM_WORLD_LOCAL_RANK" in env:
+            _int(env, "OMPI_COMM_WORLD_LOCAL_RANK", 0)
         if "OMPI_MCA_orte_hnp_uri" in env and coordinator is None:  # Open MPI 4: JAX finds it all
+            _jax_port(env)
             return "ompi", {"cluster_detection_method": "ompi"}
         if coordinator is None:
             raise ConfigError(f"this Open MPI does not tell JAX the coordinator; pass {COORDINATOR}=HOST:PORT "
                               "(e.g. mpirun -x HOLMES_COORDINATOR=$(hostname):29500 ...)")
-        kwargs = {"coordinator_address": coordinator, "num_processes": _int(env, "OMPI_COMM_WORLD_SIZE", 2),
-                  "process_id": _int(env, "OMPI_COMM_WORLD_RANK", 0)}
+        kwargs = {"coordinator_address": coordinator, "num_processes": count, "process_id": index}
         if "OMPI_COMM_WORLD_LOCAL_RANK" in env:  # one device per process, as JAX's own detection does
             kwargs["local_device_ids"] = [_int(env, "OMPI_COMM_WORLD_LOCAL_RANK", 0)]
         return "ompi", kwargs
@@ -165,7 +216,17 @@ def initialize(cpu_devices_per_process: int | None = None) -> ProcessInfo:
     if method != "single":
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         if not jax.distributed.is_initialized():
-            jax.distributed.initialize(**kwargs)
+            # Process 0 starts the coordinator; jaxlib answers a port in use with a traceback, or
+            # at times a segmentation fault, so look first.
+            address = kwargs.get("coordinator_address")
+            if kwargs.get("process_id") == 0 and _port_in_use(port := int(address.rpartition(":")[2])):
+                raise ConfigError(f"{COORDINATOR} = {address!r}: port {port} is in use on this host, process 0's, where "
+                                  "the coordinator starts; allowed: a free port (holmes_jax.launch: leave --port out)")
+            try:
+                jax.distributed.initialize(**kwargs)
+            except RuntimeError as e:  # the port taken after all (a race, or one JAX derives), an Open MPI URI
+                raise RunError(f"jax.distributed did not start ({method}, coordinator {address or 'found by JAX'}): "
+                               f"{str(e).strip().splitlines()[0]}") from None
     _info = ProcessInfo(jax.process_index(), jax.process_count(), socket.gethostname(), local.nic_class,
                         local.gbps, jax.local_device_count(), method)
     return _info

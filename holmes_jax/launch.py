@@ -63,13 +63,22 @@ def process_env(rank: int, n: int, coordinator: str, devices_per_process: int | 
     return env
 
 
-def _check(cmd, n, devices_per_process, port, nic_classes) -> None:
+def _check(cmd, n, devices_per_process, port, nic_classes, grace_s, timeout_s, env) -> None:
     if not cmd:
         raise ConfigError("no command to run; give it after --, e.g. -- python -m holmes_jax.train")
     for name, value in (("-n", n), ("--devices-per-process", devices_per_process)):
         check_positive(name, value, allow_none=True)
     if port is not None and not 0 < port < 65536:
         raise ConfigError(f"--port = {port} is not allowed; allowed: 1 .. 65535")
+    # A negative or NaN grace would SIGKILL at once (no checkpoint); a NaN timeout never fires.
+    if not grace_s >= 0:
+        raise ConfigError(f"--grace = {grace_s:g} is not allowed; allowed: seconds >= 0")
+    if timeout_s is not None and not timeout_s > 0:
+        raise ConfigError(f"--timeout = {timeout_s:g} is not allowed; allowed: seconds > 0")
+    for key in env or {}:  # they would override the job's own: a count not -n, one rank twice
+        if key in ("HOLMES_COORDINATOR", "HOLMES_NUM_PROCESSES", "HOLMES_PROCESS_ID"):
+            raise ConfigError(f"--env {key}=... is not allowed: the launcher sets it for each process (-n, --port); "
+                              "allowed: any other variable")
     if nic_classes is not None:
         if len(nic_classes) != n:
             raise ConfigError(f"--nic-classes lists {len(nic_classes)} classes for -n {n} processes; give one per process")
@@ -78,10 +87,18 @@ def _check(cmd, n, devices_per_process, port, nic_classes) -> None:
                 raise ConfigError(f"--nic-classes: {c!r} is not allowed; choose from {', '.join(NIC_CLASSES)}")
 
 
+def _say(text: str, stream, lock: threading.Lock) -> None:
+    with lock:
+        try:
+            print(text, file=stream, flush=True)
+        except OSError:  # our output is gone (`| head` exited): the job runs on
+            pass
+
+
 def _pump(pipe, prefix: str, stream, lock: threading.Lock) -> None:
+    # Reads to the end even when `stream` is gone: a process blocked on a full pipe would hang the job.
     for raw in iter(pipe.readline, b""):
-        with lock:
-            print(prefix + raw.decode(errors="replace").rstrip("\n"), file=stream, flush=True)
+        _say(prefix + raw.decode(errors="replace").rstrip("\n"), stream, lock)
     pipe.close()
 
 
@@ -98,17 +115,29 @@ def _die_with(parent: int) -> Callable[[], None] | None:
     return set_parent_death_signal
 
 
+def _running(p: subprocess.Popen) -> bool:
+    """Whether anything in `p`'s process group still runs: `p`, or what it started. A wrapper
+    script's python outlives the shell that a SIGTERM ends at once, and must get its grace period
+    and its SIGKILL too."""
+    p.poll()  # reaps `p` once it has exited, so only the processes left count
+    try:
+        os.killpg(p.pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def _stop(procs: list[subprocess.Popen], first: int, grace_s: float) -> None:
-    """Signals each still-running process group with `first`, then SIGKILL after `grace_s`."""
+    """Signals each process group still running with `first`, then SIGKILL after `grace_s`."""
     for sig in (first, signal.SIGKILL):
         for p in procs:
-            if p.poll() is None:
+            if _running(p):
                 try:
                     os.killpg(p.pid, sig)  # its own session: reaches whatever it started too
                 except ProcessLookupError:
                     pass
         deadline = time.monotonic() + grace_s
-        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        while any(_running(p) for p in procs) and time.monotonic() < deadline:
             time.sleep(0.05)
 
 
@@ -132,7 +161,7 @@ def launch(cmd: Sequence[str], n: int, devices_per_process: int | None = None, p
     """Runs `cmd` as processes 0 .. n-1 of one job and returns the job's exit status.
     `wrap(rank)` is a command prefix per process (the emulator's `ip netns exec HOST ...`);
     `timeout_s` stops everything after that long, returning 124."""
-    _check(cmd, n, devices_per_process, port, nic_classes)
+    _check(cmd, n, devices_per_process, port, nic_classes, grace_s, timeout_s, env)
     coordinator = f"{coordinator_host}:{port or free_port()}"
     out, err, lock = sys.stdout, sys.stderr, threading.Lock()
     procs, pumps = [], []
@@ -165,21 +194,17 @@ def launch(cmd: Sequence[str], n: int, devices_per_process: int | None = None, p
             if failed:
                 code = _status(failed[1])
                 if None in codes:
-                    with lock:
-                        print(f"launch: rank {failed[0]} exited with status {code}; stopping the others", file=err, flush=True)
+                    _say(f"launch: rank {failed[0]} exited with status {code}; stopping the others", err, lock)
             elif all(c == 0 for c in codes):
                 code = 0
             elif deadline is not None and time.monotonic() > deadline:
                 code = TIMED_OUT
-                with lock:
-                    print(f"launch: still running after {timeout_s:g} s; stopping all", file=err, flush=True)
+                _say(f"launch: still running after {timeout_s:g} s; stopping all", err, lock)
             else:
                 time.sleep(0.05)
     except _Signalled as e:
         first_signal, code = e.signum, 128 + e.signum
-        with lock:
-            print(f"launch: {signal.Signals(e.signum).name} passed on to all; SIGKILL after {grace_s:g} s",
-                  file=err, flush=True)
+        _say(f"launch: {signal.Signals(e.signum).name} passed on to all; SIGKILL after {grace_s:g} s", err, lock)
     finally:
         for sig in previous:  # a second Ctrl-C must not cut the grace period short
             signal.signal(sig, signal.SIG_IGN)

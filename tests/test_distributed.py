@@ -3,6 +3,7 @@ multi-process training (gloo on CPU) matching one process with the same devices.
 
 import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -49,6 +50,27 @@ def test_launch_method(env, method, kwargs):
     ({"HOLMES_COORDINATOR": "h:99999", "HOLMES_NUM_PROCESSES": "2", "HOLMES_PROCESS_ID": "0"}, "HOST:PORT"),
     ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4"}, "srun"),
     ({"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "0"}, "HOLMES_COORDINATOR=HOST:PORT"),
+    # partly set or inconsistent scheduler variables: JAX would raise a KeyError or ValueError, or
+    # wait minutes for processes that do not exist
+    ({"OMPI_COMM_WORLD_SIZE": "4", "HOLMES_COORDINATOR": "h:1"}, "OMPI_COMM_WORLD_RANK unset"),
+    ({"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "4", "HOLMES_COORDINATOR": "h:1"},
+     "OMPI_COMM_WORLD_RANK = 4 is not allowed; allowed: 0 .. OMPI_COMM_WORLD_SIZE - 1 = 3"),
+    ({"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_LOCAL_RANK": "one",
+      "OMPI_MCA_orte_hnp_uri": "1.0;tcp://10.0.0.1:1"}, "OMPI_COMM_WORLD_LOCAL_RANK = 'one'"),
+    ({"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+      "OMPI_MCA_orte_hnp_uri": "1.0;tcp://10.0.0.1:1", "JAX_COORDINATOR_PORT": "port"}, "JAX_COORDINATOR_PORT = 'port'"),
+    ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4", "SLURM_STEP_NODELIST": "n1", "SLURM_PROCID": "4", "SLURM_LOCALID": "0"},
+     "SLURM_PROCID = 4 is not allowed; allowed: 0 .. SLURM_NTASKS - 1 = 3"),
+    ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4", "SLURM_STEP_NODELIST": "n1", "SLURM_PROCID": "x", "SLURM_LOCALID": "0"},
+     "SLURM_PROCID = 'x'"),
+    ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4", "SLURM_STEP_NODELIST": "n1", "SLURM_PROCID": "1", "SLURM_LOCALID": ""},
+     "SLURM_LOCALID = ''"),
+    ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4", "SLURM_STEP_NODELIST": "", "SLURM_PROCID": "1", "SLURM_LOCALID": "1"},
+     "SLURM_STEP_NODELIST = ''"),
+    ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4", "SLURM_STEP_NODELIST": "[1-4]", "SLURM_PROCID": "1", "SLURM_LOCALID": "1"},
+     "SLURM_STEP_NODELIST = '\\[1-4\\]'"),
+    ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4", "SLURM_STEP_NODELIST": "n1", "SLURM_PROCID": "1", "SLURM_LOCALID": "1",
+      "JAX_COORDINATOR_PORT": "99999"}, "JAX_COORDINATOR_PORT = '99999'"),
 ])
 def test_bad_environment_is_a_config_error(env, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
@@ -174,6 +196,20 @@ def test_two_processes_profile_every_stage_and_agree_on_it(tmp_path):
     assert len(prof.data_links) == 2 and all(link is not None and link.gbps > 0 for link in prof.data_links)
     assert len(prof.stage_links) == 1 and prof.stage_links[0].gbps > 0
     assert len(prof.split_probes) == 2 and all(sum(p.stage_layers) == 4 for p in prof.split_probes)
+
+
+def test_coordinator_port_in_use_is_one_error_line():
+    # Process 0 cannot open the coordinator's port: an error line naming it, not jaxlib's traceback
+    # (or, at times, its segmentation fault).
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        address = f"127.0.0.1:{taken.getsockname()[1]}"
+        env = dict(_env(), HOLMES_COORDINATOR=address, HOLMES_NUM_PROCESSES="2", HOLMES_PROCESS_ID="0")
+        r = subprocess.run([sys.executable, "-m", "holmes_jax.train", "--gin.TrainConfig.steps=1"], capture_output=True,
+                           text=True, timeout=120, cwd=REPO, env=env)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().splitlines() == [
+        f"error: HOLMES_COORDINATOR = {address!r}: port {address.rpartition(':')[2]} is in use on this host, process 0's, "
+        "where the coordinator starts; allowed: a free port (holmes_jax.launch: leave --port out)"]
 
 
 def test_bad_distributed_environment_exits_2():

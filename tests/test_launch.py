@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -115,6 +116,59 @@ def test_ctrl_c_or_sigterm_ends_all_processes(sig):
             os.kill(pid, 0)
 
 
+def _gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"  # a zombie has ended
+    except FileNotFoundError:
+        return True
+
+
+def test_what_a_wrapper_script_started_gets_the_grace_period_and_then_sigkill(tmp_path):
+    # Each rank is a shell that runs python as its child (as a wrapper script does). Rank 1 fails;
+    # rank 0's shell dies of the SIGTERM at once, its python ignores it: SIGKILL must still reach it.
+    ready = tmp_path / "ready"
+    script = ("import os, signal, sys, time; r = os.environ['HOLMES_PROCESS_ID']; ready = os.environ['READY']\n"
+              "if r == '1':\n"
+              "    for _ in range(600):\n"
+              "        if os.path.exists(ready): sys.exit(3)\n"
+              "        time.sleep(0.1)\n"
+              "    sys.exit(9)\n"
+              "signal.signal(signal.SIGTERM, signal.SIG_IGN); print(os.getpid(), flush=True); open(ready, 'w').close()\n"
+              "time.sleep(300)")
+    t = time.monotonic()
+    r = run_module("holmes_jax.launch", "-n", "2", "--grace", "1", "--env", f"READY={ready}", "--",
+                   "sh", "-c", '"$0" -c "$1"; exit $?', sys.executable, script, timeout=120)
+    assert r.returncode == 3, r.stderr
+    pid = int(r.stdout.split("] ")[1])
+    deadline = time.monotonic() + 10  # a killed orphan is reaped by init, not us
+    while not _gone(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    try:
+        assert _gone(pid), "rank 0's python outlived the launcher"
+    finally:
+        if not _gone(pid):
+            os.kill(pid, signal.SIGKILL)
+    assert time.monotonic() - t < 60
+
+
+def test_output_read_no_further_neither_hangs_nor_fails():
+    # `launch ... | head -1`: the processes' output must still be drained (a full pipe would block
+    # them for ever) and the job's status kept.
+    script = "for i in range(100000): print('line', i, 'x' * 100)"
+    p = subprocess.Popen([sys.executable, "-m", "holmes_jax.launch", "-n", "2", "--", sys.executable, "-c", script],
+                         cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().startswith("[rank ")
+        p.stdout.close()
+        assert p.wait(timeout=60) == 0
+        assert "Traceback" not in p.stderr.read()
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
 def test_timeout_stops_everything(capsys):
     t = time.monotonic()
     assert launch.launch([sys.executable, "-c", "import time; time.sleep(300)"], 2, timeout_s=1, grace_s=1) == launch.TIMED_OUT
@@ -131,6 +185,11 @@ def test_timeout_stops_everything(capsys):
     (["-n", "2", "--nic-classes", "infiniband,myrinet", "--", "true"], "'myrinet'"),
     (["-n", "2", "--env", "NOEQUALS", "--", "true"], "KEY=VALUE"),
     (["-n", "2", "--port", "70000", "--", "true"], "--port"),
+    (["-n", "2", "--grace", "-1", "--", "true"], "--grace = -1"),  # would SIGKILL at once
+    (["-n", "2", "--grace", "nan", "--", "true"], "--grace = nan"),
+    (["-n", "2", "--timeout", "0", "--", "true"], "--timeout = 0"),
+    (["-n", "2", "--timeout", "nan", "--", "true"], "--timeout = nan"),  # would never fire
+    (["-n", "2", "--env", "HOLMES_NUM_PROCESSES=4", "--", "true"], "--env HOLMES_NUM_PROCESSES"),  # 2 would wait for 4
     (["-n", "2", "--bogus", "--", "true"], "--bogus"),
     (["-n", "2", "--"], "no command to run"),
     (["-n", "2", "--", "/nonexistent/program"], "cannot run '/nonexistent/program'"),
