@@ -136,9 +136,14 @@ class ParallelConfig:
         if self.profile is not None and (not isinstance(self.profile, str) or not self.profile):
             raise ConfigError(f"ParallelConfig.profile = {self.profile!r} is not allowed; "
                               f"allowed: None or the path of a profile JSON file")
+        # '' would silently mean None (the local topology) and a number fails deep in pathlib
+        if self.topology is not None and (not isinstance(self.topology, str) or not self.topology):
+            raise ConfigError(f"ParallelConfig.topology = {self.topology!r} is not allowed; "
+                              f"allowed: None or the path of a topology TOML file")
         if self.stage_layers is not None:
-            layers = tuple(self.stage_layers)
-            if len(layers) != self.pp or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in layers):
+            layers = self.stage_layers  # a bare number (`stage_layers=4` with pp = 1) is not a list of counts
+            if (not isinstance(layers, (tuple, list)) or len(layers) != self.pp
+                    or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in layers)):
                 raise ConfigError(
                     f"ParallelConfig.stage_layers = {self.stage_layers!r} must list {self.pp} positive layer "
                     f"counts, one per pipeline stage (ParallelConfig.pp = {self.pp})"
@@ -161,6 +166,12 @@ class DataConfig:
     cache_dir: str | None = None  # None: ~/.cache/holmes_jax
 
     def validate(self) -> None:
+        # '' is the current folder, which would silently train on (or cache into) whatever is there
+        if not isinstance(self.source, str) or not self.source:
+            raise ConfigError(f"DataConfig.source = {self.source!r} is not allowed; allowed: 'stdlib', "
+                              f"a text file or folder, a prepared folder or a NAME.bin token file")
+        if self.cache_dir is not None and (not isinstance(self.cache_dir, str) or not self.cache_dir):
+            raise ConfigError(f"DataConfig.cache_dir = {self.cache_dir!r} is not allowed; allowed: None or a folder path")
         check_positive("DataConfig.seq_len", self.seq_len)
         check_positive("DataConfig.global_batch", self.global_batch)
         check_positive("DataConfig.vocab_size", self.vocab_size, allow_none=True)
@@ -194,8 +205,9 @@ class TrainConfig:
         for name in ("steps", "log_every", "eval_every", "eval_batches", "max_bad_steps"):
             check_positive(f"TrainConfig.{name}", getattr(self, name))
         check_positive("TrainConfig.stop_after", self.stop_after, allow_none=True)
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise ConfigError(f"TrainConfig.seed = {self.seed!r} must be a non-negative integer")
+        # JAX's PRNG key takes a C long: 2**63 and up fail at initialisation with an OverflowError
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
+            raise ConfigError(f"TrainConfig.seed = {self.seed!r} must be an integer in [0, 2**63)")
         if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
             raise ConfigError(f"TrainConfig.warmup_steps = {self.warmup_steps!r} must be a non-negative integer")
         if not isinstance(self.workdir, str) or not self.workdir:
@@ -204,10 +216,14 @@ class TrainConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or value <= 0:
                 raise ConfigError(f"TrainConfig.{name} = {value!r} must be a positive number")
-        for name in ("min_lr_ratio", "weight_decay", "beta1", "beta2"):
+        for name in ("min_lr_ratio", "weight_decay"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not 0 <= value <= 1:
                 raise ConfigError(f"TrainConfig.{name} = {value!r} must be a number in [0, 1]")
+        for name in ("beta1", "beta2"):  # Adam divides by 1 - beta ** step: 1 makes every update NaN
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not 0 <= value < 1:
+                raise ConfigError(f"TrainConfig.{name} = {value!r} must be a number in [0, 1)")
 
 
 @gin.configurable

@@ -92,6 +92,10 @@ def load_configs(argv: list[str]) -> Configs:
         cfgs = Configs(*(cls() for cls in CLASSES))
     except ConfigError:
         raise
+    except SyntaxError as e:  # for a bare word gin's message starts with an ast node's repr: keep its last line
+        reason = str(e.msg).splitlines()[-1].strip()
+        raise ConfigError(f"gin: {e.filename or '--gin binding'}, line {e.lineno}: {(e.text or '').strip()!r}: "
+                          f"{reason} (a value is a Python literal: quote strings, as in 'runs/x')") from None
     except Exception as e:  # gin reports unknown names and unparsable values with assorted types
         raise ConfigError("gin: " + " ".join(str(e).split())) from None
     for c in (cfgs.parallel, cfgs.data, cfgs.train, cfgs.checkpoint):

@@ -355,13 +355,16 @@ def main(argv: list[str]) -> int:
     parser = cli.Parser(prog="python -m holmes_jax.profile", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="where to write the profile JSON")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=cli.positive_int, default=5)  # 0 would write a profile of NaNs
     parser.add_argument("--splits", type=int, default=0,
                         help="also time the model's own step at this many splits the plan ranks fastest (each "
                              "compiles the whole model); planning's `auto` then takes the fastest of them")
     args, gin_args = parser.parse_known_args(argv)
     if args.splits < 0:
         parser.error(f"--splits {args.splits} is not allowed; allowed: 0 or more")
+    out = Path(args.out)
+    if not args.out or out.is_dir() or not out.parent.is_dir():  # before minutes of profiling, not after
+        parser.error(f"--out {args.out!r} is not allowed; allowed: a file in an existing folder")
     cfgs = configure.load_configs(gin_args)
     # Before any backend starts: jax.distributed for several processes (as train does), the CPU device count.
     distributed.initialize(cfgs.parallel.cpu_devices)

@@ -92,3 +92,30 @@ def test_holmes_plan_runs_the_plan_command(monkeypatch, capsys):
     with pytest.raises(SystemExit) as e:
         scripts.plan()
     assert e.value.code == 2 and "dp = 5 is not allowed" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("binding, field", [
+    ("ParallelConfig.stage_layers=4", "ParallelConfig.stage_layers"),  # a number, not a list (was a TypeError)
+    ("TrainConfig.beta1=1.0", "TrainConfig.beta1"),  # Adam's bias correction divides by 0: NaN from step 2
+    ("TrainConfig.beta2=1.0", "TrainConfig.beta2"),
+    ("TrainConfig.seed=18446744073709551616", "TrainConfig.seed"),  # an OverflowError at initialisation
+    ("DataConfig.source=5", "DataConfig.source"),
+    ("DataConfig.source=''", "DataConfig.source"),  # the current folder, silently
+    ("DataConfig.cache_dir=5", "DataConfig.cache_dir"),
+    ("ParallelConfig.topology=5", "ParallelConfig.topology"),
+    ("ParallelConfig.topology=''", "ParallelConfig.topology"),  # silently the local topology
+    ("ModelConfig.preset=['tiny']", "ModelConfig.preset"),
+])
+def test_values_that_failed_later_or_silently_are_config_errors_naming_the_field(binding, field):
+    with pytest.raises(ConfigError, match=f"^{field} = .* allowed|^{field} = .* must|^{field} = .* not known"):
+        configure.load_configs(["--gin.ParallelConfig.pp=1", f"--gin.{binding}"])
+
+
+def test_a_bare_word_in_a_gin_file_names_the_file_line_and_the_fix(tmp_path):
+    path = tmp_path / "run.gin"
+    path.write_text("TrainConfig.steps = 3\nTrainConfig.workdir = runs/x\n")
+    with pytest.raises(ConfigError) as e:
+        configure.load_configs(["--gin_file", str(path)])
+    message = str(e.value)
+    assert f"{path}, line 2" in message and "TrainConfig.workdir = runs/x" in message and "quote strings" in message
+    assert "ast." not in message  # gin's own text held the repr of an ast node

@@ -88,7 +88,8 @@ def test_tensor_parallel_specs():
     assert specs["embed"]["tokens"]["embedding"] == jax.sharding.PartitionSpec()
 
 
-@pytest.mark.parametrize("field, value", [("preset", "13b"), ("norm", "batchnorm"), ("num_heads", 3)])
+@pytest.mark.parametrize("field, value", [("preset", "13b"), ("preset", ["tiny"]), ("norm", "batchnorm"),
+                                          ("num_heads", 3)])
 def test_bad_model_configs_name_the_field(field, value):
     with pytest.raises(ConfigError, match=field):
         presets.resolve(ModelConfig(preset="tiny", **{field: value}) if field != "preset" else ModelConfig(preset=value))

@@ -82,3 +82,16 @@ def test_a_probe_compiles_from_the_states_shapes_alone(tmp_path):
     from_shapes = build.make_train_step(setup).lower(abstract, batch).compile()
     expected = build.make_train_step(setup)(setup.init_state(), batch)[1]["loss"]
     assert float(from_shapes(state, batch)[1]["loss"]) == float(expected)
+
+
+@pytest.mark.parametrize("flags", [["--out", "{tmp}/missing/p.json"], ["--out", "{tmp}"], ["--out", ""],
+                                   ["--out", "{tmp}/p.json", "--repeats", "0"]])  # 0: a profile of NaNs
+def test_bad_profile_flags_fail_before_profiling(tmp_path, monkeypatch, flags):
+    def profiled(*args, **kwargs):
+        raise AssertionError("profiled before the flags were checked")
+
+    monkeypatch.setattr(profile.distributed, "initialize", lambda *args: None)
+    monkeypatch.setattr(profile.build, "build", profiled)
+    with pytest.raises(ConfigError, match="--out|--repeats"):
+        profile.main([f.format(tmp=tmp_path) for f in flags])
+    assert not (tmp_path / "p.json").exists()

@@ -51,7 +51,7 @@ _DEFAULTS = dict(bias=False, norm_eps=1e-5, rope_base=10000.0)
 
 def resolve(cfg: ModelConfig) -> ModelConfig:
     """Fills the `None` fields of `cfg` from its preset and validates the result."""
-    if cfg.preset not in PRESETS:
+    if not isinstance(cfg.preset, str) or cfg.preset not in PRESETS:  # a list would not even hash
         raise ConfigError(f"ModelConfig.preset = {cfg.preset!r} is not known; choose one of {', '.join(PRESETS)}")
     filled = {k: v for k, v in {**_DEFAULTS, **PRESETS[cfg.preset]}.items() if getattr(cfg, k) is None}
     resolved = dataclasses.replace(cfg, **filled)
