@@ -149,6 +149,7 @@ def _abstract(make, shardings) -> dict:
 
 def build(cfgs: Configs, devices=None) -> Setup:
     devices = ordered_devices(devices)
+    gpt.check_attention(cfgs.model, devices[0])
     the_plan = make_plan(cfgs, devices)
     mesh = build_mesh(the_plan, devices=devices)
     par = cfgs.parallel

@@ -116,6 +116,17 @@ def test_fused_attention_equals_the_einsum_attention(kv_heads):
     np.testing.assert_allclose(gpt.attend(cfg, q, k, v), _einsum_attention(q, k, v), rtol=0, atol=1e-5)
 
 
+def test_cudnn_attention_where_it_cannot_run_is_a_config_error_before_anything_is_written(tmp_path):
+    from helpers import small_configs
+    from holmes_jax import train
+
+    cfgs = small_configs(tmp_path / "run", "--gin.ParallelConfig.dp=1", "--gin.ModelConfig.attention='cudnn'")
+    with pytest.raises(ConfigError, match="ModelConfig.attention = 'cudnn' is not allowed.* on cpu"):
+        train.run(cfgs, jax.devices()[:1], quiet=True)
+    assert not (tmp_path / "run").exists()
+    gpt.check_attention(presets.resolve(ModelConfig(preset="tiny", attention="xla")), jax.devices()[0])
+
+
 def test_new_presets_have_the_reference_parameter_counts():
     # The published sizes: GPT-2 small 124,439,808 and Llama 3 8B 8,030,261,248 parameters;
     # Llama 3.2 1B 1,235,814,400 (tied embeddings).

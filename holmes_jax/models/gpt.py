@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from holmes_jax.config import ModelConfig
+from holmes_jax.config import ConfigError, ModelConfig
 
 _INIT = nnx.initializers.normal(0.02)
 
@@ -42,15 +42,29 @@ def _rotary(x: jax.Array, base: float) -> jax.Array:
     return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1).astype(x.dtype)
 
 
+def _cudnn_runs(cfg: ModelConfig, dtype, device) -> bool:
+    """Whether cuDNN's fused attention runs: a CUDA GPU, 16-bit inputs, head sizes up to 128 in
+    multiples of 8."""
+    cuda = device.platform == "gpu" and "cuda" in device.client.platform_version.lower()
+    return cuda and dtype in (jnp.bfloat16, jnp.float16) and cfg.head_dim % 8 == 0 and cfg.head_dim <= 128
+
+
+def check_attention(cfg: ModelConfig, device) -> None:
+    """ConfigError when `attention = 'cudnn'` asks for what cuDNN cannot run on `device` (else the
+    step fails as it compiles, with a traceback)."""
+    if cfg.attention == "cudnn" and not _cudnn_runs(cfg, jnp.dtype(cfg.compute_dtype), device):
+        raise ConfigError(f"ModelConfig.attention = 'cudnn' is not allowed with ModelConfig.compute_dtype = "
+                          f"{cfg.compute_dtype!r}, head_dim {cfg.head_dim} on {device.platform}: cuDNN attention "
+                          f"needs a CUDA GPU, bfloat16 and a head_dim that is a multiple of 8 up to 128; "
+                          f"allowed: 'auto' or 'xla'")
+
+
 def attention_implementation(cfg: ModelConfig, q: jax.Array) -> str:
-    """cuDNN's fused (flash) attention where it runs: CUDA GPUs, 16-bit inputs, head sizes up to 128
-    in multiples of 8; XLA's otherwise (CPU, float32), which builds the full score matrix."""
+    """cuDNN's fused (flash) attention where it runs; XLA's otherwise (CPU, float32), which builds
+    the full score matrix."""
     if cfg.attention != "auto":
         return cfg.attention
-    device = jax.devices()[0]
-    cuda = device.platform == "gpu" and "cuda" in device.client.platform_version.lower()
-    fits = q.dtype in (jnp.bfloat16, jnp.float16) and cfg.head_dim % 8 == 0 and cfg.head_dim <= 128
-    return "cudnn" if cuda and fits else "xla"
+    return "cudnn" if _cudnn_runs(cfg, q.dtype, jax.devices()[0]) else "xla"
 
 
 def attend(cfg: ModelConfig, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
