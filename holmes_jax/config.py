@@ -9,6 +9,7 @@ field and what is allowed; the command-line tools turn that into `error: ...` an
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import gin
@@ -25,6 +26,12 @@ class ConfigError(ValueError):
 def check_choice(name: str, value: Any, allowed: tuple) -> None:
     if value not in allowed:
         raise ConfigError(f"{name} = {value!r} is not allowed; choose one of {', '.join(map(repr, allowed))}")
+
+
+def is_number(value: Any) -> bool:
+    """A finite int or float: True and False are not numbers here, and inf or nan (gin reads 1e999
+    as inf) would make every step's loss nan."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def check_positive(name: str, value: Any, allow_none: bool = False) -> None:
@@ -86,8 +93,8 @@ class ModelConfig:
                               f"ModelConfig.num_heads = {self.num_heads}")
         for name in ("norm_eps", "rope_base"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise ConfigError(f"ModelConfig.{name} = {value!r} must be a positive number")
+            if not is_number(value) or value <= 0:
+                raise ConfigError(f"ModelConfig.{name} = {value!r} must be a finite positive number")
         check_choice("ModelConfig.bias", self.bias, (True, False))
         check_choice("ModelConfig.positions", self.positions, ("learned", "rotary"))
         check_choice("ModelConfig.norm", self.norm, ("layernorm", "rmsnorm"))
@@ -176,7 +183,7 @@ class DataConfig:
         check_positive("DataConfig.global_batch", self.global_batch)
         check_positive("DataConfig.vocab_size", self.vocab_size, allow_none=True)
         check_choice("DataConfig.token_dtype", self.token_dtype, ("uint16", "uint32"))
-        if not isinstance(self.val_fraction, (int, float)) or not 0 < self.val_fraction < 0.5:
+        if not is_number(self.val_fraction) or not 0 < self.val_fraction < 0.5:
             raise ConfigError(f"DataConfig.val_fraction = {self.val_fraction!r} must be a number in (0, 0.5)")
 
 
@@ -208,21 +215,21 @@ class TrainConfig:
         # JAX's PRNG key takes a C long: 2**63 and up fail at initialisation with an OverflowError
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
             raise ConfigError(f"TrainConfig.seed = {self.seed!r} must be an integer in [0, 2**63)")
-        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+        if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
             raise ConfigError(f"TrainConfig.warmup_steps = {self.warmup_steps!r} must be a non-negative integer")
         if not isinstance(self.workdir, str) or not self.workdir:
             raise ConfigError(f"TrainConfig.workdir = {self.workdir!r} must be a non-empty path")
         for name in ("learning_rate", "grad_clip"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or value <= 0:
-                raise ConfigError(f"TrainConfig.{name} = {value!r} must be a positive number")
+            if not is_number(value) or value <= 0:
+                raise ConfigError(f"TrainConfig.{name} = {value!r} must be a finite positive number")
         for name in ("min_lr_ratio", "weight_decay"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not 0 <= value <= 1:
+            if not is_number(value) or not 0 <= value <= 1:
                 raise ConfigError(f"TrainConfig.{name} = {value!r} must be a number in [0, 1]")
         for name in ("beta1", "beta2"):  # Adam divides by 1 - beta ** step: 1 makes every update NaN
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not 0 <= value < 1:
+            if not is_number(value) or not 0 <= value < 1:
                 raise ConfigError(f"TrainConfig.{name} = {value!r} must be a number in [0, 1)")
 
 

@@ -7,7 +7,9 @@ import ast
 import dataclasses
 import inspect
 import io
+import logging
 import math
+import os
 import re
 import tokenize
 from pathlib import Path
@@ -37,14 +39,41 @@ class Configs:
     checkpoint: CheckpointConfig
 
 
-def _gin_value(text: str) -> str:
+class _QuietGinLookups(logging.Filter):
+    """Drops gin's `ERROR:root:Path not found: x.gin`: its package-resource reader logs one for each
+    folder of the search path that an include is not in, even when a later folder has it. An include
+    found nowhere is raised, and reported as one `error:` line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.pathname.endswith(os.path.join("gin", "resource_reader.py"))
+
+
+logging.getLogger().addFilter(_QuietGinLookups())  # gin logs with logging.error, on the root logger
+_SEARCHED: set[str] = set()  # folders put on gin's search path (gin keeps them for the process)
+
+
+def _gin_value(name: str, text: str) -> str:
     """A gin literal for `text`; bare words (paths, 'gpipe') become strings so users need no quotes."""
     if text.startswith(("@", "%")):
         return text
     try:
-        return repr(ast.literal_eval(text))
+        value = ast.literal_eval(text)
     except (ValueError, SyntaxError):
         return repr(text)
+    except TypeError as e:  # a literal that builds no value, as {[1]: 2} (a list as a key)
+        raise ConfigError(f"--gin.{name}={text}: not a value ({e}); allowed: a Python literal, "
+                          f"as in 3, 0.1, 'runs/x' or (2, 2)") from None
+    # repr(inf) is a word gin cannot parse; from the text (1e999) gin reads inf, which validate() refuses
+    return text if isinstance(value, float) and not math.isfinite(value) else repr(value)
+
+
+def _search_beside(gin_file: str) -> None:
+    """gin looks `include 'x.gin'` up in the current folder, then in the folders of its search path:
+    with each --gin_file's folder there, a file can include the files beside it."""
+    folder = str(Path(gin_file).resolve().parent)
+    if folder not in _SEARCHED:
+        _SEARCHED.add(folder)
+        gin.add_config_file_search_path(folder)
 
 
 def parse_args(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -70,7 +99,7 @@ def parse_args(argv: list[str]) -> tuple[list[str], list[str]]:
                 if not args:
                     raise ConfigError(f"--gin.{name} needs a value: --gin.{name}=VALUE")
                 value = args.pop(0)
-            bindings.append(f"{name} = {_gin_value(value)}")
+            bindings.append(f"{name} = {_gin_value(name, value)}")
         else:
             raise ConfigError(f"unknown argument {arg!r}; allowed: --gin_file FILE, --gin.NAME=VALUE, "
                               f"--no_default_gin, --help")
@@ -86,6 +115,7 @@ def load_configs(argv: list[str]) -> Configs:
     for f in files:
         if not Path(f).is_file():
             raise ConfigError(f"--gin_file {f!r}: no such file")
+        _search_beside(f)
     gin.clear_config()
     try:
         gin.parse_config_files_and_bindings(base + files, bindings)

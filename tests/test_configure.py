@@ -5,14 +5,16 @@ import contextlib
 import dataclasses
 import importlib
 import io
+import logging
 import sys
 import tomllib
 
 import gin
 import pytest
 
-from holmes_jax import configure
-from holmes_jax.config import ConfigError, ParallelConfig, TrainConfig
+from holmes_jax import cli, configure
+from holmes_jax.config import ConfigError, DataConfig, ModelConfig, ParallelConfig, TrainConfig
+from holmes_jax.models import presets
 from helpers import REPO
 
 
@@ -105,6 +107,18 @@ def test_holmes_plan_runs_the_plan_command(monkeypatch, capsys):
     ("ParallelConfig.topology=5", "ParallelConfig.topology"),
     ("ParallelConfig.topology=''", "ParallelConfig.topology"),  # silently the local topology
     ("ModelConfig.preset=['tiny']", "ModelConfig.preset"),
+    # gin reads 1e999 as inf: every loss nan (the binding's inf was a gin parse error about quoting)
+    ("TrainConfig.learning_rate=1e999", "TrainConfig.learning_rate"),
+    ("TrainConfig.grad_clip=1e999", "TrainConfig.grad_clip"),
+    ("TrainConfig.grad_clip=-1e999", "TrainConfig.grad_clip"),
+    ("ModelConfig.norm_eps=1e999", "ModelConfig.norm_eps"),
+    ("ModelConfig.rope_base=1e999", "ModelConfig.rope_base"),
+    # True and False are not the numbers 1 and 0
+    ("TrainConfig.learning_rate=True", "TrainConfig.learning_rate"),
+    ("TrainConfig.warmup_steps=True", "TrainConfig.warmup_steps"),
+    ("TrainConfig.min_lr_ratio=True", "TrainConfig.min_lr_ratio"),
+    ("TrainConfig.weight_decay=False", "TrainConfig.weight_decay"),
+    ("TrainConfig.beta1=False", "TrainConfig.beta1"),
 ])
 def test_values_that_failed_later_or_silently_are_config_errors_naming_the_field(binding, field):
     with pytest.raises(ConfigError, match=f"^{field} = .* allowed|^{field} = .* must|^{field} = .* not known"):
@@ -119,3 +133,50 @@ def test_a_bare_word_in_a_gin_file_names_the_file_line_and_the_fix(tmp_path):
     message = str(e.value)
     assert f"{path}, line 2" in message and "TrainConfig.workdir = runs/x" in message and "quote strings" in message
     assert "ast." not in message  # gin's own text held the repr of an ast node
+
+
+def test_a_gin_file_with_inf_or_nan_is_refused_naming_the_field(tmp_path):
+    path = tmp_path / "run.gin"
+    path.write_text("TrainConfig.learning_rate = 1e999\n")  # a file's number is gin's own: inf
+    with pytest.raises(ConfigError, match=r"^TrainConfig.learning_rate = inf must be a finite positive number"):
+        configure.load_configs(["--gin_file", str(path)])
+    gin.clear_config()  # the file's binding would stand in for the fields not given below
+    nan = float("nan")  # no gin literal: the Python API
+    for config, field in ((TrainConfig(learning_rate=nan), "TrainConfig.learning_rate"),
+                          (TrainConfig(grad_clip=nan), "TrainConfig.grad_clip"),
+                          (DataConfig(val_fraction=nan), "DataConfig.val_fraction")):
+        with pytest.raises(ConfigError, match=f"^{field} = nan"):
+            config.validate()
+    with pytest.raises(ConfigError, match="^ModelConfig.norm_eps = nan"):
+        presets.resolve(ModelConfig(norm_eps=nan))
+
+
+def test_a_binding_that_builds_no_value_is_one_error_line_naming_it(capsys):
+    from holmes_jax import train
+
+    with pytest.raises(SystemExit) as e:  # was an uncaught TypeError (unhashable type: 'list')
+        cli.run(train.main, ["--gin.TrainConfig.steps={[1]: 2}"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("error: --gin.TrainConfig.steps={[1]: 2}: ") and err.count("\n") == 1
+
+
+def test_a_gin_file_includes_the_files_beside_it_from_any_folder(tmp_path, monkeypatch, caplog):
+    folder = tmp_path / "configs"
+    folder.mkdir()
+    (folder / "base.gin").write_text("TrainConfig.steps = 7\n")
+    (folder / "run.gin").write_text("include 'base.gin'\nTrainConfig.seed = 3\n")
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")  # includes were found from the current folder only
+    with caplog.at_level(logging.INFO):
+        cfgs = configure.load_configs(["--gin_file", str(folder / "run.gin")])
+    assert (cfgs.train.steps, cfgs.train.seed) == (7, 3)
+    # gin logs "Path not found" for each folder an include is not in, even one found later
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def test_an_include_found_nowhere_is_one_config_error_without_a_log_line(tmp_path, caplog):
+    path = tmp_path / "run.gin"
+    path.write_text("include 'missing.gin'\n")
+    with caplog.at_level(logging.INFO), pytest.raises(ConfigError, match="missing.gin"):
+        configure.load_configs(["--gin_file", str(path)])
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]  # was ERROR:root:Path not found

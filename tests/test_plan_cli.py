@@ -164,6 +164,21 @@ def test_api_errors_are_config_errors():
         plan(IB4_ROCE4, "7.5b", auto={"layers"})
 
 
+@pytest.mark.parametrize("ratios", [{"ib": "x", "roce": 1}, {"ib": True, "roce": 1}, {"ib": float("inf"), "roce": 1},
+                                    [2, 1]])
+def test_holmes_ratio_weights_that_are_not_numbers_are_config_errors(ratios):
+    par = ParallelConfig(tp=8, pp=2, microbatches=16, partition="holmes-ratio")
+    with pytest.raises(ConfigError, match=r"^ratios = .* is not allowed; allowed: a finite positive weight per "
+                                          r"cluster name \(ib, roce\)"):  # "x" was numpy's ValueError
+        plan(IB4_ROCE4, "7.5b", par, ratios=ratios)
+
+
+def test_the_plan_header_counts_one_device_in_the_singular():
+    one = Topology((Cluster("solo", "infiniband", 1, 1, device_tflops=100, device_memory_gb=50),))
+    assert ": 1 device, 1 cluster(s)" in plan(one, "tiny", ParallelConfig(), global_batch=4).explain()
+    assert ": 64 devices, 2 cluster(s)" in plan(IB4_ROCE4, BF16, ParallelConfig(tp=8, pp=2, microbatches=16)).explain()
+
+
 def test_huge_global_batch_is_answered_at_once():
     """The microbatch search listed every divisor of a replica's samples: 2**64 never finished."""
     def too_slow(*_):

@@ -223,7 +223,37 @@ def test_cli_bad_profile_file_is_exit_2(tmp_path, content):
         path.write_text(content)
     code, out, err = _cli(*CLI, "--profile", str(path))
     assert code == 2 and out == ""
-    assert err.startswith("error: --profile ") and err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith(f"error: profile {str(path)!r}: ") and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_a_profile_error_names_the_setting_that_gave_the_file(tmp_path):
+    missing = str(tmp_path / "missing.json")  # was "--profile ...", the plan CLI's flag, for the training config too
+    with pytest.raises(ConfigError, match=f"^ParallelConfig.profile '{missing}': not a readable holmes_jax profile"):
+        _plan(None, config_profile=missing)
+    with pytest.raises(ConfigError, match=f"^profile '{missing}': not a readable holmes_jax profile"):
+        _plan(missing)
+
+
+def _with(**fields):
+    raw = json.loads(_profile().to_json())
+    raw.update(fields)
+    return json.dumps(raw)
+
+
+@pytest.mark.parametrize("content, words", [
+    (_with(data_links=["x", None]), "data_links[0] = 'x' is not allowed; allowed: a table"),  # was "string indices"
+    (_with(stage_links="fast"), "stage_links = 'fast' is not allowed; allowed: a list"),
+    (_with(stage_links=[[1e9, 1e-5]]), "stage_links[0] = [1000000000.0, 1e-05] is not allowed; allowed: a table"),
+    (_with(step_probes=[[2, 2]]), "step_probes[0] = [2, 2] is not allowed; allowed: a table of stage_layers"),
+    (_with(stage_layer_scale=0.5), "stage_layer_scale = 0.5 is not allowed; allowed: a list"),
+    ("[1, 2]", "not a holmes_jax profile; allowed: a JSON table"),  # was "list indices must be integers"
+], ids=["link-string", "links-string", "link-list", "probe-list", "scale-number", "file-list"])
+def test_a_malformed_profile_names_the_field(tmp_path, content, words):
+    path = tmp_path / "p.json"
+    path.write_text(content)
+    with pytest.raises(ConfigError) as e:
+        _plan(None, config_profile=str(path))
+    assert str(e.value).startswith(f"ParallelConfig.profile {str(path)!r}: ") and words in str(e.value)
 
 
 def test_cli_profile_changes_the_json(tmp_path):

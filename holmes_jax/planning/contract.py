@@ -107,8 +107,8 @@ class Plan:
         fixed = any(pr.stage_fixed_s)  # a profile's fitted per-step work: shown where there is some
         lines = [
             f"plan: {m.preset} ({m.num_layers} layers, hidden {m.hidden}, {m.compute_dtype}"
-            f"{'' if m.remat == 'none' else f', remat {m.remat}'}) on topology {self.topology.name!r}: {self.grid.size} devices, "
-            f"{len(self.topology.clusters)} cluster(s)",
+            f"{'' if m.remat == 'none' else f', remat {m.remat}'}) on topology {self.topology.name!r}: "
+            f"{self.grid.size} device{'' if self.grid.size == 1 else 's'}, {len(self.topology.clusters)} cluster(s)",
             f"mesh stage={self.pp} data={self.dp} tensor={self.tp} | placement {pl.method} | schedule {self.schedule}, "
             f"{self.microbatches} microbatches of {self.micro_batch} "
             f"(global batch {self.global_batch}, seq {self.seq_len})"

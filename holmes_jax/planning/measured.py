@@ -24,6 +24,32 @@ def _json_link(raw: dict | None) -> Link | None:
     return Link(raw["bytes_per_s"] if "bytes_per_s" in raw else raw["gbps"] * 1e9 / 8, raw["latency_s"])
 
 
+def _json_probe(raw: dict) -> "StepProbe":
+    return StepProbe(**dict(raw, stage_layers=tuple(raw["stage_layers"])))
+
+
+LINK = 'a table {"bytes_per_s": N, "latency_s": N} (or "gbps" for bytes_per_s), or null'
+PROBE = "a table of stage_layers (a list), dp, tp, microbatches, schedule and step_s"
+# the fields read as lists: how each item is read, and what an item may be
+LISTS = {"data_links": (_json_link, LINK), "stage_links": (_json_link, LINK),
+         "stage_layer_scale": (lambda x: x, "a number in (0, 1]"),  # planning checks the numbers
+         "step_probes": (_json_probe, PROBE), "split_probes": (_json_probe, PROBE)}
+
+
+def _json_list(where: str, key: str, raw) -> tuple:
+    """The list field `key` read item by item; a malformed one is a ConfigError naming it."""
+    read, allowed = LISTS[key]
+    if not isinstance(raw, list):
+        raise ConfigError(f"{where}: {key} = {raw!r} is not allowed; allowed: a list, each item {allowed}")
+    items = []
+    for i, item in enumerate(raw):
+        try:
+            items.append(read(item))
+        except (TypeError, ValueError, KeyError):  # a string or a list where a table belongs, a key missing
+            raise ConfigError(f"{where}: {key}[{i}] = {item!r} is not allowed; allowed: {allowed}") from None
+    return tuple(items)
+
+
 @dataclasses.dataclass(frozen=True)
 class StepProbe:
     """The real train step of the profiled layout on a model of `sum(stage_layers)` layers, split
@@ -67,14 +93,21 @@ class Profile:
         return json.dumps(raw, indent=2)
 
     @classmethod
-    def load(cls, path: str | Path) -> "Profile":
+    def load(cls, path: str | Path, setting: str = "profile") -> "Profile":
+        """Reads a profile JSON file; errors name `setting`, what the user set to `path`
+        (ParallelConfig.profile, or plan's `profile`: the plan CLI's --profile), and the file."""
+        where = f"{setting} {str(path)!r}"
         try:
             raw = json.loads(Path(path).read_text())
-            raw["data_links"] = tuple(_json_link(l) for l in raw["data_links"])
-            raw["stage_links"] = tuple(_json_link(l) for l in raw["stage_links"])
-            raw["stage_layer_scale"] = tuple(raw.get("stage_layer_scale", ()))
-            for key in ("step_probes", "split_probes"):
-                raw[key] = tuple(StepProbe(**dict(p, stage_layers=tuple(p["stage_layers"]))) for p in raw.get(key, ()))
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"{where}: not a readable holmes_jax profile ({e})") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{where}: not a holmes_jax profile; allowed: a JSON table of its fields, "
+                              f"as python -m holmes_jax.profile writes")
+        for key in LISTS:
+            if key in raw:  # a missing one: the class's default, or a missing field below
+                raw[key] = _json_list(where, key, raw[key])
+        try:
             return cls(**raw)
-        except (OSError, ValueError, TypeError, KeyError) as e:
-            raise ConfigError(f"--profile {path}: not a readable holmes_jax profile ({e})") from None
+        except TypeError as e:  # a field missing, or one a profile does not have
+            raise ConfigError(f"{where}: not a holmes_jax profile ({e})") from None

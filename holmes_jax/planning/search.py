@@ -51,7 +51,7 @@ from typing import Iterable, Mapping
 
 import numpy as np
 
-from holmes_jax.config import WIRE_BYTES, ConfigError, ModelConfig, ParallelConfig, check_positive
+from holmes_jax.config import WIRE_BYTES, ConfigError, ModelConfig, ParallelConfig, check_positive, is_number
 from holmes_jax.models import presets
 from holmes_jax.planning import cost, partition, placement, workload
 from holmes_jax.planning.cost import SCHEDULES, CostModel
@@ -131,14 +131,15 @@ def _fit_step_probes(model: CostModel, prof: Profile, cfg: ModelConfig, pl: Plac
                               for s, v in zip(model.stages, speed)])
 
 
-def _load_profile(profile, cfg: ModelConfig):
-    """A checked Profile from a Profile, a JSON path or None."""
+def _load_profile(profile, cfg: ModelConfig, setting: str = "profile"):
+    """A checked Profile from a Profile, a JSON path or None; errors name `setting`, what the user
+    set (plan's `profile`, which the plan CLI's --profile passes, or ParallelConfig.profile)."""
     if profile is None:
         return None
-    prof = Profile.load(profile) if isinstance(profile, (str, os.PathLike)) else profile
+    prof = Profile.load(profile, setting) if isinstance(profile, (str, os.PathLike)) else profile
     if not isinstance(prof, Profile):
-        raise ConfigError(f"profile = {profile!r} is not allowed; allowed: a profile JSON path or a Profile")
-    where = f"profile {str(profile)!r}" if isinstance(profile, (str, os.PathLike)) else "profile"
+        raise ConfigError(f"{setting} = {profile!r} is not allowed; allowed: a profile JSON path or a Profile")
+    where = f"{setting} {str(profile)!r}" if isinstance(profile, (str, os.PathLike)) else setting
     for name in ("micro_batch", "seq_len"):
         check_positive(f"{where}: {name}", getattr(prof, name))
 
@@ -345,7 +346,12 @@ def plan(topology, model, parallel: ParallelConfig | None = None, *, global_batc
     if seq_len > cfg.max_seq_len:
         raise ConfigError(f"seq_len = {seq_len} is not allowed; "
                           f"allowed: up to ModelConfig.max_seq_len = {cfg.max_seq_len}")
-    prof = _load_profile(par.profile if profile is None else profile, cfg)
+    if ratios is not None and not (isinstance(ratios, Mapping)
+                                   and all(is_number(v) and v > 0 for v in ratios.values())):
+        raise ConfigError(f"ratios = {ratios!r} is not allowed; allowed: a finite positive weight per cluster "
+                          f"name ({', '.join(c.name for c in topo.clusters)})")
+    prof = (_load_profile(profile, cfg) if profile is not None
+            else _load_profile(par.profile, cfg, "ParallelConfig.profile"))
 
     candidates, errors = _candidates(topo, cfg, par, free, global_batch, seq_len, allow_mixed, ratios, prof)
     if not candidates:
