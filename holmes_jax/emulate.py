@@ -37,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import math
 import os
 import re
 import shutil
@@ -56,12 +57,16 @@ NETNS_ETC = Path("/etc/netns")
 SUBNET = "10.213"
 INTRA_MBIT = {"infiniband": 2000.0, "roce": 1000.0, "ethernet": 250.0}
 INTER_MBIT = 100.0
+# What tc shapes as asked: below 1 kbit/s tbf rounds the rate and bucket wrongly; above 1 Tbit/s the
+# 1 ms bucket outgrows tc's 32-bit burst.
+MIN_MBIT, MAX_MBIT = 0.001, 1_000_000.0
 COORDINATOR_PORT = 29500  # inside host 0's fresh namespace, so always free
 _counter = itertools.count()
 
 
-class EmulationError(RuntimeError):
-    """The machine could not build or run the emulated cluster (a tool failed)."""
+class EmulationError(cli.RunError, RuntimeError):
+    """The machine could not build or run the emulated cluster (a tool failed): on the command
+    line one `error:` line and status 1, not a traceback."""
 
 
 def unavailable_reason() -> str | None:
@@ -74,8 +79,11 @@ def unavailable_reason() -> str | None:
     return None
 
 
-def _sh(*args: str) -> str:
-    r = subprocess.run(args, capture_output=True, text=True, timeout=30)
+def _sh(*args: str, timeout_s: float = 30.0) -> str:
+    try:
+        r = subprocess.run(args, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise EmulationError(f"{' '.join(args)}: still running after {timeout_s:g} s; stopped") from None
     if r.returncode:
         raise EmulationError(f"{' '.join(args)}: {r.stderr.strip() or f'exit status {r.returncode}'}")
     return r.stdout
@@ -165,10 +173,14 @@ class CpuLimits:
     """
 
     PERIOD_US = 10_000  # short: a capped process that used its share waits at most this long (mid-collective too)
+    MIN_QUOTA_US = 1_000  # the kernel's least quota: 0.1 CPUs at our period
 
     def __init__(self, cores: Sequence[float]):
-        if not cores or any(not isinstance(c, (int, float)) or isinstance(c, bool) or c <= 0 for c in cores):
-            raise ConfigError(f"cores = {list(cores)!r} is not allowed; allowed: a positive number of CPUs per host")
+        least = self.MIN_QUOTA_US / self.PERIOD_US
+        if not cores or any(not isinstance(c, (int, float)) or isinstance(c, bool) or not math.isfinite(c)
+                            or c * self.PERIOD_US < self.MIN_QUOTA_US for c in cores):
+            raise ConfigError(f"cores = {list(cores)!r} is not allowed; allowed: a number of CPUs per host, "
+                              f"at least {least:g}")
         self.cores = list(cores)
         found = _cpu_hierarchy()
         if os.geteuid() != 0 or found is None:
@@ -177,6 +189,7 @@ class CpuLimits:
         self.root = root / f"{PREFIX}{os.getpid()}-{next(_counter)}-cpu"
 
     def __enter__(self) -> CpuLimits:
+        self._cleanup_stale()
         try:
             self.root.mkdir()
             if self.kind == "v2":  # the children's cpu.max needs the controller enabled below the group
@@ -193,7 +206,23 @@ class CpuLimits:
         except OSError as e:
             self.close()
             raise EmulationError(f"cannot set CPU limits under {self.root}: {e}") from None
+        except BaseException:  # a Ctrl-C half-way: no group is left behind
+            self.close()
+            raise
         return self
+
+    def _cleanup_stale(self) -> None:
+        """Removes the groups of our emulators whose process is gone (a killed run's), and one of
+        ours by this very name (a crashed run's that had our pid); one a process still runs in stays."""
+        for group in self.root.parent.glob(f"{PREFIX}*-cpu"):
+            m = re.match(re.escape(PREFIX) + r"(\d+)-", group.name)
+            if group == self.root or (m and not _alive(int(m[1]))):
+                for path in [*sorted(group.glob("*"), reverse=True), group]:
+                    if path.is_dir():
+                        try:
+                            path.rmdir()
+                        except OSError:
+                            pass
 
     def __exit__(self, *exc) -> None:
         self.close()
@@ -243,14 +272,15 @@ class EmulatedCluster:
         if len(set(names)) != len(names) or len(names) > 250:
             raise ConfigError(f"cluster names {names} must be unique, at most 250 clusters")
         rates = [(f"intra_mbit[{k!r}]", v) for k, v in self.intra_mbit.items()] + [("inter_mbit", self.inter_mbit)]
-        for what, mbit in rates:
-            if not isinstance(mbit, (int, float)) or isinstance(mbit, bool) or mbit <= 0:
-                raise ConfigError(f"{what} = {mbit!r} is not allowed; allowed: a positive number of Mbit/s")
+        for what, mbit in rates:  # `not <=` catches NaN too
+            if not isinstance(mbit, (int, float)) or isinstance(mbit, bool) or not MIN_MBIT <= mbit <= MAX_MBIT:
+                raise ConfigError(f"{what} = {mbit!r} is not allowed; allowed: {MIN_MBIT:g} .. {MAX_MBIT:.0f} Mbit/s")
         unknown = set(self.intra_mbit) - set(NIC_CLASSES)
         if unknown:
             raise ConfigError(f"intra_mbit: unknown NIC class {sorted(unknown)}; choose from {', '.join(NIC_CLASSES)}")
-        if not isinstance(self.latency_ms, (int, float)) or self.latency_ms < 0:
-            raise ConfigError(f"latency_ms = {self.latency_ms!r} is not allowed; allowed: a number >= 0")
+        if (not isinstance(self.latency_ms, (int, float)) or isinstance(self.latency_ms, bool)
+                or not 0 <= self.latency_ms < math.inf):
+            raise ConfigError(f"latency_ms = {self.latency_ms!r} is not allowed; allowed: a finite number >= 0")
 
     # ------------------------------------------------------------------------- life cycle
 
@@ -260,6 +290,7 @@ class EmulatedCluster:
             raise EmulationError(f"emulated cluster {reason}")
         cleanup_stale()
         try:
+            _remove(self.leftovers())  # a crashed run's that had our pid: its names are ours now
             self._build()
         except BaseException:
             self.close()
@@ -325,6 +356,12 @@ class EmulatedCluster:
         """`cmd` as one process per host (`holmes_jax.launch`), the coordinator on host 0; with
         `cpu`, each process under its rank's CPU cap (entered before the namespace, whose own
         /sys hides the cgroup tree)."""
+        if cpu is not None and len(cpu.cores) != len(self.hosts):  # a rank without its group fails in its shell
+            raise ConfigError(f"cpu has limits for {len(cpu.cores)} hosts, the cluster has {len(self.hosts)}; "
+                              "allowed: CpuLimits with one number of CPUs per host")
+        if cpu is not None and not cpu.root.is_dir():
+            raise ConfigError("cpu is not set up; allowed: CpuLimits entered with `with CpuLimits(...) as cpu`")
+
         def wrap(rank):
             return [*(cpu.prefix() if cpu else []), *self.exec_prefix(self.hosts[rank])]
 
@@ -348,9 +385,13 @@ class EmulatedCluster:
             ready = recv.stdout.readline()  # the receiver says so once it listens (or exits on error)
             if ready.strip() != "listening":
                 raise EmulationError(f"bandwidth receiver in {dst.hostname}: {recv.stderr.read().strip()}")
-            _sh("ip", "netns", "exec", src.netns, *py,
-                f"from holmes_jax.emulate import send; send({dst.address!r}, {port}, {nbytes}, {timeout_s})")
-            out, errs = recv.communicate(timeout=timeout_s)
+            _sh("ip", "netns", "exec", src.netns, *py,  # its own limit is timeout_s; python's start on top
+                f"from holmes_jax.emulate import send; send({dst.address!r}, {port}, {nbytes}, {timeout_s})",
+                timeout_s=timeout_s + 30)
+            try:
+                out, errs = recv.communicate(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                raise EmulationError(f"bandwidth receiver in {dst.hostname}: no result after {timeout_s:g} s") from None
             if recv.returncode:
                 raise EmulationError(f"bandwidth receiver in {dst.hostname}: {errs.strip()}")
             return json.loads(out)["mbit"]
@@ -377,9 +418,9 @@ def receive(address: str, port: int, nbytes: int, timeout_s: float) -> None:
                     break
                 start = start or time.perf_counter()
                 got += len(chunk)
+            if got < nbytes:  # before the rate: with nothing received there is no start
+                raise SystemExit(f"received {got} of {nbytes} bytes")
             elapsed = time.perf_counter() - start
-    if got < nbytes:
-        raise SystemExit(f"received {got} of {nbytes} bytes")
     print(json.dumps({"bytes": got, "seconds": elapsed, "mbit": got * 8 / elapsed / 1e6}))
 
 

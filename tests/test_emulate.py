@@ -2,8 +2,12 @@
 Needs root and iproute2; skipped with the reason otherwise (the argument checks always run)."""
 
 import json
+import os
+import pathlib
+import socket
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -119,6 +123,14 @@ def test_stale_namespaces_of_dead_emulators_are_removed():
     ([("a", "roce", 1)], {"intra_mbit": {"roce": -1}}, "intra_mbit\\['roce'\\] = -1"),
     ([("a", "roce", 1)], {"intra_mbit": {"myrinet": 1}}, "unknown NIC class"),
     ([("a", "roce", 1)], {"latency_ms": -1}, "latency_ms"),
+    # NaN and infinity once passed and failed half-way through the build with a traceback; tc
+    # rejects or mis-shapes rates far outside what it can do.
+    ([("a", "roce", 1)], {"inter_mbit": float("nan")}, "inter_mbit = nan"),
+    ([("a", "roce", 1)], {"inter_mbit": float("inf")}, "inter_mbit = inf"),
+    ([("a", "roce", 1)], {"inter_mbit": 1e9}, "allowed: 0.001 .. 1000000 Mbit/s"),
+    ([("a", "roce", 1)], {"intra_mbit": {"roce": 1e-6}}, "intra_mbit\\['roce'\\] = 1e-06"),
+    ([("a", "roce", 1)], {"latency_ms": float("nan")}, "latency_ms = nan"),
+    ([("a", "roce", 1)], {"latency_ms": float("inf")}, "latency_ms = inf"),
 ])
 def test_bad_cluster_specs_are_config_errors(clusters, kwargs, message):
     with pytest.raises(ConfigError, match=message):
@@ -131,6 +143,8 @@ def test_bad_cluster_specs_are_config_errors(clusters, kwargs, message):
     (["--clusters", "ib:infiniband:2", "--intra-mbit", "roce=fast", "--", "true"], "NIC_CLASS=MBIT"),
     (["--clusters", "ib:infiniband:2"], "no command to run"),
     (["--", "true"], "--clusters"),
+    (["--clusters", "ib:infiniband:2", "--inter-mbit", "nan", "--", "true"], "inter_mbit = nan"),
+    (["--clusters", "ib:infiniband:2", "--intra-mbit", "infiniband=inf", "--", "true"], "= inf"),
 ])
 def test_bad_command_line_exits_2(args, message):
     r = run_module("holmes_jax.emulate", *args)
@@ -189,3 +203,126 @@ def test_cpu_limits_cap_each_rank_inside_its_namespace_and_leave_nothing():
     assert not cpu.root.exists()
     with pytest.raises(ConfigError, match="cores"):
         emulate.CpuLimits([0.5, 0])
+
+
+@pytest.mark.parametrize("cores", [float("nan"), float("inf"), 0.05])
+def test_cpu_limits_outside_what_the_kernel_takes_are_config_errors(cores):
+    # NaN and infinity raised ValueError/OverflowError after the groups were made (left behind);
+    # a quota under the kernel's 1 ms failed as a bare EINVAL.
+    with pytest.raises(ConfigError, match="at least 0.1"):
+        emulate.CpuLimits([0.5, cores])
+
+
+def test_a_hung_tool_is_an_emulation_error():
+    with pytest.raises(emulate.EmulationError, match="still running after 0.5 s"):
+        emulate._sh(sys.executable, "-c", "import time; time.sleep(20)", timeout_s=0.5)
+
+
+def test_receiver_with_nothing_received_says_so():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+
+    def connect_and_close():
+        for _ in range(100):
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=5).close()
+                return
+            except OSError:
+                threading.Event().wait(0.05)
+
+    sender = threading.Thread(target=connect_and_close, daemon=True)
+    sender.start()
+    with pytest.raises(SystemExit, match="received 0 of 1000 bytes"):  # was a TypeError on the rate
+        emulate.receive("127.0.0.1", port, 1000, 10)
+    sender.join(timeout=10)
+
+
+@needs_root
+def test_a_failing_tool_on_the_command_line_is_one_error_line(tmp_path, monkeypatch):
+    fake = tmp_path / "tc"  # a tc that fails as one without the qdisc would
+    fake.write_text("#!/bin/sh\necho 'Error: Specified qdisc kind is unknown.' >&2\nexit 2\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    before = set(emulate.namespaces())
+    r = run_module("holmes_jax.emulate", "--clusters", "a:roce:1", "--", "true", timeout=60)
+    assert r.returncode == 1, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: tc ") and "qdisc kind is unknown" in lines[0], r.stderr
+    assert set(emulate.namespaces()) <= before
+
+
+@needs_root
+def test_leftovers_of_a_crashed_run_that_had_our_pid_do_not_stop_the_build():
+    # In a container pids repeat: a killed run's names can be exactly the ones we are about to make.
+    ec = emulate.EmulatedCluster([("a", "roce", 1)])
+    subprocess.run(["ip", "netns", "add", ec.switch], check=True)
+    (emulate.NETNS_ETC / ec.hosts[0].netns).mkdir(parents=True, exist_ok=True)
+    try:
+        with ec:
+            assert ec.leftovers() == sorted([ec.switch, ec.hosts[0].netns])
+        assert ec.leftovers() == []
+    finally:
+        emulate._remove(ec.leftovers())
+
+
+def _cpu_limits_or_skip(cores):
+    try:
+        return emulate.CpuLimits(cores)
+    except emulate.EmulationError as e:
+        pytest.skip(str(e))
+
+
+def _rmdirs(group: pathlib.Path) -> None:
+    for path in [*sorted(group.glob("*"), reverse=True), group]:
+        if path.is_dir():
+            path.rmdir()
+
+
+@needs_root
+def test_cpu_limits_interrupted_half_way_leave_no_group(monkeypatch):
+    limits = _cpu_limits_or_skip([0.5, 0.5])
+    mkdir = pathlib.Path.mkdir
+
+    def interrupted(self, *args, **kwargs):
+        if self == limits.root / "1":
+            raise KeyboardInterrupt
+        return mkdir(self, *args, **kwargs)
+
+    monkeypatch.setattr(pathlib.Path, "mkdir", interrupted)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            limits.__enter__()
+        assert not limits.root.exists()
+    finally:
+        monkeypatch.undo()
+        if limits.root.exists():
+            _rmdirs(limits.root)
+
+
+@needs_root
+def test_stale_cpu_groups_are_removed():
+    limits = _cpu_limits_or_skip([0.5])
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = [limits.root.parent / f"{emulate.PREFIX}{int(dead.stdout)}-0-cpu", limits.root]  # a killed run's; ours by name
+    for group in stale:
+        (group / "0").mkdir(parents=True)
+    try:
+        with limits:
+            assert not stale[0].exists()
+            assert sorted(p.name for p in limits.root.iterdir() if p.is_dir()) == ["0"]
+        assert not limits.root.exists()
+    finally:
+        for group in stale:
+            if group.exists():
+                _rmdirs(group)
+
+
+@needs_root
+def test_cpu_limits_must_give_one_number_per_host():
+    limits = _cpu_limits_or_skip([0.5])
+    ec = emulate.EmulatedCluster([("a", "roce", 2)])  # checked before anything runs: no need to build it
+    with limits as cpu, pytest.raises(ConfigError, match="limits for 1 hosts, the cluster has 2"):
+        ec.run(["true"], cpu=cpu)
+    with pytest.raises(ConfigError, match="not set up"):
+        emulate.EmulatedCluster([("a", "roce", 1)]).run(["true"], cpu=limits)
