@@ -224,11 +224,10 @@ def _check_tensors(found: dict[str, tuple[str, tuple]], cfg: ModelConfig, read) 
                                   f"set ModelConfig.bias = True")
 
 
-def from_hf(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict:
-    """Hugging Face tensors -> canonical float32 parameters of `cfg`; ConfigError when a tensor is
-    missing or its shape does not fit."""
+def _from_hf(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict:
+    """Hugging Face tensors, already checked against `cfg` (`check_hf_folder`) -> canonical float32
+    parameters of `cfg`."""
     tensors = _full_names(tensors, cfg)
-    _check_tensors({k: (x.dtype.name, x.shape) for k, x in tensors.items()}, cfg, tensors.__getitem__)
     abstract = jax.eval_shape(lambda: gpt.GPT(cfg).init(0))
     params = jax.tree.map(lambda s: np.zeros(s.shape, np.float32), abstract)
     for name, path, layer, transposed in _pairs(cfg):
@@ -314,7 +313,7 @@ def import_hf(folder: str | Path, cfg: ModelConfig) -> dict:
     tensors = {}
     for path in _tensor_files(check_hf_folder(folder, cfg)):
         tensors.update(safetensors.numpy.load_file(path))
-    return from_hf(tensors, cfg)
+    return _from_hf(tensors, cfg)
 
 
 def save_hf(params: dict, cfg: ModelConfig, out: str | Path, tokenizer: Path | None = None) -> Path:
