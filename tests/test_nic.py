@@ -1,3 +1,5 @@
+import re
+
 import pytest
 
 from holmes_jax.config import ConfigError
@@ -161,3 +163,54 @@ def test_network_settings_add_the_xla_flags_unless_the_user_chose_them(tmp_path)
     assert lines == ['NCCL_NET="Socket" (from env)',
                      "XLA_FLAGS --xla_gpu_collective_permute_connected_components=true (derived)",
                      "XLA_FLAGS --xla_gpu_enable_nccl_comm_splitting=true (from env)"]
+
+
+def test_nccl_env_skips_a_default_route_without_an_interface(tmp_path):
+    # an unreachable or blackhole default route has no device: /proc/net/route names it "*"
+    sysfs, proc = tmp_path / "sys", tmp_path / "proc"
+    _net(sysfs, "eth0", 25000, "up")
+    _route(proc, ("*", "00000000", "00000000"), ("eth0", "0000A8C0", "00FFFFFF"))
+    assert nic.nccl_env(nic.Nic("ethernet", 25.0), sysfs, proc) == {"NCCL_NET": "Socket", "NCCL_SOCKET_IFNAME": "=eth0"}
+
+
+ROCE_DERIVED = {"NCCL_NET": "IB", "NCCL_IB_HCA": "=mlx5_0:1", "NCCL_IB_GID_INDEX": "3", "NCCL_SOCKET_IFNAME": "=eth0"}
+
+
+@pytest.mark.parametrize("name, value", [("NCCL_IB_ROCE_VERSION_NUM", "1"), ("NCCL_IB_ADDR_FAMILY", "AF_INET6"),
+                                         ("NCCL_IB_ADDR_RANGE", "10.0.0.0/8")])
+def test_apply_nccl_env_leaves_the_gid_index_to_nccl_when_the_user_steers_its_search(name, value):
+    # NCCL reads these only in its own GID search, which an explicit NCCL_IB_GID_INDEX skips
+    env = {name: value}
+    lines = nic.apply_nccl_env(ROCE_DERIVED, env)
+    assert env == {name: value, "NCCL_NET": "IB", "NCCL_IB_HCA": "=mlx5_0:1", "NCCL_SOCKET_IFNAME": "=eth0"}
+    assert not any("NCCL_IB_GID_INDEX" in line for line in lines)
+
+
+def test_apply_nccl_env_uses_sockets_when_the_user_disabled_ib():
+    env = {"NCCL_IB_DISABLE": "1"}  # NCCL_NET=IB would leave NCCL no network at all
+    lines = nic.apply_nccl_env(ROCE_DERIVED, env)
+    assert env == {"NCCL_IB_DISABLE": "1", "NCCL_NET": "Socket", "NCCL_SOCKET_IFNAME": "=eth0"}
+    assert lines[0] == 'NCCL_NET="Socket" (derived, as NCCL_IB_DISABLE="1" from env)'
+    env = {"NCCL_IB_DISABLE": "0"}
+    nic.apply_nccl_env(ROCE_DERIVED, env)
+    assert env["NCCL_NET"] == "IB" and env["NCCL_IB_GID_INDEX"] == "3"
+    with pytest.raises(ConfigError, match="NCCL_NET = 'ib' is not allowed with NCCL_IB_DISABLE = '1'"):
+        nic.apply_nccl_env(ROCE_DERIVED, {"NCCL_IB_DISABLE": "1", "NCCL_NET": "ib"})
+
+
+@pytest.mark.parametrize("name, value", [
+    ("NCCL_NET", ""), ("NCCL_NET", "IB "),  # no network has these names
+    ("NCCL_SOCKET_IFNAME", ""), ("NCCL_SOCKET_IFNAME", "e"),  # NCCL ignores values this short
+    ("NCCL_SOCKET_IFNAME", "eth0, eth1"), ("NCCL_SOCKET_IFNAME", "=^eth0"), ("NCCL_SOCKET_IFNAME", "^="),
+    ("NCCL_IB_HCA", ""), ("NCCL_IB_HCA", "=mlx5_0:1,=mlx5_1:1"),  # "": every HCA; "=mlx5_1" matches none
+    ("NCCL_IB_GID_INDEX", ""), ("NCCL_IB_GID_INDEX", "three"),  # NCCL reads "three" as 0
+])
+def test_apply_nccl_env_refuses_user_values_nccl_would_misread(name, value):
+    with pytest.raises(ConfigError, match="^" + re.escape(f"{name} = {value!r} is not allowed: NCCL would misread it")):
+        nic.apply_nccl_env(ROCE_DERIVED, {name: value})
+
+
+def test_apply_nccl_env_takes_the_user_values_nccl_reads():
+    env = {"NCCL_NET": "AWS Libfabric", "NCCL_IB_HCA": "^=mlx5_2:1,mlx5_3", "NCCL_IB_GID_INDEX": "-1",
+           "NCCL_SOCKET_IFNAME": "^docker,lo"}
+    assert nic.apply_nccl_env(ROCE_DERIVED, dict(env)) == [f'{k}="{v}" (from env)' for k, v in env.items()]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from pathlib import Path
 
 from holmes_jax.config import ConfigError
@@ -25,6 +26,10 @@ from holmes_jax.planning.topology import NIC_CLASSES
 
 ENV = "HOLMES_NIC_CLASS"
 NCCL_VARIABLES = ("NCCL_NET", "NCCL_IB_HCA", "NCCL_IB_GID_INDEX", "NCCL_SOCKET_IFNAME")
+# NCCL reads these only in its own RoCE GID search, which an explicit NCCL_IB_GID_INDEX skips
+GID_SEARCH = ("NCCL_IB_ADDR_FAMILY", "NCCL_IB_ADDR_RANGE", "NCCL_IB_ROCE_VERSION_NUM")
+# what NCCL's integer variables hold (read with strtoll: text without leading digits counts as 0)
+_INTEGER = re.compile(r"\s*[+-]?(0[xX][0-9a-fA-F]+|\d+)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,11 +122,13 @@ def _roce_v2_gid(port: Path) -> int | None:
 
 def _default_route_interface(sysfs: Path, proc: Path) -> str | None:
     """The interface of the IPv4 default route (/proc/net/route), else the fastest interface that
-    is up; loopback never."""
+    is up; loopback never, nor "*", how the file names the missing device of an unreachable or
+    blackhole route."""
     text = _read(proc / "net" / "route") or ""
     for line in text.splitlines()[1:]:
         fields = line.split()
-        if len(fields) >= 8 and fields[1] == "00000000" and fields[7] == "00000000" and fields[0] != "lo":
+        default = len(fields) >= 8 and fields[1] == "00000000" and fields[7] == "00000000"
+        if default and fields[0] not in ("lo", "*"):
             return fields[0]
     best = None
     for iface in sorted((sysfs / "class" / "net").glob("*")):
@@ -158,15 +165,55 @@ def nccl_env(nic: Nic, sysfs: str | os.PathLike = "/sys", proc: str | os.PathLik
     return env
 
 
+def _nccl_list(value: str) -> bool:
+    """Whether NCCL reads `value` as the list of names it looks like: `[^][=]name[:port],...`.
+    NCCL strips one leading ^ (exclude), then one = (exact match), and no spaces at all."""
+    body = value[1:] if value.startswith("^") else value
+    body = body[1:] if body.startswith("=") else body
+    return any(body.split(",")) and not any(c.isspace() or c in "^=" for c in body)
+
+
+_LIST = "names, comma-separated without spaces, optionally led by ^ (exclude) and then = (exact match)"
+_USER_VALUES = {  # name: (whether NCCL reads the value as meant, what is allowed)
+    "NCCL_NET": (lambda v: v != "" and v == v.strip(), "a network name without surrounding spaces, e.g. IB or Socket"),
+    "NCCL_IB_HCA": (_nccl_list, "HCA[:port] " + _LIST),
+    "NCCL_IB_GID_INDEX": (lambda v: bool(_INTEGER.fullmatch(v.rstrip())), "an integer"),
+    "NCCL_SOCKET_IFNAME": (lambda v: len(v) > 1 and _nccl_list(v),
+                           "interface " + _LIST + ", 2 characters at least (NCCL ignores shorter values)"),
+}
+
+
+def _nonzero(text: str) -> bool:
+    """Whether NCCL reads the integer variable `text` as nonzero."""
+    match = _INTEGER.match(text)
+    return bool(match) and match.group(1).strip("0xX") != ""
+
+
 def apply_nccl_env(derived: dict[str, str], env=None) -> list[str]:
     """Sets each derived variable the user has not set in `env` (os.environ by default); returns
-    one line per NCCL variable in force, saying whether it came from the environment or was derived."""
+    one line per NCCL variable in force, saying whether it came from the environment or was derived.
+    A value the user set that NCCL would misread is a ConfigError. With NCCL_IB_DISABLE set the
+    network is NCCL's sockets, and with NCCL's GID search steered no GID index is derived."""
     env = os.environ if env is None else env
+    for name, (ok, allowed) in _USER_VALUES.items():
+        if name in env and not ok(env[name]):
+            raise ConfigError(f"{name} = {env[name]!r} is not allowed: NCCL would misread it; allowed: unset "
+                              f"(holmes_jax derives it) or {allowed}")
+    derived, why = dict(derived), {}
+    if _nonzero(env.get("NCCL_IB_DISABLE", "")):
+        if env.get("NCCL_NET", "").lower() == "ib":
+            raise ConfigError(f"NCCL_NET = {env['NCCL_NET']!r} is not allowed with NCCL_IB_DISABLE = "
+                              f"{env['NCCL_IB_DISABLE']!r}: NCCL would find no network; allowed: unset one of them")
+        if derived.get("NCCL_NET") == "IB":  # NCCL would find no network; sockets, as NCCL picks itself then
+            derived = {k: v for k, v in derived.items() if k == "NCCL_SOCKET_IFNAME"} | {"NCCL_NET": "Socket"}
+            why["NCCL_NET"] = f'derived, as NCCL_IB_DISABLE="{env["NCCL_IB_DISABLE"]}" from env'
+    if any(name in env for name in GID_SEARCH):
+        derived.pop("NCCL_IB_GID_INDEX", None)
     lines = []
     for name in NCCL_VARIABLES:
         if name in env:
             lines.append(f'{name}="{env[name]}" (from env)')
         elif name in derived:
             env[name] = derived[name]
-            lines.append(f'{name}="{derived[name]}" (derived)')
+            lines.append(f'{name}="{derived[name]}" ({why.get(name, "derived")})')
     return lines
