@@ -190,6 +190,42 @@ def test_zero1_updates_a_share():
     assert _model(zero1=True, update=1e-9).predict([2, 2]).stage_update_s == pytest.approx((1.0, 1.0))
 
 
+def _zero1_keeping(layer_share, shared_share, leaves, dp=3):
+    """Two stages, dp replicas: layers of 1e9 parameters, embedding and head of 5e8 each, 10 leaves."""
+    layer, shared = cost.Part(params=1e9, fwd_flops=1e12, bwd_flops=2e12), cost.Part(5e8, 0, 0)
+    work = cost.Work(shared, (layer,) * 4, shared, boundary_bytes=1e8, sync_collectives=10,
+                     zero1_whole_layer_share=layer_share, zero1_whole_shared_share=shared_share,
+                     zero1_whole_leaves=leaves)
+    stages = [cost.Stage(1e12, 1, LINK, dp, LINK, update_s_per_param=1e-9) for _ in range(2)]
+    return work, stages
+
+
+def test_zero1_that_splits_nothing_costs_what_no_zero1_costs():
+    work, stages = _zero1_keeping(1.0, 1.0, 10)
+    plain = cost.CostModel(work, stages, [LINK], 4, zero1=False).predict([3, 1])
+    kept = cost.CostModel(work, stages, [LINK], 4, zero1=True).predict([3, 1])
+    assert kept.stage_sync_s == pytest.approx(plain.stage_sync_s)
+    assert kept.stage_update_s == pytest.approx(plain.stage_update_s)
+    assert kept.stage_memory_bytes == pytest.approx(plain.stage_memory_bytes)
+    assert kept.shared_sum_s == pytest.approx(plain.shared_sum_s)
+
+
+def test_zero1_shards_only_what_it_splits():
+    work, stages = _zero1_keeping(0.5, 0.0, 4)
+    pr = cost.CostModel(work, stages, [LINK], 4, zero1=True).predict([3, 1])
+    # stage 1: 1 real layer and 2 of padding; half of each layer stays whole, the 1e9 shared split
+    split, whole = 0.5e9 + 1e9, 0.5e9
+    assert pr.stage_sync_s[1] == pytest.approx(float(
+        cost.reduce_scatter_s(split * 4, 3, LINK, 6) + cost.allreduce_s(whole * 4, 3, LINK, 4)
+        + cost.all_gather_s(split * 4, 3, LINK, 6)))
+    assert pr.stage_update_s[1] == pytest.approx((split / 3 + whole) * 1e-9)
+    held_split, held_whole = split + 2 * 0.5e9, whole + 2 * 0.5e9
+    # float32 weights and gradients of every slot; moments (8 B) and the pending update (4 B) of
+    # a 1/3 share of the split, the whole's moments in full
+    assert pr.stage_memory_bytes[1] == pytest.approx(
+        (held_split + held_whole) * 8 + held_split * 12 / 3 + held_whole * 8)
+
+
 def test_tensor_parallel_splits_work_and_adds_its_all_reduces():
     one, two = _model(tp=1).predict([2, 2]), _model(tp=2).predict([2, 2])
     allreduce = float(cost.allreduce_s(1e8, 2, LINK))

@@ -202,3 +202,27 @@ def test_bias_and_grouped_query_attention_train_alike_under_tensor_parallelism(t
         np.testing.assert_allclose(losses(f"--gin.ParallelConfig.dp={8 // tp}", f"--gin.ParallelConfig.tp={tp}"), ref,
                                    rtol=0, atol=1e-5, err_msg=f"tp={tp}")
     assert ref[2] < ref[0]
+
+
+@pytest.mark.parametrize("options", [
+    {},
+    dict(positions="rotary", norm="rmsnorm", mlp="swiglu", tie_embeddings=False),
+    dict(bias=True, num_kv_heads=2, vocab_size=255),
+    dict(positions="rotary", norm="rmsnorm", mlp="swiglu", bias=True, num_kv_heads=1, hidden=96),
+])
+@pytest.mark.parametrize("dp", [1, 2, 3, 5])
+def test_the_planners_zero1_rule_keeps_whole_what_the_runtime_keeps_whole(options, dp):
+    from holmes_jax.sharding import gradient_specs
+
+    cfg = presets.resolve(ModelConfig(preset="tiny", **options))
+    params = _abstract_params(cfg)
+    specs = gradient_specs(params, None, dp, zero1=True)
+    whole = {part: [x for x, spec in zip(jax.tree.leaves(params[part]),
+                                         jax.tree.leaves(specs[part], is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec)))
+                    if "data" not in spec] for part in params}
+    expected = workload.zero1_whole(cfg, dp)
+    layer = gpt.count_params(params["blocks"])
+    assert expected.layer_share == pytest.approx(sum(x.size for x in whole["blocks"]) / layer)
+    shared = gpt.count_params(params["embed"]) + gpt.count_params(params["head"])
+    assert expected.shared_share == pytest.approx(sum(x.size for x in whole["embed"] + whole["head"]) / shared)
+    assert expected.leaves == sum(len(w) for w in whole.values())

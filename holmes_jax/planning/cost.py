@@ -27,7 +27,9 @@ One training step as the pipeline runtime runs it (holmes_jax.pipeline.runtime):
    all-reduce, 2(n-1)/n * S/W + 2(n-1) latencies, or with ZeRO-1 a reduce-scatter, (n-1)/n * S/W
    + (n-1) latencies, on the ring's slowest link, one per parameter leaf (so the latencies are
    paid once per leaf), of float32 or bfloat16 gradients (ParallelConfig.grad_reduce_dtype).
-   Every stage holds the embedding and head and syncs them too.
+   Every stage holds the embedding and head and syncs them too. ZeRO-1 splits a leaf along an
+   axis that dp divides; a leaf with none (e.g. power-of-two sizes, dp = 3) is all-reduced, and
+   updated and held whole by every replica (workload.zero1_whole).
 4. The embedding's and head's gradients (ZeRO-1: each device's shard of them, 1/dp) are summed
    over `stage` in float32, a ring all-reduce over the slowest boundary, and clipping takes the
    global gradient norm: both wait for the slowest stage's reduction. Then each stage runs its
@@ -100,6 +102,10 @@ class Work:
     gather_bytes_per_param: float = 4.0  # what ZeRO-1's gather of the updates moves: 2 with update_gather_dtype bfloat16
     optimizer_bytes_per_param: float = 8.0  # Adam's two float32 moments (ZeRO-1 shards them over data)
     sync_collectives: int = 1  # per sync: the runtime reduces (and ZeRO-1 gathers) each parameter leaf on its own
+    # ZeRO-1: what dp splits along no axis stays whole on every replica (workload.zero1_whole)
+    zero1_whole_layer_share: float = 0.0  # of each layer's parameters
+    zero1_whole_shared_share: float = 0.0  # of the embedding's and head's
+    zero1_whole_leaves: int = 0  # of the sync_collectives
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,7 +237,9 @@ class CostModel:
         # reduction over `data`) summed over `stage`: a ring through every boundary, the slowest
         self._shared_sum = 0.0
         if boundaries:
-            shared_bytes = self._shared_params * work.grad_bytes_per_param / (self._dp.max() if zero1 else 1)
+            kept = work.zero1_whole_shared_share
+            shared_bytes = self._shared_params * work.grad_bytes_per_param * (
+                kept + (1 - kept) / self._dp.max() if zero1 else 1)
             slowest = min(boundaries, key=lambda link: link.bytes_per_s)
             self._shared_sum = float(allreduce_s(shared_bytes, p, slowest))
         # the runtime's residual ring: x_slots microbatches of the longest stage's layers, on every
@@ -291,16 +299,22 @@ class CostModel:
         held = params + padding * self._mean_layer_params / self._tp
         w = self.work
         k = w.sync_collectives
-        if self.zero1:
-            reduce = reduce_scatter_s(params * w.reduce_bytes_per_param, self._dp, self._dp_link, k)
-            gather = all_gather_s(params * w.gather_bytes_per_param, self._dp, self._dp_link, k)
+        if self.zero1:  # each replica reduces, updates and keeps its 1/dp share of what dp splits
+            whole = layers / self._tp * w.zero1_whole_layer_share + self._shared_params * w.zero1_whole_shared_share
+            held_whole = whole + padding * self._mean_layer_params / self._tp * w.zero1_whole_layer_share
+            split, held_split, k_whole = params - whole, held - held_whole, w.zero1_whole_leaves
+            reduce = (reduce_scatter_s(split * w.reduce_bytes_per_param, self._dp, self._dp_link, k - k_whole)
+                      + allreduce_s(whole * w.reduce_bytes_per_param, self._dp, self._dp_link, k_whole))
+            gather = all_gather_s(split * w.gather_bytes_per_param, self._dp, self._dp_link, k - k_whole)
+            # Adam's moments, and the update until the next gather in the gather's dtype
+            state = (held_split * (w.optimizer_bytes_per_param + w.gather_bytes_per_param) / self._dp
+                     + held_whole * w.optimizer_bytes_per_param)
+            update = self._update_rate * (split / self._dp + whole)
         else:
             reduce, gather = allreduce_s(params * w.reduce_bytes_per_param, self._dp, self._dp_link, k), 0.0 * params
-        optimizer = w.optimizer_bytes_per_param / (self._dp if self.zero1 else 1)
-        pending = w.gather_bytes_per_param / self._dp if self.zero1 else 0.0  # the update until the next gather
-        memory = (held * (w.param_bytes_per_param + w.grad_bytes_per_param + optimizer + pending)
+            state, update = held * w.optimizer_bytes_per_param, self._update_rate * params
+        memory = (held * (w.param_bytes_per_param + w.grad_bytes_per_param) + state
                   + self._ring_slots * n.max(axis=1, keepdims=True) * w.layer_stash_bytes)
-        update = self._update_rate * params / (self._dp if self.zero1 else 1)
         shared_sum = np.full((n.shape[0], 1), self._shared_sum)
         fixed = np.broadcast_to(self._fixed, n.shape)
         return {"fwd": fwd, "bwd": bwd, "reduce": reduce, "gather": gather, "sync": reduce + gather,

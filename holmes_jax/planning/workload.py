@@ -4,6 +4,7 @@ and Megatron's per-iteration FLOPs formula (what the Holmes paper's TFLOPS use).
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import NamedTuple
 
 from holmes_jax.config import ModelConfig
@@ -79,6 +80,42 @@ def model_costs(cfg: ModelConfig, micro_batch: int, seq_len: int) -> ModelCosts:
     embed_leaves = 1 + (cfg.positions == "learned")
     head_leaves = norm_leaves + (0 if cfg.tie_embeddings else 1)
     return ModelCosts(embed, (layer,) * cfg.num_layers, head, act_bytes, block_leaves + embed_leaves + head_leaves)
+
+
+@dataclasses.dataclass(frozen=True)
+class Zero1Whole:
+    """What ZeRO-1 over `dp` replicas cannot split and keeps whole on every replica: all-reduced,
+    updated by each replica and held with its Adam moments in full."""
+
+    layer_share: float  # of one layer's parameters
+    shared_share: float  # of the embedding's and head's together
+    leaves: int  # such parameter arrays (a stage's layers are stacked: one array per block leaf)
+
+
+def zero1_whole(cfg: ModelConfig, dp: int) -> Zero1Whole:
+    """The runtime's ZeRO-1 rule (holmes_jax.sharding) from the config alone: a parameter array is
+    split over `data` along its first axis that tensor parallelism leaves alone and `dp` divides;
+    one with no such axis stays whole. Power-of-two models keep nearly everything whole with a dp
+    of 3 or 6, for instance. Arrays: (shape, the axis tensor parallelism splits or None)."""
+    h, f, v, kv = cfg.hidden, cfg.ffn_hidden, cfg.vocab_size, cfg.num_kv_heads * cfg.head_dim
+    mlp_in = 2 if cfg.mlp == "swiglu" else 1  # up (and gate)
+    norms = [((h,), None)] * (2 if cfg.norm == "layernorm" else 1)  # scale (and bias)
+    layer = 2 * norms + [((h, h), 1), ((h, kv), 1), ((h, kv), 1), ((h, h), 0)] + [((h, f), 1)] * mlp_in + [((f, h), 0)]
+    if cfg.bias:  # column-parallel biases are split over `tensor` along their only axis
+        layer += [((h,), 0), ((kv,), 0), ((kv,), 0), ((h,), None)] + [((f,), 0)] * mlp_in + [((h,), None)]
+    shared = [((v, h), None)] + ([((cfg.max_seq_len, h), None)] if cfg.positions == "learned" else [])
+    shared += norms + ([] if cfg.tie_embeddings else [((h, v), None)])
+
+    def whole(arrays):
+        kept = [shape for shape, tensor in arrays
+                if not any(size % dp == 0 for axis, size in enumerate(shape) if axis != tensor)]
+        return sum(math.prod(shape) for shape in kept), len(kept)
+
+    def total(arrays):
+        return sum(math.prod(shape) for shape, _ in arrays)
+
+    (layer_whole, layer_leaves), (shared_whole, shared_leaves) = whole(layer), whole(shared)
+    return Zero1Whole(layer_whole / total(layer), shared_whole / total(shared), layer_leaves + shared_leaves)
 
 
 def megatron_flops(batch: int, seq_len: int, num_layers: int, hidden: int, vocab: int, recompute) -> float:
