@@ -7,6 +7,7 @@ command gets `draw_plan` passed in."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections import Counter
 
 import matplotlib
@@ -14,9 +15,12 @@ import numpy as np
 from matplotlib import transforms
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.font_manager import FontProperties
 from matplotlib.patches import FancyArrowPatch, Patch, Rectangle
+from matplotlib.textpath import TextPath
 from matplotlib.ticker import FuncFormatter, MaxNLocator
 
+from holmes_jax.config import ConfigError
 from holmes_jax.planning import schedule as schedules
 from holmes_jax.planning.contract import Plan
 
@@ -36,6 +40,23 @@ def _figure(**size) -> Figure:
     return fig
 
 
+def _as_typed(draw):
+    """`draw` with its text drawn as typed: a '$' in a cluster's name or a path is no mathtext."""
+    @functools.wraps(draw)
+    def plain(*args, **kwargs):
+        with matplotlib.rc_context({"text.parse_math": False}):
+            return draw(*args, **kwargs)
+
+    return plain
+
+
+def _save(fig: Figure, path: str) -> None:
+    try:
+        fig.savefig(path, bbox_inches="tight")
+    except OSError as e:  # the output side (a folder gone, a directory of that name, a full disk)
+        raise ConfigError(f"the picture {path!r} cannot be written: {e.strerror or e}") from None
+
+
 @dataclasses.dataclass(frozen=True)
 class Segment:
     stage: int
@@ -51,8 +72,9 @@ def timeline(plan: Plan) -> list[Segment]:
     forward (the last stage runs it inside its backward's tick), then its backward; the tick
     lasts as long as its slowest stage, then activations and gradients cross the slowest boundary
     where any stage sends them; once a stage leaves the ticks it reduces its gradients, waits
-    for the slowest stage's reduction (the sum over `stage` and the global norm need them all)
-    and updates its parameters (drawn as sync, then update)."""
+    for the slowest stage's reduction (idle: the sum over `stage` and the global norm need them
+    all), sums the embedding's and head's gradients over `stage` (drawn as sync, like the
+    reduction), updates its parameters and pays its fixed part."""
     pr, p = plan.prediction, plan.pp
     fwd, bwd = schedules.ticks(plan.schedule, p, plan.microbatches)
     moves = schedules.hops_per_tick(fwd, bwd)
@@ -74,25 +96,30 @@ def timeline(plan: Plan) -> list[Segment]:
         if moves[tick] and hop:
             segments += [Segment(s, now, moves[tick] * hop, "transfer") for s in range(p)]
             now += moves[tick] * hop
-    for s in range(p):  # sync: its reduction, the wait for the slowest, the sum over stage
-        start, update, fixed = pr.stage_busy_s[s], pr.stage_update_s[s], pr.stage_fixed_s[s]
-        sync = pr.stage_finish_s[s] - start - update - fixed
-        segments.append(Segment(s, start, sync, "sync"))
-        segments.append(Segment(s, start + sync, update, "update"))
-        segments.append(Segment(s, start + sync + update, fixed, "fixed"))
+    for s in range(p):  # its reduction; the wait for the slowest one stays idle; the sum over stage
+        update, fixed = pr.stage_update_s[s], pr.stage_fixed_s[s]
+        segments.append(Segment(s, pr.stage_busy_s[s], pr.stage_sync_s[s] - pr.stage_gather_s[s], "sync"))
+        summed = pr.stage_finish_s[s] - update - fixed
+        segments.append(Segment(s, summed - pr.shared_sum_s, pr.shared_sum_s, "sync"))
+        segments.append(Segment(s, summed, update, "update"))
+        segments.append(Segment(s, summed + update, fixed, "fixed"))
     return segments
 
 
+@_as_typed
 def draw_plan(plan: Plan, path: str) -> None:
     """Writes the timeline (top) and the placement (bottom) of `plan` to `path` (format from its suffix)."""
     width, height = _placement_extent(plan)
-    timeline_in, placement_in = 0.75 * plan.pp, 14.5 * height / width  # (b) keeps its aspect, ~12.4 in wide
-    fig = _figure(figsize=(16, timeline_in + placement_in + 2.2), dpi=110)
+    # (b) keeps its aspect, at least ~12.4 in wide; wider placements widen the figure, so that a
+    # device width stays UNIT_IN and the labels keep their room (fixed font sizes)
+    scale = max(1.0, width * UNIT_IN / 12.4)
+    timeline_in, placement_in = 0.75 * plan.pp, 14.5 * height / width * scale
+    fig = _figure(figsize=(16 * scale, timeline_in + placement_in + 2.2), dpi=110)
     grid = fig.add_gridspec(2, 1, height_ratios=[timeline_in, placement_in],
                             hspace=2.6 / (timeline_in + placement_in))  # ~1.3 in for the axis label and legend
     _draw_timeline(fig.add_subplot(grid[0]), plan)
     _draw_placement(fig.add_subplot(grid[1]), plan)
-    fig.savefig(path, bbox_inches="tight")
+    _save(fig, path)
 
 
 def _seconds(s: float) -> str:
@@ -148,12 +175,25 @@ def _draw_timeline(ax, plan: Plan) -> None:
 
 GAP = 7.0  # between clusters, in device widths: room for a link's label
 NOTES_TOP = -1.9  # where the notes under the clusters start
+UNIT_IN = 12.4 / 30.6  # inches a device width takes in the placement drawing
+
+
+def _cluster_title(c) -> str:
+    return (f"{c.name}: {c.nic}, {c.nic_link.gbps:g} Gb/s per node\n"
+            f"{c.nodes} node{'s' * (c.nodes > 1)} x {c.devices_per_node} devices")
+
+
+def _cluster_width(c) -> float:
+    """A cluster's frame width in device widths: its devices', or its title's where that is wider."""
+    title_pt = max(TextPath((0, 0), line, size=9, prop=FontProperties(weight="bold")).get_extents().width
+                   for line in _cluster_title(c).split("\n"))
+    return max(c.devices_per_node + 2.2, title_pt / 72 / UNIT_IN + 0.5)
 
 
 def _placement_extent(plan: Plan) -> tuple[float, float]:
     """(width, height) of the placement drawing in device widths."""
     clusters = plan.topology.clusters
-    width = sum(c.devices_per_node + 2.2 for c in clusters) + GAP * (len(clusters) - 1)
+    width = sum(_cluster_width(c) for c in clusters) + GAP * (len(clusters) - 1)
     return max(width, 30.0) + 0.6, max(c.nodes for c in clusters) + 2.0 - NOTES_TOP + 0.7 * plan.pp
 
 
@@ -164,15 +204,14 @@ def _draw_placement(ax, plan: Plan) -> None:
     x, boxes, first_device = 0.0, [], 0
     for c in topo.clusters:
         colour = NIC_COLOURS.get(c.nic, "black")
-        width = c.devices_per_node + 2.2
+        width = _cluster_width(c)
         top = rows + 0.2
         ax.add_patch(Rectangle((x, top - c.nodes - 0.45), width, c.nodes + 0.55, facecolor=colour, alpha=0.08,
                                edgecolor="none"))
         ax.add_patch(Rectangle((x, top - c.nodes - 0.45), width, c.nodes + 0.55, facecolor="none",
                                edgecolor=colour, linewidth=2))
-        ax.text(x + width / 2, top + 0.25, f"{c.name}: {c.nic}, {c.nic_link.gbps:g} Gb/s per node\n"
-                f"{c.nodes} node{'s' * (c.nodes > 1)} x {c.devices_per_node} devices", ha="center", va="bottom",
-                fontsize=9, color=colour, fontweight="bold")
+        ax.text(x + width / 2, top + 0.25, _cluster_title(c), ha="center", va="bottom", fontsize=9, color=colour,
+                fontweight="bold")
         for n in range(c.nodes):
             y = top - 1 - n
             ax.text(x + 1.0, y + 0.45, f"node {n}", ha="center", va="center", fontsize=7, color=colour)
@@ -230,13 +269,19 @@ def _draw_placement(ax, plan: Plan) -> None:
                  f"filled with its stage's colour", loc="left", fontsize=11)
 
 
+@_as_typed
 def draw_report(rows: list[dict], predicted_step_s: float | None, path: str, title: str = "") -> None:
     """A run's loss and validation loss against step (left) and its measured step time against the
     plan's prediction (right), from metrics rows (holmes_jax.report reads them)."""
     steps = np.array([r["step"] for r in rows])
     fig = _figure(figsize=(13, 4.6), dpi=110)
     loss_ax, time_ax = fig.subplots(1, 2)
-    loss_ax.plot(steps, [r["loss"] for r in rows], marker=".", label="training loss (the logged step's batch)")
+    loss = np.array([r["loss"] for r in rows], dtype=float)
+    loss_ax.plot(steps, loss, marker=".", label="training loss (the logged step's batch)")
+    bad = steps[~np.isfinite(loss)]
+    if bad.size:  # a line leaves them out without a trace: marked at the axis' foot instead
+        loss_ax.plot(bad, np.zeros(bad.size), "x", color="C3", clip_on=False, transform=loss_ax.get_xaxis_transform(),
+                     label="loss not finite (the step's update skipped)")
     val = [(r["step"], r["val_loss"]) for r in rows if r.get("val_loss") is not None]
     if val:
         loss_ax.plot(*zip(*val), marker="o", linestyle="--", label="validation loss")
@@ -267,4 +312,4 @@ def draw_report(rows: list[dict], predicted_step_s: float | None, path: str, tit
     if title:
         fig.suptitle(title, x=0.01, ha="left")
     fig.tight_layout()
-    fig.savefig(path, bbox_inches="tight")
+    _save(fig, path)

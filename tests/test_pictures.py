@@ -4,9 +4,11 @@ pictures are written (or refused with one error line)."""
 import contextlib
 import functools
 import io
+import math
 
 import matplotlib.image
 import pytest
+from matplotlib.text import Text
 
 from holmes_jax import cli, pictures
 from holmes_jax.config import ConfigError, ParallelConfig
@@ -79,3 +81,89 @@ def test_a_report_of_one_row_marks_whole_steps_only(tmp_path, monkeypatch):
         low, high = ax.get_xlim()
         shown = [t for t in ax.get_xticks() if low <= t <= high]
         assert shown == [1], shown  # not 0.96, 0.98, ... around the only step
+
+
+@pytest.mark.parametrize("name", PLANS)
+def test_the_timeline_draws_only_real_sync_as_sync(name):
+    # a stage that waits for the slowest stage's reduction is idle, not syncing for that long
+    topology, model, parallel = PLANS[name]
+    p = plan(str(topology), model, parallel, global_batch=64, allow_mixed=True)
+    segments = pictures.timeline(p)
+    pr = p.prediction
+    for s in range(p.pp):
+        drawn = sum(g.seconds for g in segments if g.stage == s and g.kind == "sync")
+        assert drawn == pytest.approx(pr.stage_sync_s[s] + pr.shared_sum_s, rel=1e-9)
+
+
+def test_an_uneven_plans_idle_stage_waits_uncoloured():
+    p = plan(str(TOPOLOGIES / "ib4_roce4.toml"), "1.3b", ParallelConfig(tp=8, pp=2, stage_layers=(23, 1)),
+             global_batch=64)
+    pr = p.prediction
+    ended = [g for g in pictures.timeline(p) if g.stage == 1 and g.start >= pr.stage_busy_s[1]]
+    assert sum(g.seconds for g in ended) < pr.stage_finish_s[1] - pr.stage_busy_s[1] - 0.05  # the wait for stage 0
+
+
+def _texts_overlapping(fig):
+    """Pairs of the figure's visible texts whose boxes overlap, as drawn."""
+    fig.canvas.draw()  # lays the legends out
+    renderer = fig.canvas.get_renderer()
+    hidden = {id(t) for ax in fig.axes if not ax.axison for t in ax.get_xticklabels() + ax.get_yticklabels()}
+    boxes = [(t.get_text(), t.get_window_extent(renderer).padded(-0.5)) for t in fig.findobj(Text)
+             if t.get_visible() and t.get_text().strip() and id(t) not in hidden]
+    return [(a, b) for i, (a, box) in enumerate(boxes) for b, other in boxes[i + 1:] if box.overlaps(other)]
+
+
+def _topology(tmp_path, clusters, devices_per_node=2, name="c{i}"):
+    nics = ("infiniband", "roce", "ethernet")
+    text = "".join(f'[[cluster]]\nname = "{name.format(i=i)}"\nnic = "{nics[i % 3]}"\nnodes = 1\n'
+                   f"devices_per_node = {devices_per_node}\n\n" for i in range(clusters))
+    path = tmp_path / "topology.toml"
+    path.write_text(text + '[inter_cluster]\nnic = "ethernet"\ngbps = 25\n')
+    return str(path)
+
+
+@pytest.mark.parametrize("clusters, devices_per_node, name", [
+    (12, 2, "c{i}"),  # many clusters
+    (4, 1, "datacenter-{i}-a-rather-long-cluster-name-rack-{i}"),  # names longer than their clusters
+])
+def test_a_plan_picture_has_no_labels_on_top_of_each_other(tmp_path, monkeypatch, clusters, devices_per_node, name):
+    figures = []
+    monkeypatch.setattr(pictures.Figure, "savefig", lambda fig, *a, **k: figures.append(fig))
+    p = plan(_topology(tmp_path, clusters, devices_per_node, name), "125m",
+             ParallelConfig(pp=clusters, microbatches=clusters), global_batch=clusters * devices_per_node)
+    pictures.draw_plan(p, str(tmp_path / "plan.png"))
+    assert _texts_overlapping(figures[0]) == []
+
+
+def test_a_report_marks_the_steps_whose_loss_was_not_finite(tmp_path, monkeypatch):
+    figures = []
+    monkeypatch.setattr(pictures.Figure, "savefig", lambda fig, *a, **k: figures.append(fig))
+    rows = [{"step": s, "loss": math.nan, "step_time_s": 0.5} for s in (10, 20, 30)]
+    pictures.draw_report(rows, None, str(tmp_path / "r.png"))
+    loss_ax = figures[0].axes[0]
+    low, high = loss_ax.get_xlim()
+    assert low < 10 and high > 30  # the loss axis spans the run's steps, not 0 alone
+    marked = [line for line in loss_ax.get_lines() if "not finite" in line.get_label()]
+    assert len(marked) == 1 and list(marked[0].get_xdata()) == [10, 20, 30]
+
+
+@pytest.mark.parametrize("target", ["no-such-dir/x.png", "folder.png"])
+def test_a_picture_that_cannot_be_written_is_one_error(tmp_path, target):
+    (tmp_path / "folder.png").mkdir()
+    p = plan(str(TOPOLOGIES / "cpu_2x4.toml"), "tiny", ParallelConfig(pp=2, microbatches=2), global_batch=8)
+    with pytest.raises(ConfigError, match="cannot be written"):
+        pictures.draw_plan(p, str(tmp_path / target))
+    with pytest.raises(ConfigError, match="cannot be written"):
+        pictures.draw_report([{"step": 1, "loss": 5.3, "step_time_s": 0.7}], None, str(tmp_path / target))
+
+
+def test_names_are_drawn_as_typed_not_as_mathtext(tmp_path, monkeypatch):
+    figures = []
+    monkeypatch.setattr(pictures.Figure, "savefig", lambda fig, *a, **k: (fig.canvas.draw(), figures.append(fig)))
+    name = "rack$\\\\{i}$"  # TOML's escape: the clusters are named rack$\0$ and rack$\1$
+    p = plan(_topology(tmp_path, 2, 1, name), "tiny", ParallelConfig(pp=2), global_batch=2)
+    pictures.draw_plan(p, str(tmp_path / "plan.png"))  # was: a mathtext ParseException
+    pictures.draw_report([{"step": 1, "loss": 5.3, "step_time_s": 0.7}], None, str(tmp_path / "r.png"),
+                         title="runs/$x$")
+    texts = [t.get_text() for fig in figures for t in fig.findobj(Text)]
+    assert any(t.startswith("rack$\\0$: infiniband") for t in texts) and "runs/$x$" in texts
