@@ -28,7 +28,7 @@ NIC_COLOURS = {"infiniband": "#1f5fa8", "roce": "#d9700f", "ethernet": "#6b6b6b"
 KIND_COLOURS = {"forward": "#9ad48a", "backward": "#2f7d4f", "transfer": "#9467bd", "sync": "#d62728",
                 "update": "#e8c12c", "fixed": "#8c8c8c"}
 KIND_LABELS = {"forward": "forward", "backward": "backward (the last stage: with its forward)",
-               "transfer": "activations / gradients between stages", "sync": "gradient sync (data groups)",
+               "transfer": "activations / gradients between stages", "sync": "sync: gradients, ZeRO-1's update gather",
                "update": "optimizer step", "fixed": "fixed per-step work (fitted)"}
 STAGE_COLOURS = matplotlib.colormaps["Pastel1"].colors + matplotlib.colormaps["Pastel2"].colors
 
@@ -122,6 +122,10 @@ def draw_plan(plan: Plan, path: str) -> None:
     _save(fig, path)
 
 
+def _layers(n: int) -> str:
+    return f"{n} layer{'s' * (n != 1)}"
+
+
 def _seconds(s: float) -> str:
     return f"{s:.3g} s" if s >= 1 or s == 0 else f"{s * 1e3:.3g} ms" if s >= 1e-3 else f"{s * 1e6:.3g} us"
 
@@ -144,7 +148,7 @@ def _draw_timeline(ax, plan: Plan) -> None:
                 ax.text(g.start + g.seconds / 2, y, str(g.microbatch), ha="center", va="center", fontsize=7,
                         color="white" if g.kind == "backward" else "black", zorder=2)
     ax.set_yticks(range(plan.pp))
-    ax.set_yticklabels([f"stage {s}: {plan.placement.stage_clusters[s]}\n{plan.stage_layers[s]} layers"
+    ax.set_yticklabels([f"stage {s}: {plan.placement.stage_clusters[s]}\n{_layers(plan.stage_layers[s])}"
                         for s in reversed(range(plan.pp))])
     ax.set_ylim(-0.6, plan.pp - 0.4)
     ax.set_xlim(0, step * 1.01)
@@ -252,7 +256,7 @@ def _draw_placement(ax, plan: Plan) -> None:
                                edgecolor=colour, linewidth=1.5))
         ring = pl.data_routes[s]
         shared = f", {ring.shared_by} share a NIC" if ring.shared_by > 1 else ""
-        ax.text(1.2, y, f"stage {s}: {plan.stage_layers[s]} layers on {pl.stage_clusters[s]}; "
+        ax.text(1.2, y, f"stage {s}: {_layers(plan.stage_layers[s])} on {pl.stage_clusters[s]}; "
                 + (f"{plan.tp} data group{'s' * (plan.tp > 1)} of {plan.dp} replicas in {'+'.join(nics)}, "
                    f"syncing over {ring.via} ({ring.gbps:.3g} Gb/s each{shared}) in {_seconds(pr.stage_sync_s[s])}"
                    if plan.dp > 1 else "no data parallelism"),
