@@ -1,12 +1,15 @@
 """The README's example outputs are what the current code prints (docs/readme_examples.py writes
-them; the deterministic, quick ones are checked here)."""
+them; the deterministic, quick ones are checked here), the docs' map of the code matches the
+code, and the links between the docs resolve."""
 
 import importlib.util
+import re
 import sys
 
 import pytest
 
 from helpers import REPO
+from test_structure import import_graph
 
 spec = importlib.util.spec_from_file_location("readme_examples", REPO / "docs" / "readme_examples.py")
 examples = importlib.util.module_from_spec(spec)
@@ -27,3 +30,68 @@ def test_the_readme_block_is_what_the_code_prints(name):
 def test_a_train_output_is_trimmed_to_its_start_and_summary():
     lines = ["holmes_jax: ...", "plan: ...", "step 1/3 | loss 5", "step 2/3 | loss 4", "step 3/3 | loss 3", "done: x"]
     assert examples._train_run(lines) == ["holmes_jax: ...", "plan: ...", "...", "step 3/3 | loss 3", "done: x"]
+
+
+def _module_of(entry: str) -> str:
+    """'pipeline/runtime.py' -> 'holmes_jax.pipeline.runtime'; 'planning/' -> 'holmes_jax.planning'."""
+    return "holmes_jax." + entry.removesuffix("/").removesuffix(".py").replace("/", ".")
+
+
+def _rooms() -> list[list[str]]:
+    """docs/design.md's list of rooms, top first: the modules each line names."""
+    text = (REPO / "docs" / "design.md").read_text()
+    block = text.split("## Rooms", 1)[1].split("```\n", 2)[1]
+    return [[_module_of(e) for e in re.match(r"[\w/.]+(?:, [\w/.]+)*", line).group().split(", ")]
+            for line in block.splitlines() if line and not line.startswith(" ")]
+
+
+def _room(module: str) -> str:
+    """The room a module counts as: planning's modules are one room, 'planning/'."""
+    return "holmes_jax.planning" if module.startswith("holmes_jax.planning") else module
+
+
+def test_design_lists_every_module_and_imports_point_down_its_list():
+    rank = {m: i for i, line in enumerate(_rooms()) for m in line}
+    graph = import_graph()
+    packages = {m for m in graph if (REPO / m.replace(".", "/") / "__init__.py").exists()}
+    assert {_room(m) for m in graph} - packages - set(rank) == set(), "modules missing from docs/design.md's rooms"
+    up = sorted(f"{m} -> {e}" for m in graph if _room(m) in rank for e in graph[m]
+                if _room(e) in rank and rank[_room(e)] < rank[_room(m)])
+    assert up == [], "imports pointing up docs/design.md's rooms"
+
+
+def test_design_lists_planning_modules_lowest_first():
+    text = (REPO / "docs" / "design.md").read_text()
+    sentence = text.split("Inside it, lowest\nfirst:", 1)[1].split(".\n", 1)[0]
+    graph = {m.removeprefix("holmes_jax.planning."): {e.removeprefix("holmes_jax.planning.") for e in edges}
+             for m, edges in import_graph().items() if m.startswith("holmes_jax.planning.")}
+    order = [name for name in re.findall(r"`(\w+)`", sentence) if name in graph]
+    assert sorted(order) == sorted(graph)
+    assert [f"{m} -> {e}" for i, m in enumerate(order) for e in sorted(graph[m] & set(order[i + 1:]))] == []
+
+
+def test_the_readme_code_layout_names_every_module():
+    words = set(re.findall(r"[\w/.]+", examples.README.read_text().split("## Layout of the code", 1)[1]))
+    files = [p.relative_to(REPO) for p in (REPO / "holmes_jax").rglob("*.py") if p.name != "__init__.py"]
+    # a top-level module by its path, a subpackage's on its folder's line ("runtime.py", "cost")
+    missing = [str(f) for f in files if not ({str(f)} if len(f.parts) == 2 else {f.name, f.stem}) & words]
+    assert missing == []
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces as dashes."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_the_links_between_the_docs_resolve():
+    broken = []
+    for page in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if "://" in target:
+                continue
+            path, _, anchor = target.partition("#")
+            linked = (page.parent / path).resolve() if path else page
+            headings = re.findall(r"^#+ (.*)$", linked.read_text(), re.M) if linked.is_file() else []
+            if not linked.is_file() or (anchor and anchor not in map(_anchor, headings)):
+                broken.append(f"{page.name}: {target}")
+    assert broken == []
