@@ -1,7 +1,7 @@
 """The holmes_jax train step on the local accelerator against a minimal hand-written step.
 
 For each model (default: GPT-1.3B, then 125M) in bfloat16 at sequence 2048: the full step as
-`python -m holmes_jax.train` builds it (`train.build`, pp = 1, data parallel over every local
+`python -m holmes_jax.train` builds it (`build.build`, pp = 1, data parallel over every local
 device, ZeRO-1, clipping, the learning-rate schedule) beside a minimal jitted step of the same
 model (replicated parameters, batch split over the devices, `jax.value_and_grad` + `optax.adamw`).
 Both take the same random tokens; they alternate in rounds and the median step counts. Prints step

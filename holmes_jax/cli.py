@@ -5,7 +5,7 @@
   2    bad input (`ConfigError`): a config field, a flag, a topology file, a workdir, a checkpoint
        that does not fit the configured model
   128 + N  stopped by signal N after saving (`Stopped`): 130 SIGINT (Ctrl-C), 143 SIGTERM,
-       129 SIGHUP; rerun the same command to resume
+       129 SIGHUP; rerun the same command to resume. 141: the reader of the output left (`| head`)
 """
 
 from __future__ import annotations
@@ -68,6 +68,9 @@ def run(main: Callable[[list[str]], int | None], argv: list[str] | None = None) 
     except KeyboardInterrupt:  # Ctrl-C before a command took over SIGINT: nothing to save yet
         print("interrupted", file=sys.stderr)
         raise SystemExit(128 + signal.SIGINT) from None
+    except BrokenPipeError:  # the reader of our output left (`| head`): end quietly, as on SIGPIPE
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush would fail again
+        raise SystemExit(128 + signal.SIGPIPE) from None
     raise SystemExit(code or 0)
 
 

@@ -240,3 +240,17 @@ def test_profile_figures_the_cost_model_cannot_use_are_config_errors(changes, wo
         plan(TOPOLOGIES / "cpu_2x4.toml", "tiny", ParallelConfig(pp=2, dp=4, microbatches=64),
              profile=_tiny_profile(**changes))
     assert words in str(e.value)
+
+
+def test_a_reader_that_leaves_ends_the_command_quietly():
+    """`plan ... | head -1`: the output's reader gone before the plan is written is exit 141, no traceback."""
+    import os
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "holmes_jax.plan", "--topology", IB4_ROCE4, "--model", "7.5b",
+                             "--tp", "8", "--pp", "2", "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    proc.stdout.close()  # before the plan is computed, so its first write finds no reader
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGPIPE and err == b""
