@@ -12,6 +12,7 @@ import logging
 import os
 import re
 import sys
+import tempfile
 import traceback
 from pathlib import Path
 
@@ -83,6 +84,14 @@ def mismatches(saved, target) -> list[str]:
 class Checkpointer:
     def __init__(self, directory: str | Path, cfg: CheckpointConfig):
         self.cfg, self.directory = cfg, Path(directory).absolute()
+        try:  # now, not at the first save `cfg.every` steps in
+            self.directory.mkdir(parents=True, exist_ok=True)
+            tempfile.TemporaryFile(dir=self.directory).close()
+        except OSError as e:
+            why = "it is a file" if self.directory.is_file() else e.strerror
+            raise ConfigError(f"TrainConfig.workdir = {str(self.directory.parent)!r} cannot hold checkpoints in "
+                              f"{self.directory}: {why}; allowed: a workdir whose checkpoints/ is a "
+                              "directory this process can create and write") from None
         # cleanup_tmp_directories: a save that failed (a full disk) leaves a temporary directory;
         # the next run removes it instead of keeping the space taken.
         options = ocp.CheckpointManagerOptions(max_to_keep=cfg.keep, create=True, enable_async_checkpointing=True,

@@ -31,8 +31,8 @@ FAULT_POINTS = ("batch", "step")
 
 class Signals:
     """A context in which SIGINT, SIGTERM and SIGHUP set `signum` (the first one wins) instead of
-    interrupting; the previous handlers come back on exit. Outside the main thread Python cannot
-    handle signals, so there it does nothing."""
+    interrupting; the previous handlers come back on exit. A SIGHUP that is ignored (`nohup`)
+    stays ignored. Outside the main thread Python cannot handle signals, so there it does nothing."""
 
     def __init__(self):
         self.signum: int | None = None
@@ -44,7 +44,9 @@ class Signals:
 
     def __enter__(self) -> "Signals":
         if threading.current_thread() is threading.main_thread():
-            self._previous = {sig: signal.signal(sig, self._set) for sig in STOP_SIGNALS}
+            # A SIGHUP ignored from the start is `nohup`'s: a closed terminal must not stop the run.
+            caught = [sig for sig in STOP_SIGNALS if sig != signal.SIGHUP or signal.getsignal(sig) != signal.SIG_IGN]
+            self._previous = {sig: signal.signal(sig, self._set) for sig in caught}
         return self
 
     def __exit__(self, *exc) -> None:
@@ -104,7 +106,7 @@ def injected_fault() -> tuple[int, str, int] | None:
         return None
     kind, name, point, step = (text.split(":") + [""] * 4)[:4]
     if (kind != "signal" or f"SIG{name}" not in {s.name for s in STOP_SIGNALS} or point not in FAULT_POINTS
-            or not step.isdigit() or text.count(":") != 3):
+            or not step.isdecimal() or text.count(":") != 3):
         raise ConfigError(f"{FAULT_ENV} = {text!r} is not allowed; allowed: signal:INT|TERM|HUP:batch|step:STEP, "
                           f"e.g. signal:TERM:batch:3")
     return signal.Signals[f"SIG{name}"], point, int(step)

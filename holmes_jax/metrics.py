@@ -7,16 +7,23 @@ import collections
 import json
 import logging
 import os
+import time
 from pathlib import Path
 
-from tensorboardX import SummaryWriter
+from tensorboardX.event_file_writer import EventsWriter
+from tensorboardX.proto.event_pb2 import Event
+from tensorboardX.proto.summary_pb2 import Summary
+from tensorboardX.summary import scalar
 
 # tensorboardX warns on every NaN it writes; a non-finite step already gets our own one line.
 logging.getLogger("tensorboardX.x2num").setLevel(logging.ERROR)
 
 
 # Dense bf16 peak TFLOP/s of one device, by the start of `device.device_kind` (lower case).
-_PEAK_TFLOPS = {"nvidia a100": 312.0, "nvidia h100": 989.0, "nvidia h200": 989.0, "nvidia h800": 989.0}
+# The PCIe and NVL cards peak lower than the SXM ones of the same name: matched first.
+_PEAK_TFLOPS = {"nvidia h100 pcie": 756.0, "nvidia h800 pcie": 756.0, "nvidia h100 nvl": 835.0,
+                "nvidia h200 nvl": 835.0, "nvidia a100": 312.0, "nvidia h100": 989.0, "nvidia h200": 989.0,
+                "nvidia h800": 989.0}
 
 
 def device_peak_tflops(device_kind: str) -> float | None:
@@ -57,7 +64,12 @@ class MetricsLog:
     def __init__(self, path, total_steps: int, quiet: bool = False, stop: int | None = None):
         self.path, self.total_steps, self.quiet = Path(path), total_steps, quiet
         self.stop = stop or total_steps
-        self.tensorboard = SummaryWriter(str(self.path.parent / "tensorboard"))
+        folder = self.path.parent / "tensorboard"
+        folder.mkdir(parents=True, exist_ok=True)
+        # Written in this thread, not queued for tensorboardX's writer thread: each row is on disk
+        # once `write` returns (a crash lost the newest rows) and a full disk raises here (the thread
+        # printed tracebacks).
+        self.tensorboard = EventsWriter(str(folder / "events"))
         if self.path.is_file():  # a resumed run's
             written = self.path.read_bytes()
             if written and not written.endswith(b"\n"):
@@ -70,9 +82,8 @@ class MetricsLog:
     def write(self, row: dict) -> None:
         with open(self.path, "a") as f:
             f.write(json.dumps(row) + "\n")
-        for key, value in row.items():
-            if key != "step" and value is not None:
-                self.tensorboard.add_scalar(key, value, row["step"])
+        values = [scalar(key, value).value[0] for key, value in row.items() if key != "step" and value is not None]
+        self.tensorboard.write_event(Event(wall_time=time.time(), step=row["step"], summary=Summary(value=values)))
         self.tensorboard.flush()
         steps = row["step"] - self._last_step if self._last_step is not None else 1
         self._windows.append((steps, steps * row["step_time_s"]))

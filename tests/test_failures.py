@@ -143,9 +143,12 @@ def test_max_bad_steps_must_be_positive(tmp_path):
 ])
 def test_a_signal_saves_the_step_in_flight_and_resume_gives_the_same_losses(tmp_path, monkeypatch, uninterrupted,
                                                                              fault, stopped_after):
+    sig = signal.Signals["SIG" + fault.split(":")[1]]
+    if sig == signal.SIGHUP and signal.getsignal(sig) is signal.SIG_IGN:
+        pytest.skip("SIGHUP is ignored here (nohup), and a run keeps ignoring it")
     with pytest.raises(cli.Stopped, match=f"after step {stopped_after}; checkpoint saved") as stopped:
         _run(tmp_path, fault=fault, monkeypatch=monkeypatch)
-    assert stopped.value.status == 128 + signal.Signals["SIG" + fault.split(":")[1]]
+    assert stopped.value.status == 128 + sig
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handlers restored
     assert sorted(_losses(tmp_path)) == list(range(1, stopped_after + 1))
     ckpt = Checkpointer(tmp_path / "checkpoints", small_configs(tmp_path).checkpoint)
@@ -191,8 +194,21 @@ def test_a_signal_while_the_last_checkpoint_is_written_does_not_cut_it_short(tmp
     ckpt.close()
 
 
+def test_a_hangup_ignored_when_the_run_starts_stays_ignored():
+    # `nohup` ignores SIGHUP so that closing the terminal does not end the run.
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        with guard.Signals() as signals:
+            os.kill(os.getpid(), signal.SIGHUP)
+            os.kill(os.getpid(), signal.SIGTERM)
+        assert signals.signum == signal.SIGTERM
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+
+
 @pytest.mark.parametrize("value", ["signal:KILL:step:3", "signal:TERM:loop:3", "signal:TERM:step:x", "nan:3",
-                                   "signal:TERM:step:3:4"])
+                                   "signal:TERM:step:3:4", "signal:TERM:step:\u00b3"])
 def test_a_malformed_fault_is_bad_input(monkeypatch, value):
     monkeypatch.setenv(guard.FAULT_ENV, value)
     with pytest.raises(ConfigError, match=guard.FAULT_ENV):
@@ -274,6 +290,14 @@ def test_an_unusable_workdir_is_bad_input(tmp_path, make, reason):
     workdir = make(tmp_path)
     with pytest.raises(ConfigError, match=f"TrainConfig.workdir = '{workdir}' cannot be used"):
         _run(workdir)
+
+
+def test_a_checkpoints_path_that_is_no_directory_is_bad_input_before_any_step(tmp_path):
+    (tmp_path / "checkpoints").write_text("x")  # found only at the first save, `every` steps in
+    with pytest.raises(ConfigError, match=r"TrainConfig.workdir = .* cannot hold checkpoints in "
+                                          r".*checkpoints: it is a file; allowed: "):
+        _run(tmp_path, "--gin.TrainConfig.steps=1")
+    assert not (tmp_path / "metrics.jsonl").exists()
 
 
 def test_a_failed_metrics_write_is_a_run_error(tmp_path):

@@ -4,7 +4,10 @@ ETA, plan.json, and the report drawn from them."""
 import contextlib
 import io
 import json
+import os
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import matplotlib.image
@@ -14,7 +17,7 @@ from tensorboardX.proto.event_pb2 import Event
 from tensorboardX.record_writer import masked_crc32c
 
 from holmes_jax import cli, metrics, report, train
-from helpers import read_metrics, small_configs
+from helpers import REPO, read_metrics, small_configs
 
 
 def read_scalars(folder) -> dict[str, dict[int, float]]:
@@ -136,3 +139,47 @@ def test_a_last_row_cut_short_is_skipped_by_the_report_and_dropped_on_resume(tmp
     log.close()
     assert (tmp_path / "metrics.jsonl").read_text() == whole + json.dumps(dict(row, step=3)) + "\n"
     assert [r["step"] for r in report.read_rows(tmp_path)] == [1, 2, 3]
+
+
+def test_each_row_is_in_the_tensorboard_events_once_written(tmp_path):
+    # A run killed (SIGKILL, a lost node) after a row must not lose that row's scalars: a resumed
+    # run starts after its checkpoint and never logs those steps again.
+    log = metrics.MetricsLog(tmp_path / "metrics.jsonl", total_steps=10, quiet=True)
+    row = {"loss": 1.0, "step_time_s": 0.1, "tokens_per_s": 1.0, "tflops_per_device": 1.0}
+    for step in (1, 2, 3):
+        log.write(dict(row, step=step, loss=float(step)))
+        assert read_scalars(tmp_path / "tensorboard")["loss"] == {s: float(s) for s in range(1, step + 1)}
+    log.close()
+
+
+def test_a_full_disk_under_the_tensorboard_events_is_an_os_error_and_nothing_else(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    disk = tmp_path / "tensorboard"  # only the events fill up: metrics.jsonl has room
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)]).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    script = ("import contextlib, sys\n"
+              "from holmes_jax import metrics\n"
+              "log = metrics.MetricsLog(sys.argv[1] + '/metrics.jsonl', total_steps=10**6, quiet=True)\n"
+              "row = {'loss': 1.0, 'step_time_s': 0.1, 'tokens_per_s': 1.0, 'tflops_per_device': 1.0}\n"
+              "try:\n"
+              "    with contextlib.closing(log):\n"  # as the run's loop closes it
+              "        for step in range(1, 10**6):\n"
+              "            log.write(dict(row, step=step))\n"
+              "except OSError as e:\n"
+              "    print(e.strerror)\n")
+    try:
+        r = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=120,
+                           cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+    # The run turns the OSError into one `error:` line; nothing may print beside it.
+    assert r.returncode == 0 and r.stdout == "No space left on device\n" and r.stderr == "", r.stderr[-3000:]
+
+
+@pytest.mark.parametrize("kind, peak", [("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H100 PCIe", 756.0),
+                                        ("NVIDIA H100 NVL", 835.0), ("NVIDIA H200", 989.0), ("NVIDIA H200 NVL", 835.0),
+                                        ("NVIDIA H800 PCIe", 756.0), ("NVIDIA A100-SXM4-80GB", 312.0), ("cpu", None)])
+def test_each_device_kind_gets_its_own_dense_bf16_peak(kind, peak):
+    assert metrics.device_peak_tflops(kind) == peak
