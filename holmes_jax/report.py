@@ -4,6 +4,7 @@ measured step time against the plan's prediction, from WORKDIR/metrics.jsonl and
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +24,8 @@ def _row(line: str) -> dict | None:
     except ValueError:
         return None
     if (isinstance(row, dict) and isinstance(row.get("step"), int)
-            and all(isinstance(row.get(key), (int, float)) for key in NUMBERS)):
+            and all(isinstance(row.get(key), (int, float)) for key in NUMBERS)
+            and math.isfinite(row["step_time_s"])):  # a loss may be nan (a skipped step); a step's time not
         return row
     return None
 
@@ -58,9 +60,13 @@ def predicted_step_s(workdir: Path) -> float | None:
     if not path.is_file():
         return None
     try:
-        return float(json.loads(path.read_text())["predicted"]["step_time_s"])
+        predicted = float(json.loads(path.read_text())["predicted"]["step_time_s"])
     except (ValueError, KeyError, TypeError):
-        raise ConfigError(f"{path} is not a plan (python -m holmes_jax.plan --json)") from None
+        predicted = None
+    if predicted is None or not (math.isfinite(predicted) and predicted > 0):
+        raise ConfigError(f"{path} is not a plan (python -m holmes_jax.plan --json): it needs a positive "
+                          f"predicted step_time_s")
+    return predicted
 
 
 def main(argv: list[str]) -> int:

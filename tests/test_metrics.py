@@ -113,6 +113,10 @@ def test_the_report_keeps_a_resumed_runs_later_rows(tmp_path):
     ({"metrics.jsonl": "{\"loss\": 1}\n"}, "metrics.jsonl:1 is not a metrics row"),
     ({"metrics.jsonl": "{\"step\": 1, \"loss\": 1}\n"}, "metrics.jsonl:1 is not a metrics row"),  # no step_time_s
     ({"metrics.jsonl": b"\xff\xfe\n"}, "metrics.jsonl:1 is not a metrics row"),  # not UTF-8
+    ({"metrics.jsonl": "{\"step\": 1, \"loss\": 1, \"step_time_s\": NaN}\n"}, "metrics.jsonl:1 is not a metrics row"),
+    *[({"metrics.jsonl": "{\"step\": 1, \"loss\": 1, \"step_time_s\": 0.1}\n",
+        "plan.json": json.dumps({"predicted": {"step_time_s": bad}})}, "plan.json is not a plan")
+      for bad in (0, -1.0, float("nan"), float("inf"), "x")],
 ])
 def test_the_report_refuses_what_is_not_a_run(tmp_path, files, message):
     for name, text in files.items():
