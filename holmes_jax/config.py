@@ -199,7 +199,7 @@ class TrainConfig:
     learning_rate: float = 3e-3  # peak, reached after warmup_steps
     warmup_steps: int = 20  # linear warm-up from 0
     min_lr_ratio: float = 0.1  # cosine decays to learning_rate * min_lr_ratio
-    weight_decay: float = 0.1  # AdamW's decoupled weight decay
+    weight_decay: float = 0.1  # AdamW's decoupled weight decay (kernels and embeddings, not norms or biases)
     beta1: float = 0.9  # Adam's first-moment decay
     beta2: float = 0.95  # Adam's second-moment decay
     grad_clip: float = 1.0  # the global gradient norm is clipped to this

@@ -18,8 +18,9 @@ def make_optimizer(tcfg: TrainConfig) -> tuple[optax.GradientTransformation, opt
         decay_steps=max(tcfg.steps, tcfg.warmup_steps + 1), end_value=tcfg.learning_rate * tcfg.min_lr_ratio,
     )
 
-    def decay_mask(params):  # weight decay on matmul kernels and embeddings only, not norms
-        return jax.tree_util.tree_map_with_path(lambda path, _: getattr(path[-1], "key", "") in ("kernel", "embedding"), params)
+    def decay_mask(params):  # weight decay on matmul kernels and embeddings (tokens, learned positions) only
+        return jax.tree_util.tree_map_with_path(
+            lambda path, _: getattr(path[-1], "key", "") in ("kernel", "embedding", "positions"), params)
 
     tx = optax.adamw(schedule, b1=tcfg.beta1, b2=tcfg.beta2, weight_decay=tcfg.weight_decay, mask=decay_mask)
     return tx, schedule

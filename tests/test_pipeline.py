@@ -4,16 +4,18 @@ import jax
 import numpy as np
 import pytest
 
-from holmes_jax import build, data, train
+from holmes_jax import build, data, optimizer, train
+from holmes_jax.config import TrainConfig
+from holmes_jax.models import gpt
 from holmes_jax.pipeline import warmup
 from helpers import read_metrics, small_configs
 
 SIX_LAYERS = ["--gin.ModelConfig.num_layers=6", "--gin.ParallelConfig.microbatches=4", "--gin.DataConfig.global_batch=32"]
 
 
-def _loss_and_canonical_grads(tmp_path, *bindings):
+def _loss_and_canonical_grads(tmp_path, *bindings, devices=None):
     cfgs = small_configs(tmp_path, *SIX_LAYERS, *bindings)
-    setup = build.build(cfgs)
+    setup = build.build(cfgs, devices)
     state = setup.init_state()
     batch = setup.batch("train", 0, data.load(cfgs.data))
     loss, grads = jax.jit(lambda p, b: setup.pipeline.loss_and_grads(p, b, setup.grad_specs))(state["params"], batch)
@@ -31,7 +33,10 @@ def test_loss_and_every_gradient_match_one_stage(tmp_path, reference, schedule, 
     bindings = [f"--gin.ParallelConfig.pp={pp}", f"--gin.ParallelConfig.schedule={schedule}"]
     if layers:
         bindings.append(f"--gin.ParallelConfig.stage_layers={layers}")
-    loss, grads = _loss_and_canonical_grads(tmp_path, *bindings)
+    _assert_matches(reference, *_loss_and_canonical_grads(tmp_path, *bindings))
+
+
+def _assert_matches(reference, loss, grads):
     ref_loss, ref_grads = reference
     assert loss == pytest.approx(ref_loss, abs=1e-5)
     flat, ref_flat = jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(ref_grads)
@@ -39,6 +44,15 @@ def test_loss_and_every_gradient_match_one_stage(tmp_path, reference, schedule, 
     for (path, g), r in zip(flat, ref_flat):
         np.testing.assert_allclose(g, r, atol=1e-5, rtol=0, err_msg=jax.tree_util.keystr(path))
     assert max(float(np.abs(r).max()) for r in ref_flat) > 1e-3  # the comparison is not of zeros
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_three_stages_with_fewer_microbatches_than_stages_match_one_stage(tmp_path, reference, schedule):
+    # pp 3 on 6 devices (dp 2, ZeRO-1 reduce-scatters), one-layer first and last stages, and 2
+    # microbatches: fewer than the stages and not a multiple of them
+    bindings = ["--gin.ParallelConfig.pp=3", "--gin.ParallelConfig.stage_layers=(1,4,1)",
+                "--gin.ParallelConfig.microbatches=2", f"--gin.ParallelConfig.schedule={schedule}"]
+    _assert_matches(reference, *_loss_and_canonical_grads(tmp_path, *bindings, devices=jax.devices()[:6]))
 
 
 @pytest.mark.slow
@@ -215,3 +229,20 @@ def _reaches(calls: dict[str, set[str]], root: str, target: str) -> bool:
             seen.add(c)
             todo.extend(calls.get(c, ()))
     return False
+
+
+def test_weight_decay_covers_kernels_and_both_embeddings_not_norms_or_biases(tmp_path):
+    # Zero gradients make Adam's step zero, so the update is the decay alone: -0.5 * the
+    # parameter where the mask decays it (learning rate 1 at step 0, no warm-up), else zero.
+    cfgs = small_configs(tmp_path, "--gin.ModelConfig.bias=True", "--gin.ModelConfig.tie_embeddings=False",
+                         "--gin.ModelConfig.positions='learned'")
+    params = gpt.GPT(cfgs.model).init(0)
+    tx, _ = optimizer.make_optimizer(TrainConfig(learning_rate=1.0, warmup_steps=0, weight_decay=0.5))
+    updates, _ = tx.update(jax.tree.map(np.zeros_like, params), tx.init(params), params)
+    decayed = set()
+    for (path, u), p in zip(jax.tree_util.tree_leaves_with_path(updates), jax.tree.leaves(params)):
+        if np.any(u):
+            decayed.add(jax.tree_util.keystr(path))
+            np.testing.assert_allclose(u, -0.5 * np.asarray(p), rtol=1e-6, err_msg=jax.tree_util.keystr(path))
+    assert decayed == {"['embed']['positions']", "['embed']['tokens']['embedding']", "['head']['out']['kernel']",
+                       *(f"['blocks']['{name}']['kernel']" for name in ("q", "k", "v", "o", "up", "down"))}

@@ -9,7 +9,7 @@ from holmes_jax.planning import search as plan, workload
 from holmes_jax.config import ConfigError, ModelConfig
 from holmes_jax.planning.workload import megatron_flops
 from holmes_jax.models import gpt, presets
-from holmes_jax.pipeline.runtime import _Layers
+from holmes_jax.pipeline.runtime import _Layers, _depends_on_input
 
 
 def test_the_old_booleans_name_policies_and_others_are_refused():
@@ -57,3 +57,18 @@ def test_planned_stash_is_what_the_runtime_keeps(dtype, mlp):
         if remat != "none":
             assert planned == runtime, (remat, planned, runtime)
     assert stash["full"] < stash["dots"] < stash["none"]
+
+
+def test_what_depends_on_the_input_is_followed_through_calls_and_never_missed_in_loops():
+    # A residual wrongly found not to depend on the layer input would be rebuilt from a zero
+    # input in the backward: wrong gradients, silently. Two swaps in a scan give (p, h) back in
+    # order; one pass through its body says they come back swapped.
+    def swapped_twice(p, h):
+        return list(jax.lax.scan(lambda c, _: ((c[1], c[0]), None), (p, h), None, length=2)[0])
+
+    def called(p, h):
+        return list(jax.jit(lambda p, h: (p * 2, h + p))(p, h))
+
+    depends = lambda fn: _depends_on_input(jax.make_jaxpr(fn)(1.0, 2.0).jaxpr, [False, True])  # noqa: E731
+    assert depends(swapped_twice)[1]  # the output that is h (marking p too is merely conservative)
+    assert depends(called) == [False, True]  # calls are followed output by output

@@ -2,7 +2,7 @@
 
 Block parameters live in a staged layout: every block leaf is (stages, max_layers, ...) split over
 `stage`, stage s holding its `stage_layers[s]` layers first and zero padding after. Padding is
-skipped by `GPT.blocks`, so it gets zero gradient; its reduction over `data` and its optimizer
+skipped by the stage's layer scans (`_Layers`), so it gets zero gradient; its reduction over `data` and its optimizer
 update are skipped too (`by_slot_group`, pipeline.update), so it never moves and a stage's
 traffic over `data` is its real layers'. Checkpoints hold the canonical layout, (layers, ...) in model order,
 so they move between partitions and pp values (`to_canonical` / `to_staged`).
@@ -69,6 +69,11 @@ def map_blocks(fn, tree):
     return jax.tree_util.tree_map_with_path(lambda path, x: fn(x) if _is_block_leaf(path) else x, tree)
 
 
+# Primitives that run their inner jaxpr once, inputs to outputs: followed output by output. A
+# loop's body (scan) is not: one pass through it misses what a carry brings in later iterations.
+_CALLS = {"jit", "pjit", "closed_call", "core_call", "checkpoint", "remat", "custom_jvp_call", "custom_vjp_call"}
+
+
 def _depends_on_input(jaxpr, dynamic: list[bool]) -> list[bool]:
     """Which outputs of `jaxpr` may depend on the inputs flagged in `dynamic`. Conservative: an
     equation's outputs all depend on its inputs, except inside calls (jit, checkpoint), which are
@@ -81,7 +86,8 @@ def _depends_on_input(jaxpr, dynamic: list[bool]) -> list[bool]:
             continue
         inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
         inner = inner.jaxpr if isinstance(inner, ClosedJaxpr) else inner
-        if isinstance(inner, Jaxpr) and (len(inner.invars), len(inner.outvars)) == (len(eqn.invars), len(eqn.outvars)):
+        if (eqn.primitive.name in _CALLS and isinstance(inner, Jaxpr)
+                and (len(inner.invars), len(inner.outvars)) == (len(eqn.invars), len(eqn.outvars))):
             marked.update(v for v, d in zip(eqn.outvars, _depends_on_input(inner, inputs)) if d)
         else:
             marked.update(eqn.outvars)
