@@ -169,8 +169,10 @@ def launch(cmd: Sequence[str], n: int, devices_per_process: int | None = None, p
     first_signal, code = signal.SIGTERM, None
     # Ctrl-C, a SIGTERM or a SIGHUP to us (a job scheduler's, a closed terminal's) must reach the
     # children, which live in their own sessions; set explicitly, since a background shell may have
-    # ignored SIGINT.
-    handled = FORWARDED if threading.current_thread() is threading.main_thread() else ()
+    # ignored SIGINT. A SIGHUP ignored from the start is `nohup`'s: the children inherit that and
+    # train on when the terminal closes, so it is left alone.
+    handled = [sig for sig in FORWARDED if sig != signal.SIGHUP or signal.getsignal(sig) != signal.SIG_IGN]
+    handled = handled if threading.current_thread() is threading.main_thread() else ()
     previous = {sig: signal.signal(sig, _raise_signalled) for sig in handled}
     try:
         # All started before any output thread: a preexec_fn must not run while other threads do.

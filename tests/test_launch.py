@@ -116,6 +116,23 @@ def test_ctrl_c_or_sigterm_ends_all_processes(sig):
             os.kill(pid, 0)
 
 
+def test_a_hangup_under_nohup_leaves_the_job_running():
+    # nohup ignores SIGHUP; the children inherit that, so passing one on would only wait out the
+    # grace period and SIGKILL them
+    script = "import os, time; print(os.getpid(), flush=True); time.sleep(3)"
+    p = subprocess.Popen([sys.executable, "-m", "holmes_jax.launch", "-n", "2", "--grace", "1", "--", sys.executable,
+                          "-c", script], cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=subprocess.PIPE,
+                         text=True, preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    try:
+        [p.stdout.readline() for _ in range(2)]
+        p.send_signal(signal.SIGHUP)
+        assert p.wait(timeout=30) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
 def _gone(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"  # a zombie has ended
