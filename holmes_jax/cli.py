@@ -5,7 +5,8 @@
   2    bad input (`ConfigError`): a config field, a flag, a topology file, a workdir, a checkpoint
        that does not fit the configured model
   128 + N  stopped by signal N after saving (`Stopped`): 130 SIGINT (Ctrl-C), 143 SIGTERM,
-       129 SIGHUP; rerun the same command to resume. 141: the reader of the output left (`| head`)
+       129 SIGHUP, 141 the reader of the output left (`| head`; SIGPIPE); rerun the same command to
+       resume
 """
 
 from __future__ import annotations
@@ -54,6 +55,12 @@ def positive_int(text: str) -> int:
     return int(text)
 
 
+def drop_output() -> None:
+    """Sends stdout to /dev/null once its reader has left, so that later prints and the exit's
+    flush do not fail again."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
 def run(main: Callable[[list[str]], int | None], argv: list[str] | None = None) -> NoReturn:
     """Runs `main(argv)`, turning our exceptions into one stderr line and the status above."""
     try:
@@ -69,7 +76,7 @@ def run(main: Callable[[list[str]], int | None], argv: list[str] | None = None) 
         print("interrupted", file=sys.stderr)
         raise SystemExit(128 + signal.SIGINT) from None
     except BrokenPipeError:  # the reader of our output left (`| head`): end quietly, as on SIGPIPE
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush would fail again
+        drop_output()
         raise SystemExit(128 + signal.SIGPIPE) from None
     raise SystemExit(code or 0)
 

@@ -145,6 +145,8 @@ def run(cfgs: Configs, devices=None, quiet: bool = False) -> dict:
     ckpt = Checkpointer(checkpoints, cfgs.checkpoint) if cfgs.checkpoint.enabled else None
     try:
         return _resume_and_train(cfgs, setup, token_data, workdir, ckpt, say, quiet)
+    except BrokenPipeError:  # stdout's reader left before or after the loop: nothing more to save
+        raise
     except OSError as e:  # metrics.jsonl, config.gin; checkpoint writes report their own
         raise cli.RunError(f"cannot write {e.filename or workdir}: {e.strerror}") from None
     finally:
@@ -211,7 +213,11 @@ def _resume_and_train(cfgs: Configs, setup: Setup, token_data, workdir: Path, ck
             stopping = vote.vote(signals.signum)  # the same signal (or None) on every process
             for hook in hooks:
                 if stopping or hook.due(step, start + 1, last):
-                    hook.fn(step, state)
+                    try:
+                        hook.fn(step, state)
+                    except BrokenPipeError:  # the reader of the step lines left (`| head`): a stop,
+                        cli.drop_output()  # as a signal's, after the next step (its row is written)
+                        signals.signum = signals.signum or signal.SIGPIPE
             bad.check(step, ckpt and ckpt.latest_step())
             if stopping:
                 # Even a skipped step: its state is what an uninterrupted run holds after it.

@@ -3,6 +3,7 @@ mismatched checkpoints, unusable workdirs and full disks, and the launcher's sig
 
 import glob
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -172,6 +173,28 @@ def test_a_signalled_run_exits_128_plus_the_signal_with_one_line(tmp_path, name,
     assert r.stderr.strip().splitlines() == [
         f"stopped by SIG{name} after step 2; checkpoint saved at step 2: run the same command again to resume"]
     assert (tmp_path / "checkpoints" / "2").is_dir()
+
+
+@pytest.mark.slow
+def test_a_reader_of_the_step_lines_that_leaves_stops_the_run_as_a_signal_does(tmp_path):
+    # `train | head`: the step after the first failed print is saved, the status is 128 + SIGPIPE
+    p = subprocess.Popen([sys.executable, "-m", "holmes_jax.train", *FLAGS, f"--gin.TrainConfig.workdir={tmp_path}",
+                          "--gin.TrainConfig.steps=50"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    try:
+        for line in p.stdout:  # ends at the first step line (or at the end of the output)
+            if line.startswith("step "):
+                break
+        p.stdout.close()
+        _, err = p.communicate(timeout=300)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == 128 + signal.SIGPIPE, err[-3000:]
+    stopped = int(re.fullmatch(r"stopped by SIGPIPE after step (\d+); checkpoint saved at step \1: run the same "
+                               r"command again to resume", err.strip()).group(1))
+    assert stopped < 50 and (tmp_path / "checkpoints" / str(stopped)).is_dir()
 
 
 @pytest.mark.slow
