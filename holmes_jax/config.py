@@ -203,7 +203,7 @@ class TrainConfig:
     beta1: float = 0.9  # Adam's first-moment decay
     beta2: float = 0.95  # Adam's second-moment decay
     grad_clip: float = 1.0  # the global gradient norm is clipped to this
-    log_every: int = 10  # steps between metrics rows (and the first and last step)
+    log_every: int = 10  # steps between metrics rows (and the first, the last and each validation step)
     eval_every: int = 100  # steps between validation losses (and the last step)
     eval_batches: int = 4  # validation batches averaged per validation loss
     max_bad_steps: int = 5  # steps in a row with a non-finite loss or gradient norm (skipped) before the run fails

@@ -33,13 +33,14 @@ from holmes_jax.planning.workload import megatron_flops
 
 @dataclasses.dataclass
 class Hook:
-    """Runs `fn(step, state)` after every `every`-th step, and after the first and the last."""
+    """Runs `fn(step, state)` after every step that one of `every` divides, and after the first
+    and the last."""
 
-    every: int
+    every: tuple[int, ...]
     fn: Callable[[int, dict], None]
 
     def due(self, step: int, first: int, last: int) -> bool:
-        return step % self.every == 0 or step in (first, last)
+        return any(step % n == 0 for n in self.every) or step in (first, last)
 
 
 def train_steps(compiled, setup: Setup, state: dict, start: int, last: int, token_data: data.TokenData):
@@ -197,12 +198,13 @@ def _resume_and_train(cfgs: Configs, setup: Setup, token_data, workdir: Path, ck
         ckpt and ckpt.save(step, lambda: setup.canonical(state), force=force)
         logger.exclude(time.perf_counter() - t0)
 
-    hooks = [Hook(tcfg.log_every, lambda step, state: logger.row(step, state, last))]
+    # a row on validation steps too: the validation loss is written in a row
+    hooks = [Hook((tcfg.log_every, tcfg.eval_every), lambda step, state: logger.row(step, state, last))]
     if ckpt:
         # A skipped step's state is the last good one: saved under this step it would push good
         # checkpoints out of the newest `keep` while the loss diverges. The last step's is saved
         # (as a stop's is): it is what the run ends with, and a rerun finds nothing left to do.
-        hooks.append(Hook(cfgs.checkpoint.every, lambda step, state: (bad.in_a_row and step < last)
+        hooks.append(Hook((cfgs.checkpoint.every,), lambda step, state: (bad.in_a_row and step < last)
                           or save(step, state, step == last)))
     vote = guard.StopVote(setup.mesh)
     # The log closes (its TensorBoard events flushed) however the loop ends.

@@ -160,8 +160,10 @@ def test_checkpoint_restores_onto_a_different_mesh(tmp_path):
 
 
 def test_metrics_rows_hold_the_contract_fields(tmp_path):
-    summary = train.run(small_configs(tmp_path, "--gin.TrainConfig.eval_every=3"), quiet=True)
+    summary = train.run(small_configs(tmp_path, "--gin.TrainConfig.log_every=2", "--gin.TrainConfig.eval_every=3"),
+                        quiet=True)
     rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 6]  # every 2nd, the first and each validation step
     for row in rows:
         for key in ("step", "loss", "step_time_s", "tokens_per_s", "tflops_per_device", "mfu", "lr", "grad_norm"):
             assert key in row and row[key] == row[key], key
