@@ -191,22 +191,9 @@ class GPT:
         policy = REMAT_POLICIES[self.cfg.remat]
         return run(layer_params, h) if policy is None else jax.checkpoint(run, policy=policy)(layer_params, h)
 
-    def blocks(self, block_params: dict, x: jax.Array, n_layers: jax.Array | None = None) -> jax.Array:
-        """Runs the layers of `block_params` (leading layer axis) over `x` in order. With `n_layers`,
-        only the first `n_layers` run: later ones are padding, skipped (and so get zero gradient)."""
-
-        def layer(h, layer_params):
-            return self.layer(layer_params, h)
-
-        if n_layers is None:
-            return jax.lax.scan(lambda h, lp: (layer(h, lp), None), x, block_params)[0]
-
-        def maybe_layer(h, xs):
-            layer_params, i = xs
-            return jax.lax.cond(i < n_layers, layer, lambda h, _: h, h, layer_params), None
-
-        depth = jax.tree.leaves(block_params)[0].shape[0]
-        return jax.lax.scan(maybe_layer, x, (block_params, jnp.arange(depth)))[0]
+    def blocks(self, block_params: dict, x: jax.Array) -> jax.Array:
+        """Runs the layers of `block_params` (leading layer axis) over `x` in order."""
+        return jax.lax.scan(lambda h, lp: (self.layer(lp, h), None), x, block_params)[0]
 
     def head_logits(self, params: dict, x: jax.Array) -> jax.Array:
         embedding = nnx.merge(self._defs["embed"], params["embed"])
