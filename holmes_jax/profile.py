@@ -147,11 +147,11 @@ def profile_stage_scale(model, mesh: Mesh, layers: int, micro_batch: int, seq_le
 
 
 def profile_update(setup, repeats: int = 5) -> float:
-    """Seconds per parameter a device updates in one optimizer step as the run takes it
-    (`pipeline.update`: clipping's global norm, AdamW on each stage's real layers), over the whole
-    mesh with gradients and optimizer state sharded as the run shards them (ZeRO-1: each device
-    its 1/dp share). The updates stay sharded like the gradients (`pending`): gathering them is
-    the data link's part of the sync."""
+    """Seconds per parameter a device of the deepest stage updates in one optimizer step as the
+    run takes it (`pipeline.update`: clipping's global norm, AdamW on each stage's real layers),
+    over the whole mesh with gradients and optimizer state sharded as the run shards them (ZeRO-1:
+    each device its 1/dp share). The updates stay sharded like the gradients (`pending`):
+    gathering them is the data link's part of the sync."""
     state = setup.init_state()
     shardings = setup.state_shardings
     grad_shardings = jax.tree.map(lambda spec: NamedSharding(setup.mesh, spec), setup.grad_specs,
@@ -164,15 +164,10 @@ def profile_update(setup, repeats: int = 5) -> float:
     step = jax.jit(lambda *args: update(*args)[1:3],
                    in_shardings=(shardings["params"], shardings["opt_state"], grad_shardings),
                    out_shardings=(shardings["pending"], shardings["opt_state"]))
+    # The step over the whole mesh lasts as long as the deepest stage's (the others skip their
+    # padding): per device of that stage, its share of every leaf with all `max_layers` block slots.
     device = setup.mesh.local_devices[0]
-    stage = next(s for s in range(setup.mesh.shape["stage"]) if device in setup.mesh.devices[s].flat)
-    real = setup.pipeline.stage_layers[stage] / setup.pipeline.max_layers  # block slots it updates
-
-    def updated(path, x):  # elements of `x` this device updates: its stage's real layers, its share
-        shard = next(s for s in x.addressable_shards if s.device == device).data
-        return shard.size * (real if "blocks" in jax.tree_util.keystr(path) else 1)
-
-    count = sum(updated(path, x) for path, x in jax.tree_util.tree_leaves_with_path(grads))
+    count = sum(next(s for s in x.addressable_shards if s.device == device).data.size for x in jax.tree.leaves(grads))
     return _lockstep_time(step, state["params"], state["opt_state"], grads, repeats=repeats) / count
 
 
@@ -288,11 +283,12 @@ def profile_data_groups(mesh: Mesh, zero1: bool, sizes=(1 << 16, 1 << 22), repea
         shard = jax.lax.psum_scatter(x, "data", scatter_dimension=x.ndim - 1, tiled=True)
         return jax.lax.all_gather(shard, "data", axis=x.ndim - 1, tiled=True)
 
+    sizes = [size // (4 * n) * 4 * n for size in sizes]  # float32s that split evenly over the group (ZeRO-1)
     times = []
     for size in sizes:
         reduce, x = _whole_mesh(sync, mesh, size)
         times.append(_lockstep_time(reduce, x, repeats=repeats))
-    link = _fit(list(sizes), times, 2 * (n - 1) / n)
+    link = _fit(sizes, times, 2 * (n - 1) / n)
     return [link if any(d.process_index == jax.process_index() for d in mesh.devices[s].flat) else None
             for s in range(stages)]
 
@@ -344,7 +340,8 @@ def profile(setup, repeats: int = 5, splits: int = 0, say=print) -> Profile:
     probes = tuple(profile_steps(setup, [(n,) * stages for n in probe_depths(setup.pipeline.stage_layers)], token_data,
                                  say=say))
     result = Profile(mesh.local_devices[0].device_kind, micro_batch, cfgs.data.seq_len, flops, t_fwd, t_bwd,
-                     data_links, stage_links, update, scale, probes)
+                     data_links, stage_links, update, scale, probes, compute_dtype=cfgs.model.compute_dtype,
+                     remat=cfgs.model.remat)
     if splits > 0 and stages > 1:
         timed = profile_steps(setup, ranked_splits(setup, result, splits), token_data, say=say)
         result = dataclasses.replace(result, split_probes=tuple(timed))

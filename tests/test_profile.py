@@ -1,7 +1,9 @@
 import dataclasses
 
 import jax
+import numpy as np
 import pytest
+from jax.sharding import Mesh
 
 from holmes_jax.planning import workload
 from holmes_jax import build, data, planning
@@ -19,6 +21,7 @@ def test_profile_measures_layers_and_links_and_round_trips(tmp_path, zero1):
     assert result.layer_fwd_flops == pytest.approx(analytic, rel=0.15)  # XLA also counts softmax and norms
     assert result.layer_fwd_s > 0 and result.layer_bwd_s > 0 and result.achieved_tflops > 0
     assert 0 < result.update_s_per_param < result.layer_fwd_s / 1000  # AdamW touches a parameter a few times
+    assert (result.compute_dtype, result.remat) == ("float32", "none")  # what the layer times were measured with
     assert len(result.data_links) == 2 and all(l.gbps > 0 for l in result.data_links)
     assert len(result.stage_links) == 1 and result.stage_links[0].gbps > 0
     # whole steps of this layout (pp 2, dp 4 over 8 CPU devices) at 1 and 2 layers a stage
@@ -95,3 +98,22 @@ def test_bad_profile_flags_fail_before_profiling(tmp_path, monkeypatch, flags):
     with pytest.raises(ConfigError, match="--out|--repeats"):
         profile.main([f.format(tmp=tmp_path) for f in flags])
     assert not (tmp_path / "p.json").exists()
+
+
+def test_a_zero1_data_group_of_three_is_timed():
+    # ZeRO-1's reduce-scatter needs a buffer that splits evenly over the group: was a ValueError
+    mesh = Mesh(np.array(jax.devices()[:6]).reshape(2, 3, 1), ("stage", "data", "tensor"))
+    links = profile.profile_data_groups(mesh, zero1=True, repeats=1)
+    assert len(links) == 2 and all(l.gbps > 0 for l in links)
+
+
+def test_the_update_is_per_parameter_of_the_deepest_stage(tmp_path, monkeypatch):
+    """The optimizer step over the whole mesh lasts as long as the stage with the most layers to
+    update (the others skip their padding), whichever stage device 0 is on."""
+    monkeypatch.setattr(profile, "_lockstep_time", lambda *args, repeats: 1.0)
+    per_param = []
+    for split in ("(1, 3)", "(3, 1)"):
+        setup = build.build(small_configs(tmp_path, "--gin.ParallelConfig.pp=2", "--gin.ModelConfig.num_layers=4",
+                                          f"--gin.ParallelConfig.stage_layers={split}"))
+        per_param.append(profile.profile_update(setup))
+    assert per_param[0] == pytest.approx(per_param[1])  # was 2x apart: device 0 updates 1 layer or 3

@@ -29,9 +29,9 @@ def _profile(data_links=(FAST, FAST), stage_links=(FAST,), micro_batch=1, seq_le
                    data_links=tuple(data_links), stage_links=tuple(stage_links))
 
 
-def _plan(prof, partition="auto", pp=2, config_profile=None):
-    par = ParallelConfig(pp=pp, microbatches=4, partition=partition, profile=config_profile)
-    return plan(TOPOLOGY, MODEL, par, global_batch=BATCH, seq_len=SEQ, profile=prof)
+def _plan(prof, partition="auto", pp=2, config_profile=None, model=MODEL, tp=1):
+    par = ParallelConfig(pp=pp, tp=tp, microbatches=4, partition=partition, profile=config_profile)
+    return plan(TOPOLOGY, model, par, global_batch=BATCH, seq_len=SEQ, profile=prof)
 
 
 def test_measured_layer_times_set_the_compute():
@@ -85,6 +85,20 @@ def test_a_slow_boundary_raises_the_step():
     assert "profile: measured stage-boundary links" in slow.notes
 
 
+def test_an_unmeasured_boundary_keeps_the_topologys_link(tmp_path):
+    path = tmp_path / "p.json"
+    path.write_text(_profile(stage_links=(None,)).to_json())  # "stage_links": [null]; was an AttributeError
+    p = _plan(str(path), partition="uniform")
+    assert p.prediction.p2p_s == pytest.approx(_plan(_profile(stage_links=()), partition="uniform").prediction.p2p_s)
+    assert not any("stage-boundary" in n for n in p.notes)
+
+
+def test_stage_speeds_of_another_pp_are_ignored_with_a_note():
+    p = _plan(dataclasses.replace(_profile(), stage_layer_scale=(0.5, 1.0, 1.0, 1.0)), partition="uniform")
+    assert p.prediction.step_time_s == pytest.approx(_plan(_profile(), partition="uniform").prediction.step_time_s)
+    assert any("its 4 stage speeds ignored (this plan has pp = 2)" in n for n in p.notes)  # was silent
+
+
 def test_links_of_another_pp_are_ignored_with_a_note():
     prof = _profile(data_links=(SLOW, SLOW, SLOW, SLOW), stage_links=(SLOW, SLOW, SLOW))
     p = _plan(prof, partition="uniform")
@@ -96,12 +110,12 @@ def test_links_of_another_pp_are_ignored_with_a_note():
     assert _plan(None).notes == ()
 
 
-def _probes(prof, depths=(1, 2), extra_s=0.0, pp=2, dp=4):
+def _probes(prof, depths=(1, 2), extra_s=0.0, pp=2, dp=4, model=MODEL):
     """Step probes whose steps take what `prof`'s own uniform plans of those depths predict, plus `extra_s`."""
     probes = []
     for n in depths:
         par = ParallelConfig(pp=pp, dp=dp, microbatches=4, partition="uniform")
-        p = plan(TOPOLOGY, dataclasses.replace(MODEL, num_layers=pp * n), par, global_batch=BATCH, seq_len=SEQ,
+        p = plan(TOPOLOGY, dataclasses.replace(model, num_layers=pp * n), par, global_batch=BATCH, seq_len=SEQ,
                  profile=prof)
         probes.append(StepProbe((n,) * pp, dp, 1, 4, "gpipe", p.prediction.step_time_s + extra_s))
     return tuple(probes)
@@ -145,6 +159,47 @@ def test_step_probes_of_another_mesh_are_not_used():
     assert any("step probes are not of this mesh" in n for n in p.notes)
 
 
+def test_probes_of_one_depth_are_not_fitted_and_the_note_says_why():
+    bare = _plan(_profile(), partition="uniform")
+    for depths in ((1,), (2, 2)):  # a fit of compute and a fixed part needs two depths
+        p = _plan(dataclasses.replace(_profile(), step_probes=_probes(_profile(), depths, extra_s=0.5)),
+                  partition="uniform")
+        assert p.prediction.step_time_s == pytest.approx(bare.prediction.step_time_s)
+        assert not any("not of this mesh" in n for n in p.notes)  # they are: it said so before
+        assert any(f"step probes of this mesh time one depth ({2 * depths[0]} layers)" in n for n in p.notes)
+
+
+def test_a_profile_with_another_remat_scales_the_backward():
+    full = dataclasses.replace(MODEL, remat="full")
+    cfg = presets.resolve(MODEL)
+    ratio = (workload.model_costs(dataclasses.replace(cfg, remat="full"), 1, SEQ).layers[0].bwd_flops
+             / workload.model_costs(cfg, 1, SEQ).layers[0].bwd_flops)
+    measured = dataclasses.replace(_profile(), remat="none")
+    p = _plan(measured, partition="uniform", model=full)
+    assert p.prediction.stage_fwd_s[0] == pytest.approx(4e-3, rel=0.02)
+    assert p.prediction.stage_bwd_s[0] == pytest.approx(8e-3 * ratio, rel=0.02)  # was 8 ms: no recompute
+    assert any(f"backward measured with remat 'none', scaled by analytic FLOPs x{ratio:.3g}" in n for n in p.notes)
+    # Step probes ran with the profile's remat: predicted with it, they still fit compute x 1.
+    probed = dataclasses.replace(measured, step_probes=_probes(measured))
+    assert any("compute x 1.00, fixed 0 ms a step" in n for n in _plan(probed, partition="uniform", model=full).notes)
+
+
+def test_a_profile_of_another_compute_dtype_is_refused():
+    with pytest.raises(ConfigError, match="compute_dtype = 'float32' .* not allowed with ModelConfig.compute_dtype = 'bfloat16'"):
+        _plan(dataclasses.replace(_profile(), compute_dtype="float32"),
+              model=dataclasses.replace(MODEL, compute_dtype="bfloat16"))
+
+
+def test_data_links_measured_at_another_dp_are_ignored_with_a_note():
+    # profiled at pp 2, dp 4 (its step probes say so); this plan has dp 2, tp 2
+    prof = _profile(data_links=(SLOW, SLOW))
+    prof = dataclasses.replace(prof, step_probes=_probes(prof))
+    p = _plan(prof, partition="uniform", tp=2)
+    bare = _plan(_profile(data_links=()), partition="uniform", tp=2)
+    assert p.prediction.stage_sync_s == pytest.approx(bare.prediction.stage_sync_s)
+    assert any("data-group links measured at dp 4, tp 1 ignored (this plan has dp 2, tp 2)" in n for n in p.notes)
+
+
 def _timed(times: dict, layers=8, dp=4, microbatches=4) -> Profile:
     probes = tuple(StepProbe(split, dp, 1, microbatches, "gpipe", t) for split, t in times.items())
     assert all(sum(split) == layers for split in times)
@@ -175,6 +230,16 @@ def test_timed_splits_of_another_layout_or_model_are_not_used():
         assert any("timed splits are not of this layout" in n for n in p.notes)
     with pytest.raises(ConfigError, match="split_probes"):
         _plan(_timed({(4, 4): 0.1, (6, 2): -1.0}))
+
+
+def test_timed_splits_of_another_shape_or_remat_are_not_used():
+    at_half = dataclasses.replace(_timed({(4, 4): 0.1, (6, 2): 0.05}), seq_len=SEQ // 2,
+                                  layer_fwd_flops=_profile(seq_len=SEQ // 2).layer_fwd_flops)
+    without_remat = dataclasses.replace(_timed({(4, 4): 0.1, (6, 2): 0.05}), remat="none")
+    for timed, model in ((at_half, MODEL), (without_remat, dataclasses.replace(MODEL, remat="full"))):
+        p = _plan(timed, model=model)  # was (6, 2): timed at seq 16, or without the recompute
+        assert p.stage_layers != (6, 2)
+        assert any("timed splits are not of this layout" in n for n in p.notes)
 
 
 def test_profile_from_a_file_and_from_parallel_config(tmp_path):
@@ -246,8 +311,9 @@ def _with(**fields):
     (_with(stage_links=[[1e9, 1e-5]]), "stage_links[0] = [1000000000.0, 1e-05] is not allowed; allowed: a table"),
     (_with(step_probes=[[2, 2]]), "step_probes[0] = [2, 2] is not allowed; allowed: a table of stage_layers"),
     (_with(stage_layer_scale=0.5), "stage_layer_scale = 0.5 is not allowed; allowed: a list"),
+    (_with(remat=True), "remat = True is not allowed; allowed: one of 'none', 'full', 'dots' or null"),
     ("[1, 2]", "not a holmes_jax profile; allowed: a JSON table"),  # was "list indices must be integers"
-], ids=["link-string", "links-string", "link-list", "probe-list", "scale-number", "file-list"])
+], ids=["link-string", "links-string", "link-list", "probe-list", "scale-number", "remat-bool", "file-list"])
 def test_a_malformed_profile_names_the_field(tmp_path, content, words):
     path = tmp_path / "p.json"
     path.write_text(content)

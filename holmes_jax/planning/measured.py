@@ -80,6 +80,9 @@ class Profile:
     step_probes: tuple[StepProbe, ...] = ()  # whole steps at two depths (older profiles: none)
     # the profiled model's own step at the splits the plan ranked fastest (`--splits`; default none)
     split_probes: tuple[StepProbe, ...] = ()
+    # the profiled model's ModelConfig.compute_dtype and remat (older profiles: None, not recorded)
+    compute_dtype: str | None = None
+    remat: str | None = None
 
     @property
     def achieved_tflops(self) -> float:

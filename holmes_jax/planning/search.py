@@ -14,17 +14,20 @@ topology's defaults (see `_with_profile`):
 
 - Layers: the profile's forward and backward seconds of one block. When the plan's micro batch or
   sequence differ from the profile's, they are scaled by the analytic layer FLOPs of the two shapes
-  (attention's s^2 term included). Embedding and head keep their analytic FLOPs, run at the
-  forward's measured rate. The measurement is of the profile's device (topology device 0); other
-  clusters' stages are scaled by their `device_tflops * device_efficiency` relative to it.
+  (attention's s^2 term included); the backward likewise when the model's remat differs from the
+  profile's. A profile of another compute_dtype is refused. Embedding and head keep their analytic
+  FLOPs, run at the forward's measured rate. The measurement is of the profile's device (topology
+  device 0); other clusters' stages are scaled by their `device_tflops * device_efficiency`
+  relative to it.
 - Stage speeds: where the profile timed each stage's layers on its own (`stage_layer_scale`, as
   many stages as the plan's), stage s runs them at that fraction of the (slowest stage's) layer
   times, and its optimizer step likewise, instead of the topology's device ratios.
 - The optimizer step: the profile's seconds per parameter (without a profile it is not timed).
 - Links: the profile's data-group all-reduce and stage-boundary figures, matched to the plan's
   stages by index, replace the topology's where measured. They are ignored (with a note) when the
-  plan's pp differs from the profile's. Measure a profile on the layout it will plan (placement,
-  dp); a profile with no links (`data_links = []`, `stage_links = []`) sizes layers only.
+  plan's pp differs from the profile's, and the data groups' when its dp or tp differ from the
+  profiled mesh's (as its step probes record it). Measure a profile on the layout it will plan
+  (placement, dp); a profile with no links (`data_links = []`, `stage_links = []`) sizes layers only.
 - Whole steps: the profile times the real train step of its layout on models of two depths
   (`step_probes`, a quarter and three quarters of the profiled stage's layers per stage). The
   model predicts both with the profile's numbers; what they leave unexplained is fitted as a
@@ -34,9 +37,9 @@ topology's defaults (see `_with_profile`):
   (`_fit_step_probes`). Used when the plan's mesh is the probes'; see `Plan.notes`.
 - Timed splits (`split_probes`, `python -m holmes_jax.profile --splits N`): the profiled model's
   own step at the N splits the cost model ranked fastest on its layout. Where they are of the
-  plan's layout, model, microbatches and schedule, `auto` takes the fastest of them: the cost
-  model ranks, the measurement picks among the few it ranks closest. The prediction stays the
-  cost model's.
+  plan's layout, model, microbatches, schedule, micro batch, sequence and remat, `auto` takes the
+  fastest of them: the cost model ranks, the measurement picks among the few it ranks closest. The
+  prediction stays the cost model's.
 
 Every such choice is listed in `Plan.notes` (printed by `explain()`, in the JSON as `notes`).
 """
@@ -51,7 +54,7 @@ from typing import Iterable, Mapping
 
 import numpy as np
 
-from holmes_jax.config import WIRE_BYTES, ConfigError, ModelConfig, ParallelConfig, check_positive, is_number
+from holmes_jax.config import REMAT, WIRE_BYTES, ConfigError, ModelConfig, ParallelConfig, check_positive, is_number
 from holmes_jax.models import presets
 from holmes_jax.planning import cost, partition, placement, workload
 from holmes_jax.planning.cost import SCHEDULES, CostModel
@@ -107,14 +110,19 @@ def _fit_step_probes(model: CostModel, prof: Profile, cfg: ModelConfig, pl: Plac
     measured speed (`stage_layer_scale`; the probes' lockstep step waits for the slowest). `model`
     as it is, with a note, where the probes are not of this mesh or do not fit."""
     probes = [p for p in prof.step_probes if (len(p.stage_layers), p.dp, p.tp) == tuple(pl.grid.shape)]
-    if len({sum(p.stage_layers) for p in probes}) < 2:
+    if not probes:
         notes.append(f"profile: its step probes are not of this mesh {tuple(pl.grid.shape)} (stage, data, tensor); "
                      f"not fitted")
+        return model
+    if len({sum(p.stage_layers) for p in probes}) < 2:
+        notes.append(f"profile: its step probes of this mesh time one depth ({sum(probes[0].stage_layers)} layers); "
+                     f"a fit needs two; not fitted")
         return model
     plain = dataclasses.replace(prof, step_probes=())
     rows = []
     for p in probes:
-        probe_cfg = dataclasses.replace(cfg, num_layers=sum(p.stage_layers))
+        # the probes ran with the profile's remat: predict them with it, not with this model's
+        probe_cfg = dataclasses.replace(cfg, num_layers=sum(p.stage_layers), remat=prof.remat or cfg.remat)
         batch = prof.micro_batch * p.microbatches * p.dp
         probe, _ = _cost_model(probe_cfg, pl, batch, prof.seq_len, p.microbatches, p.schedule, par, plain, topo)
         no_compute = probe.with_stages([dataclasses.replace(s, device_flops=math.inf) for s in probe.stages])
@@ -177,6 +185,15 @@ def _load_profile(profile, cfg: ModelConfig, setting: str = "profile"):
                 raise ConfigError(f"{where}: {kind}[{i}].schedule = {probe.schedule!r} is not allowed; "
                                   f"choose one of {', '.join(map(repr, SCHEDULES))}")
             number(f"{kind}[{i}].step_s", probe.step_s)
+    for name, allowed in (("compute_dtype", ("float32", "bfloat16")), ("remat", REMAT)):
+        if getattr(prof, name) not in (None, *allowed):
+            raise ConfigError(f"{where}: {name} = {getattr(prof, name)!r} is not allowed; "
+                              f"allowed: one of {', '.join(map(repr, allowed))} or null")
+    # Layer times at another dtype do not scale by FLOPs (a device's rate differs by dtype).
+    if prof.compute_dtype not in (None, cfg.compute_dtype):
+        raise ConfigError(f"{where}: compute_dtype = {prof.compute_dtype!r} (its layer times) is not allowed with "
+                          f"ModelConfig.compute_dtype = {cfg.compute_dtype!r} (the plan CLI's --dtype); allowed: a "
+                          f"profile measured with {cfg.compute_dtype!r}")
     # A profile of another model: XLA's count of its block is far from this model's analytic one.
     analytic = workload.model_costs(cfg, prof.micro_batch, prof.seq_len).layers[0].fwd_flops
     if not 0.5 <= prof.layer_fwd_flops / analytic <= 2.0:
@@ -197,10 +214,17 @@ def _with_profile(prof, cfg: ModelConfig, costs: workload.ModelCosts, micro_batc
     Each layer's backward FLOPs become its forward FLOPs times the measured backward/forward ratio,
     so forward and backward each take their measured time (scaled by FLOPs to the plan's shape).
     """
-    pp, dp, _ = pl.grid.shape
+    pp, dp, tp = pl.grid.shape
     ref = workload.model_costs(cfg, prof.micro_batch, prof.seq_len).layers[0].fwd_flops
     rate = ref / prof.layer_fwd_s  # analytic FLOP/s the profiled device reached
     ratio = prof.layer_bwd_s / prof.layer_fwd_s
+    if prof.remat not in (None, cfg.remat):  # the measured backward recomputes what the profile's remat did
+        measured = dataclasses.replace(cfg, remat=prof.remat)
+        remat_scale = (workload.model_costs(cfg, prof.micro_batch, prof.seq_len).layers[0].bwd_flops
+                       / workload.model_costs(measured, prof.micro_batch, prof.seq_len).layers[0].bwd_flops)
+        ratio *= remat_scale
+        notes.append(f"profile: backward measured with remat {prof.remat!r}, scaled by analytic FLOPs "
+                     f"x{remat_scale:.3g} to this model's {cfg.remat!r}")
     layers = tuple(workload.Part(l.params, l.fwd_flops, l.fwd_flops * ratio) for l in costs.layers)
     own = topo.clusters[int(topo.device_cluster[0])].device_flops  # the profile ran on device 0
     device_flops = [rate * f / own for f in pl.device_flops]
@@ -219,9 +243,18 @@ def _with_profile(prof, cfg: ModelConfig, costs: workload.ModelCosts, micro_batc
         update = [prof.update_s_per_param * scale for scale in prof.stage_layer_scale]
         notes.append("profile: stage speeds measured, layer times x " +
                      ", ".join(f"{scale:.2f}" for scale in prof.stage_layer_scale))
-    elif any(f != own for f in pl.device_flops):
-        notes.append("profile: stages on other device types scaled by their device_tflops * device_efficiency")
-    if len(prof.data_links) == pp:
+    else:
+        if prof.stage_layer_scale:
+            notes.append(f"profile: its {len(prof.stage_layer_scale)} stage speeds ignored (this plan has pp = {pp}); "
+                         f"topology device ratios used")
+        if any(f != own for f in pl.device_flops):
+            notes.append("profile: stages on other device types scaled by their device_tflops * device_efficiency")
+    # the profiled mesh's data and tensor sizes, as its step probes (as many stages as its links) record them
+    profiled = next(((p.dp, p.tp) for p in prof.step_probes if len(p.stage_layers) == len(prof.data_links)), None)
+    if any(prof.data_links) and profiled not in (None, (dp, tp)):
+        notes.append(f"profile: its data-group links measured at dp {profiled[0]}, tp {profiled[1]} ignored (this "
+                     f"plan has dp {dp}, tp {tp}); topology figures used")
+    elif len(prof.data_links) == pp:
         used = []
         for s, l in enumerate(prof.data_links):
             if l is not None and dp > 1:
@@ -234,8 +267,10 @@ def _with_profile(prof, cfg: ModelConfig, costs: workload.ModelCosts, micro_batc
         notes.append(f"profile: its {len(prof.data_links)} data-group links ignored (this plan has pp = {pp}); "
                      f"topology figures used")
     if pp > 1 and len(prof.stage_links) == pp - 1:
-        boundaries = [Link(l.bytes_per_s, l.latency_s) for l in prof.stage_links]
-        notes.append("profile: measured stage-boundary links")
+        # null: not measured there, the topology's figure stays
+        boundaries = [b if l is None else Link(l.bytes_per_s, l.latency_s) for l, b in zip(prof.stage_links, boundaries)]
+        if any(prof.stage_links):
+            notes.append("profile: measured stage-boundary links")
     elif prof.stage_links:
         notes.append(f"profile: its {len(prof.stage_links)} stage-boundary links ignored (this plan has pp = {pp}); "
                      f"topology figures used")
@@ -376,7 +411,8 @@ def plan(topology, model, parallel: ParallelConfig | None = None, *, global_batc
     partitions = {m: c.model.predict(partition.split(m, c.model, c.weights)) for m in partition.METHODS}
     notes = c.notes
     if prof is not None and par.partition == "auto" and par.stage_layers is None:
-        timed, note = _timed_split(prof, cfg, c)
+        timed, note = _timed_split(prof, cfg, c, workload.micro_batch(global_batch, c.placement.grid.shape[1],
+                                                                      c.model.microbatches), seq_len)
         notes += (note,) if note else ()
         if timed is not None:
             prediction = partitions["auto"] = c.model.predict(timed)
@@ -386,18 +422,23 @@ def plan(topology, model, parallel: ParallelConfig | None = None, *, global_batc
                 partitions, notes)
 
 
-def _timed_split(prof: Profile, cfg: ModelConfig, c: "_Candidate") -> tuple[tuple[int, ...] | None, str | None]:
+def _timed_split(prof: Profile, cfg: ModelConfig, c: "_Candidate", micro_batch: int,
+                 seq_len: int) -> tuple[tuple[int, ...] | None, str | None]:
     """`auto`'s split where the profile timed this model's own step at several splits of this
-    layout (`split_probes`): the fastest measured, and a note. (None, note) where the probes are
-    of another layout or model; (None, None) where there are none."""
+    layout (`split_probes`) and of this micro batch, sequence and remat: the fastest measured, and
+    a note. (None, note) where the probes are of another layout or model; (None, None) where there
+    are none."""
     if not prof.split_probes:
         return None, None
+    # the head's share of a stage's work, and so the best split, changes with these
+    same_work = (prof.micro_batch, prof.seq_len) == (micro_batch, seq_len) and prof.remat in (None, cfg.remat)
     mine = [p for p in prof.split_probes
             if (len(p.stage_layers), p.dp, p.tp) == tuple(c.placement.grid.shape) and sum(p.stage_layers) == cfg.num_layers
-            and (p.microbatches, p.schedule) == (c.model.microbatches, c.model.schedule)]
+            and (p.microbatches, p.schedule) == (c.model.microbatches, c.model.schedule)] if same_work else []
     if len(mine) < 2:
         return None, (f"profile: its timed splits are not of this layout (mesh {tuple(c.placement.grid.shape)}, "
-                      f"{cfg.num_layers} layers, {c.model.microbatches} microbatches, {c.model.schedule}); not used")
+                      f"{cfg.num_layers} layers, {c.model.microbatches} microbatches, {c.model.schedule}, micro batch "
+                      f"{micro_batch} x seq {seq_len}, remat {cfg.remat!r}); not used")
     fastest = min(mine, key=lambda p: p.step_s)
     timed = ", ".join(f"{list(p.stage_layers)} {p.step_s * 1e3:.0f} ms" for p in sorted(mine, key=lambda p: p.step_s))
     return tuple(fastest.stage_layers), f"profile: splits timed {timed}: auto takes the fastest"
