@@ -19,8 +19,8 @@ model's figures.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
-import sys
 import time
 
 import jax
@@ -31,7 +31,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
-from holmes_jax import build, configure, metrics  # noqa: E402
+from holmes_jax import build, cli, configure, metrics  # noqa: E402
 from holmes_jax.mesh.devices import ordered_devices  # noqa: E402
 from holmes_jax.planning import workload  # noqa: E402
 from holmes_jax.models import gpt  # noqa: E402
@@ -55,15 +55,17 @@ def minimal_step(cfgs: configure.Configs, devices):
     model, t = gpt.GPT(cfgs.model), cfgs.train
     tx = optax.adamw(t.learning_rate, t.beta1, t.beta2, weight_decay=t.weight_decay)
     mesh = Mesh(np.asarray(devices), ("data",))
+    replicated = NamedSharding(mesh, P())
 
-    @jax.jit
+    @functools.partial(jax.jit, donate_argnums=(0, 1))  # updates in place, as the holmes_jax step does
     def step(params, opt_state, batch):
         loss, grads = jax.value_and_grad(model.loss)(params, batch)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    params = jax.device_put(model.init(t.seed), NamedSharding(mesh, P()))
-    return step, params, tx.init(params), NamedSharding(mesh, P("data"))
+    params = jax.device_put(model.init(t.seed), replicated)
+    # all of the state replicated, as the step returns it: else its second call compiles again
+    return step, params, jax.device_put(tx.init(params), replicated), NamedSharding(mesh, P("data"))
 
 
 def measure(model: str, seq_len: int, batch_per_device: int, dtype: str, remat: str, steps: int, rounds: int) -> dict:
@@ -114,14 +116,14 @@ def measure(model: str, seq_len: int, batch_per_device: int, dtype: str, remat: 
 
 
 def main(argv):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="1.3b,125m", help="presets, comma separated (first one headlines)")
-    parser.add_argument("--seq-len", type=int, default=2048)
-    parser.add_argument("--batch-per-device", type=int, default=1, help="sequences per device per step")
+    parser.add_argument("--seq-len", type=cli.positive_int, default=2048)
+    parser.add_argument("--batch-per-device", type=cli.positive_int, default=1, help="sequences per device per step")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--remat", default="none", choices=("none", "full", "dots"))
-    parser.add_argument("--steps", type=int, default=5, help="steps per round")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=cli.positive_int, default=5, help="steps per round")
+    parser.add_argument("--rounds", type=cli.positive_int, default=3)
     parser.add_argument("--cpu-setting", action="store_true",
                         help="the tiny CPU setting even on a GPU (what runs when there is none)")
     args = parser.parse_args(argv)
@@ -131,8 +133,11 @@ def main(argv):
               f"model on them instead (checks this code, says nothing about GPU speed)")
         for name, value in CPU_SETTING.items():
             setattr(args, name, value)
+    models, n = args.models.split(","), len(jax.devices())
+    for model in models:  # a bad preset fails here, not after the models before it were measured
+        configs(model, args.seq_len, args.batch_per_device * n, args.dtype, args.remat, n)
     runs = []
-    for model in args.models.split(","):
+    for model in models:
         r = measure(model, args.seq_len, args.batch_per_device, args.dtype, args.remat, args.steps, args.rounds)
         runs.append(r)
         mfu = "n/a (no known peak)" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
@@ -148,4 +153,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    cli.run(main)

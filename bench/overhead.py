@@ -10,8 +10,8 @@ the host work of building each batch. Prints both throughputs and their ratio (t
 from __future__ import annotations
 
 import argparse
+import functools
 import json
-import sys
 import time
 
 import jax
@@ -21,7 +21,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
-from holmes_jax import build, configure, data, optimizer  # noqa: E402
+from holmes_jax import build, cli, configure, data, optimizer  # noqa: E402
 from holmes_jax.mesh.devices import ordered_devices  # noqa: E402
 from holmes_jax.models import gpt  # noqa: E402
 
@@ -33,20 +33,21 @@ def minimal_step(cfgs: configure.Configs, devices):
     mesh = Mesh(np.asarray(devices), ("data",))
     replicated, batch_sharding = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
 
-    @jax.jit
+    @functools.partial(jax.jit, donate_argnums=(0, 1))  # updates in place, as the holmes_jax step does
     def step(params, opt_state, batch):
         loss, grads = jax.value_and_grad(model.loss)(params, batch)
         params, opt_state, _ = optimizer.apply_gradients(tx, cfgs.train.grad_clip, params, opt_state, grads)
         return params, opt_state, loss
 
     params = jax.device_put(model.init(cfgs.train.seed), replicated)
-    return step, params, tx.init(params), batch_sharding
+    # all of the state replicated, as the step returns it: else its second call compiles again
+    return step, params, jax.device_put(tx.init(params), replicated), batch_sharding
 
 
 def main(argv):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser = cli.Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=cli.positive_int, default=20)
+    parser.add_argument("--rounds", type=cli.positive_int, default=5)
     args, gin_args = parser.parse_known_args(argv)
     cfgs = configure.load_configs(["--gin.ParallelConfig.pp=1", "--gin.ParallelConfig.dp=8", "--gin.ParallelConfig.microbatches=1",
                                *gin_args])
@@ -92,4 +93,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    cli.run(main)

@@ -69,6 +69,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+from holmes_jax import cli
 from holmes_jax.config import ModelConfig, ParallelConfig
 from holmes_jax.planning import Plan, plan
 from holmes_jax.planning.search import SEARCHABLE
@@ -197,7 +198,8 @@ def misses(figures: dict) -> list[str]:
     return found
 
 
-def main() -> None:
+def main(argv: list[str]) -> None:
+    cli.Parser(description=__doc__.splitlines()[0]).parse_args(argv)  # no flags: any is a mistake
     figures = run()
     ratios = {k: round(figures[f"{k}_tflops"] / figures["ib_tflops"], 2) for k in ("roce", "eth")}
     print(f"\nratios to pure IB: RoCE {ratios['roce']} (paper {PAPER['roce_tflops'] / PAPER['ib_tflops']:.2f}), "
@@ -208,4 +210,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

@@ -9,8 +9,8 @@ host's cores, so an idle stage frees its core for the others: the measured ratio
 pipeline adds (bubble work it fails to skip, p2p, bookkeeping), while the theoretical
 (m + p - 1) / m is what the bubble costs on devices that cannot lend each other their time.
 Then the compiled step's temporary memory per device (`memory_analysis`) as m grows with the
-microbatch size held fixed: GPipe keeps what every microbatch's backward needs alive, 1F1B at most p
-microbatches' worth.
+microbatch size held fixed: GPipe keeps what every microbatch's backward needs alive, 1F1B at most
+2p - 1 microbatches' worth.
 
 stage_work_ratio: the compute of a stage other than the last, per microbatch, as the runtime runs
 it (its forward tick, which keeps the layers' residuals, plus its backward tick, which uses them;
@@ -20,7 +20,7 @@ device. About 1 with remat 'none' (each layer's forward runs once), about 4/3 wi
 stage_flops_ratio: the same quotient in FLOPs as XLA counts them in the compiled programs; on CPU
 the timed ratio also carries memory traffic (the stash), this one only the work.
 
-    python bench/pipeline.py [--rounds 3] [--steps 2] [--remat none|full|dots]
+    python bench/pipeline.py [--rounds 3] [--steps 2] [--microbatches 4,8,16] [--remat none|full|dots]
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
 import time
 
 import jax
@@ -39,12 +38,22 @@ import numpy as np  # noqa: E402
 
 import jax.numpy as jnp  # noqa: E402
 
-from holmes_jax import build, configure, data  # noqa: E402
+from holmes_jax import build, cli, configure, data  # noqa: E402
 from holmes_jax.models import gpt  # noqa: E402
 from holmes_jax.pipeline.runtime import _Layers  # noqa: E402
 
 MODEL = ["--gin.ModelConfig.num_layers=4", "--gin.ModelConfig.hidden=128", "--gin.ModelConfig.num_heads=4",
          "--gin.DataConfig.seq_len=64", "--gin.DataConfig.global_batch=128", "--gin.CheckpointConfig.enabled=False"]
+
+
+def microbatch_counts(text: str) -> list[int]:
+    """An argparse `type` for --microbatches: a multiple of 4, as the baseline of pp = 4 runs m / 4
+    microbatches, that divides 32, as at pp = 2 each of the 4 data replicas holds 32 sequences."""
+    allowed = (4, 8, 16, 32)
+    if not all(m.isdigit() and int(m) in allowed for m in text.split(",")):
+        raise argparse.ArgumentTypeError(f"{text!r} is not allowed; allowed: a comma-separated list of "
+                                         + ", ".join(map(str, allowed)))
+    return [int(m) for m in text.split(",")]
 
 
 def _setup(pp: int, m: int, schedule: str, remat: str, *extra: str) -> build.Setup:
@@ -139,14 +148,14 @@ def time_steps(run: dict, steps: int) -> float:
 
 
 def main(argv):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--microbatches", default="4,8,16")
+    parser = cli.Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=cli.positive_int, default=3)
+    parser.add_argument("--steps", type=cli.positive_int, default=2)
+    parser.add_argument("--microbatches", type=microbatch_counts, default="4,8,16")
     parser.add_argument("--remat", default="none", choices=("none", "full", "dots"))
     args = parser.parse_args(argv)
     tokens = data.load(configure.load_configs(MODEL).data)
-    ms = [int(x) for x in args.microbatches.split(",")]
+    ms = args.microbatches
     piped = [(pp, m, sched) for m in ms for pp in (2, 4) for sched in ("gpipe", "1f1b")]
     baselines = sorted({(1, m // pp, "gpipe") for pp, m, _ in piped})
     runs = {c: prepare(*c, args.remat, tokens) for c in baselines + piped}
@@ -191,4 +200,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    cli.run(main)

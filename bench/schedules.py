@@ -16,7 +16,6 @@ both.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -24,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from holmes_jax import launch
+from holmes_jax import cli, launch
 from holmes_jax.config import ModelConfig, ParallelConfig
 from holmes_jax.planning import plan
 from holmes_jax.planning.topology import Cluster, Topology
@@ -69,11 +68,11 @@ def predicted_s(profile: Path, schedule: str, m: int) -> float:
     return p.prediction.step_time_s
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--microbatches", type=int, default=8)
-    args = ap.parse_args()
+def main(argv: list[str]) -> int:
+    ap = cli.Parser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=cli.positive_int, default=3)
+    ap.add_argument("--microbatches", type=cli.positive_int, default=8)
+    args = ap.parse_args(argv)
     m = args.microbatches
     with tempfile.TemporaryDirectory(prefix="schedules_") as tmp:
         tmp = Path(tmp)
@@ -99,4 +98,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.run(main)

@@ -1,10 +1,14 @@
+import importlib.util
 import json
 import subprocess
 import sys
 
+import jax
+import numpy as np
 import pytest
 
-from helpers import REPO
+from helpers import REPO, small_configs
+from holmes_jax.mesh.devices import ordered_devices
 
 
 @pytest.mark.slow
@@ -23,3 +27,59 @@ def test_gpu_bench_runs_its_cpu_setting_and_ends_with_its_figures():
     run = result["runs"][0]
     assert run["devices"] == 8 and run["step_s"] > 0 and run["tokens_per_s"] == pytest.approx(
         run["global_batch"] * run["seq_len"] / run["step_s"])
+
+
+def _bench(name: str):
+    """bench/<name>.py as a module (bench/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", REPO / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _minimal_steps(tmp_path, name: str, steps: int):
+    """Runs `steps` of bench/<name>.py's minimal step; returns it and the state each call took."""
+    cfgs = small_configs(tmp_path, "--gin.ParallelConfig.dp=8")
+    step, params, opt_state, batch_sharding = _bench(name).minimal_step(cfgs, ordered_devices())
+    d = cfgs.data
+    tokens = np.random.default_rng(0).integers(0, cfgs.model.vocab_size, (d.global_batch, d.seq_len + 1), np.int32)
+    batch = jax.device_put(tokens, batch_sharding)
+    taken = []
+    for _ in range(steps):
+        taken.append(jax.tree.leaves((params, opt_state)))
+        params, opt_state, loss = step(params, opt_state, batch)
+    jax.block_until_ready(loss)
+    return step, taken
+
+
+@pytest.mark.parametrize("name", ["gpu", "overhead"])
+def test_the_minimal_step_compiles_once_so_the_warm_up_covers_it(tmp_path, name):
+    """The warm-up is one round: a step that compiled again on its second call (the optimizer
+    state's step count came back with another sharding) timed that compilation with --steps 1."""
+    step, _ = _minimal_steps(tmp_path, name, 3)
+    assert step._cache_size() == 1
+
+
+@pytest.mark.parametrize("name", ["gpu", "overhead"])
+def test_the_minimal_step_updates_in_place_as_the_holmes_step_does(tmp_path, name):
+    """The holmes_jax step donates its state; the minimal one must too, or the two differ in
+    memory traffic and footprint, not only in the framework's work."""
+    _, taken = _minimal_steps(tmp_path, name, 2)
+    assert all(x.is_deleted() for x in taken[0] + taken[1])
+
+
+@pytest.mark.parametrize("script, args, names", [
+    ("gpu.py", ["--cpu-setting", "--steps", "0"], "--steps"),
+    ("overhead.py", ["--rounds", "0"], "--rounds"),
+    ("overhead.py", ["--gin.Nope.x=1"], "Nope"),
+    ("pipeline.py", ["--microbatches", "6"], "--microbatches"),
+    ("schedules.py", ["--microbatches", "0"], "--microbatches"),
+    ("paper_scenarios.py", ["--rounds", "1"], "--rounds"),
+])
+def test_a_bench_rejects_bad_flags_with_one_error_line(script, args, names):
+    out = subprocess.run([sys.executable, f"bench/{script}", *args], capture_output=True, text=True, timeout=120,
+                         cwd=REPO, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu"})
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stdout == ""
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and names in lines[0], out.stderr[-2000:]
