@@ -25,11 +25,16 @@ PLANS = {
 }
 
 
-@pytest.mark.parametrize("name", PLANS)
-def test_the_timeline_ends_where_the_cost_model_says(name):
+def _planned(name):
+    """The plan PLANS[name] names, and its timeline."""
     topology, model, parallel = PLANS[name]
     p = plan(str(topology), model, parallel, global_batch=64, allow_mixed=True)
-    segments = pictures.timeline(p)
+    return p, pictures.timeline(p)
+
+
+@pytest.mark.parametrize("name", PLANS)
+def test_the_timeline_ends_where_the_cost_model_says(name):
+    p, segments = _planned(name)
     pr = p.prediction
     pipeline_end = max(g.start + g.seconds for g in segments if g.kind in ("forward", "backward", "transfer"))
     assert pipeline_end == pytest.approx(pr.pipeline_s, rel=1e-12)
@@ -86,9 +91,7 @@ def test_a_report_of_one_row_marks_whole_steps_only(tmp_path, monkeypatch):
 @pytest.mark.parametrize("name", PLANS)
 def test_the_timeline_draws_only_real_sync_as_sync(name):
     # a stage that waits for the slowest stage's reduction is idle, not syncing for that long
-    topology, model, parallel = PLANS[name]
-    p = plan(str(topology), model, parallel, global_batch=64, allow_mixed=True)
-    segments = pictures.timeline(p)
+    p, segments = _planned(name)
     pr = p.prediction
     for s in range(p.pp):
         drawn = sum(g.seconds for g in segments if g.stage == s and g.kind == "sync")
