@@ -273,6 +273,13 @@ def _draw_placement(ax, plan: Plan) -> None:
                  f"filled with its stage's colour", loc="left", fontsize=11)
 
 
+def _mark_not_finite(ax, steps: np.ndarray, marker: str, label: str) -> None:
+    """A line leaves out its nan and inf points without a trace: they are marked at the axis' foot."""
+    if steps.size:
+        ax.plot(steps, np.zeros(steps.size), marker, color="C3", fillstyle="none", clip_on=False,
+                transform=ax.get_xaxis_transform(), label=label)
+
+
 @_as_typed
 def draw_report(rows: list[dict], predicted_step_s: float | None, path: str, title: str = "") -> None:
     """A run's loss and validation loss against step (left) and its measured step time against the
@@ -282,13 +289,11 @@ def draw_report(rows: list[dict], predicted_step_s: float | None, path: str, tit
     loss_ax, time_ax = fig.subplots(1, 2)
     loss = np.array([r["loss"] for r in rows], dtype=float)
     loss_ax.plot(steps, loss, marker=".", label="training loss (the logged step's batch)")
-    bad = steps[~np.isfinite(loss)]
-    if bad.size:  # a line leaves them out without a trace: marked at the axis' foot instead
-        loss_ax.plot(bad, np.zeros(bad.size), "x", color="C3", clip_on=False, transform=loss_ax.get_xaxis_transform(),
-                     label="loss not finite (the step's update skipped)")
-    val = [(r["step"], r["val_loss"]) for r in rows if r.get("val_loss") is not None]
-    if val:
-        loss_ax.plot(*zip(*val), marker="o", linestyle="--", label="validation loss")
+    _mark_not_finite(loss_ax, steps[~np.isfinite(loss)], "x", "loss not finite (the step's update skipped)")
+    val = np.array([(r["step"], r["val_loss"]) for r in rows if r.get("val_loss") is not None], dtype=float)
+    if val.size:
+        loss_ax.plot(val[:, 0], val[:, 1], marker="o", linestyle="--", label="validation loss")
+        _mark_not_finite(loss_ax, val[~np.isfinite(val[:, 1]), 0], "o", "validation loss not finite")
     loss_ax.set_xlabel("step")
     loss_ax.set_ylabel("loss (nats per token)")
     loss_ax.set_title("loss", loc="left")

@@ -150,6 +150,16 @@ def test_a_report_marks_the_steps_whose_loss_was_not_finite(tmp_path, monkeypatc
     assert len(marked) == 1 and list(marked[0].get_xdata()) == [10, 20, 30]
 
 
+def test_a_report_marks_the_validations_whose_loss_was_not_finite(tmp_path, monkeypatch):
+    figures = []
+    monkeypatch.setattr(pictures.Figure, "savefig", lambda fig, *a, **k: figures.append(fig))
+    rows = [{"step": s, "loss": 3.0, "step_time_s": 0.5, "val_loss": v}
+            for s, v in ((10, 3.1), (20, math.nan), (30, math.inf))]
+    pictures.draw_report(rows, None, str(tmp_path / "r.png"))
+    marked = [line for line in figures[0].axes[0].get_lines() if line.get_label().startswith("validation loss not")]
+    assert len(marked) == 1 and list(marked[0].get_xdata()) == [20, 30]
+
+
 @pytest.mark.parametrize("target", ["no-such-dir/x.png", "folder.png"])
 def test_a_picture_that_cannot_be_written_is_one_error(tmp_path, target):
     (tmp_path / "folder.png").mkdir()
