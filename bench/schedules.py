@@ -32,13 +32,15 @@ MODEL = {"preset": "tiny", "num_layers": 8, "hidden": 256, "num_heads": 4, "ffn_
 SEQ, MICRO_BATCH = 128, 4
 STEPS, WARMUP_STEPS = 12, 4
 SCHEDULES = ("gpipe", "1f1b")
+PARTITION = "uniform"  # the runs and the predictions split the layers alike (the gin default and the planner's differ)
 
 
 def gin_args(workdir: Path, schedule: str, m: int) -> list[str]:
     return [f"--gin.ModelConfig.{k}={v}" for k, v in MODEL.items()] + [
         "--gin.ParallelConfig.pp=2", "--gin.ParallelConfig.dp=1", "--gin.ParallelConfig.tp=1",
         f"--gin.ParallelConfig.microbatches={m}", f"--gin.ParallelConfig.schedule={schedule}",
-        "--gin.ParallelConfig.cpu_devices=1", f"--gin.DataConfig.seq_len={SEQ}",
+        f"--gin.ParallelConfig.partition={PARTITION}", "--gin.ParallelConfig.cpu_devices=1",
+        f"--gin.DataConfig.seq_len={SEQ}",
         f"--gin.DataConfig.global_batch={m * MICRO_BATCH}", f"--gin.TrainConfig.steps={STEPS}",
         "--gin.TrainConfig.log_every=1", "--gin.TrainConfig.eval_every=100000", "--gin.TrainConfig.eval_batches=1",
         "--gin.TrainConfig.warmup_steps=1", f"--gin.TrainConfig.workdir={workdir}",
@@ -62,7 +64,8 @@ def step_s(workdir: Path, schedule: str, m: int) -> float:
 def predicted_s(profile: Path, schedule: str, m: int) -> float:
     """The plan's step time from the profile measured here (its layer times and links)."""
     cluster = Cluster("local", "ethernet", nodes=2, devices_per_node=1)
-    par = ParallelConfig(pp=2, dp=1, tp=1, microbatches=m, schedule=schedule, profile=str(profile))
+    par = ParallelConfig(pp=2, dp=1, tp=1, microbatches=m, schedule=schedule, partition=PARTITION,
+                         profile=str(profile))
     model = ModelConfig(**MODEL)
     p = plan(Topology((cluster,), name="local"), model, par, global_batch=m * MICRO_BATCH, seq_len=SEQ)
     return p.prediction.step_time_s
