@@ -2,7 +2,8 @@
 restore onto any mesh (the restore target's shardings decide where each array lands).
 
 Resuming checks what it restores: a checkpoint that cannot be read is set aside
-(`<step>.damaged`) and the next older one is used; one whose array shapes do not fit the
+(`<step>.damaged`) and the next older one is used, unless the error is this run's (no permission,
+no memory), which ends the run and leaves the checkpoint; one whose array shapes do not fit the
 configured model is a `ConfigError`, found from its metadata before any data is read. A save that
 fails (a full disk) is a `RunError`."""
 
@@ -64,6 +65,13 @@ def reason(error: Exception) -> str:
         return os_error.group(1)
     lines = text.splitlines()
     return (lines[0].split(" See full TensorStore")[0] if lines else "") or type(error).__name__
+
+
+def _not_damage(error: Exception) -> bool:
+    """Errors that say this run cannot read a checkpoint now (no permission, no memory for it), not
+    that the checkpoint is damaged: setting it aside and resuming from an older one would lose steps."""
+    return (isinstance(error, (PermissionError, MemoryError))
+            or any(code in str(error) for code in ("PERMISSION_DENIED", "RESOURCE_EXHAUSTED")))
 
 
 def _shapes(tree) -> dict[str, tuple]:
@@ -131,8 +139,7 @@ class Checkpointer:
                 if saved is None:
                     raise FileNotFoundError("its metadata is missing")
             except Exception as e:
-                damaged.append(step)
-                say(f"checkpoint step {step} cannot be read ({reason(e)}); trying an older one")
+                self._unreadable(step, e, damaged, say)
                 continue
             if wrong := mismatches(saved.tree, target):
                 more = f" (and {len(wrong) - SHOWN_MISMATCHES} more)" if len(wrong) > SHOWN_MISMATCHES else ""
@@ -142,8 +149,7 @@ class Checkpointer:
             try:
                 state = self.restore(step, target)
             except Exception as e:
-                damaged.append(step)
-                say(f"checkpoint step {step} cannot be read ({reason(e)}); trying an older one")
+                self._unreadable(step, e, damaged, say)
                 continue
             if damaged:
                 self._set_aside(damaged)
@@ -153,6 +159,14 @@ class Checkpointer:
             raise RunError(f"no checkpoint in {self.directory} can be read (steps {', '.join(map(str, steps))}); "
                            "move that directory away to start afresh")
         return None
+
+    def _unreadable(self, step: int, error: Exception, damaged: list[int], say) -> None:
+        """Counts `step` as damaged and says so, or ends the run where the error is this run's."""
+        if _not_damage(error):
+            raise RunError(f"checkpoint step {step} in {self.directory} cannot be read here "
+                           f"({reason(error)}); it is left as it is") from None
+        damaged.append(step)
+        say(f"checkpoint step {step} cannot be read ({reason(error)}); trying an older one")
 
     def _set_aside(self, steps: list[int]) -> None:
         """Renames damaged step directories so that orbax ignores them and the run can save those

@@ -283,6 +283,19 @@ def test_a_resume_with_other_settings_names_them_before_config_gin_is_rewritten(
     assert "DataConfig.seq_len = 16" in (tmp_path / "config.gin").read_text()
 
 
+@pytest.mark.parametrize("error", [PermissionError(13, "Permission denied"),
+                                   ValueError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate")])
+def test_a_checkpoint_this_run_cannot_read_is_left_as_it_is(tmp_path, monkeypatch, error):
+    _run(tmp_path, "--gin.TrainConfig.steps=2", "--gin.CheckpointConfig.every=1")
+
+    def restore(self, step, target):
+        raise error
+    monkeypatch.setattr(Checkpointer, "restore", restore)
+    with pytest.raises(cli.RunError, match=r"checkpoint step 2 in .* cannot be read here \(.*\); it is left as it is"):
+        _run(tmp_path, "--gin.TrainConfig.steps=3")
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["1", "2"]
+
+
 def test_no_readable_checkpoint_is_a_run_error(tmp_path):
     _run(tmp_path, "--gin.TrainConfig.steps=1")
     _damage_metadata(tmp_path / "checkpoints" / "1")
