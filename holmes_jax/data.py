@@ -31,6 +31,7 @@ import hashlib
 import json
 import os
 import sysconfig
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -84,8 +85,15 @@ def _text_files(source: str) -> tuple[list[Path], int]:
     """The files of a text source and how many binary files of its folder were skipped."""
     path = Path(source).expanduser()
     if path.is_file():
+        if _binary_file(path):  # token ids under another name would otherwise train as bytes
+            raise ConfigError(f"DataConfig.source = {source!r} is a binary file (a NUL byte in its first "
+                              f"{prepare.BINARY_SNIFF // 1024} KiB), not text; a flat token file must be "
+                              "named NAME.bin")
         return [path], 0
     if path.is_dir():
+        if (path / TOKEN_FILE).is_file():  # its tokenizer.json would otherwise train as text
+            raise ConfigError(f"DataConfig.source = {source!r} holds {TOKEN_FILE} but no {META_FILE}: an incomplete "
+                              "prepared folder (an interrupted prepare?); prepare it again into a new folder")
         files = prepare.folder_files(path)
         text = [f for f in files if not _binary_file(f)]
         if text:
@@ -113,10 +121,12 @@ def _cached_bytes(files: list[Path], cache_dir: Path, source: str) -> np.ndarray
         raise ConfigError(f"DataConfig.source = {source!r} holds no text: its files are empty")
     cache = cache_dir / f"bytes-{key.hexdigest()[:16]}.u8"
     if not cache.exists():
-        partial = cache.with_suffix(f".tmp{os.getpid()}")
+        # A name of its own, not the pid: processes on other hosts (or containers) sharing the
+        # cache folder may have the same pid and would write into one file.
+        partial = cache.with_name(f"{cache.name}.{uuid.uuid4().hex}.tmp")
         try:
             cache_dir.mkdir(parents=True, exist_ok=True)
-            with open(partial, "wb") as out:
+            with open(partial, "xb") as out:
                 for f in files:
                     out.write(f.read_bytes())
             os.replace(partial, cache)  # atomic: a crash never leaves a half-written cache behind
@@ -147,8 +157,11 @@ def _max_id(tokens: np.ndarray) -> int:
 
 
 def _prepared(source: str) -> Path | None:
-    """The folder of a prepared source (one holding meta.json; a folder may be named x.bin), else None."""
+    """The folder of a prepared source (one holding meta.json; a folder may be named x.bin), else None.
+    The folder's own tokens.bin counts as the folder: its dtype and vocabulary are in meta.json."""
     path = Path(source).expanduser()
+    if path.name == TOKEN_FILE and (path.parent / META_FILE).is_file():
+        return path.parent
     return path if source != "stdlib" and (path / META_FILE).is_file() else None
 
 

@@ -20,6 +20,7 @@ meta.json last), so a failure leaves no half-written DIR.
 
 from __future__ import annotations
 
+import codecs
 import json
 import sys
 import time
@@ -39,6 +40,7 @@ EOT_TEXT = "<|endoftext|>"
 EOT_NAMES = (EOT_TEXT, "<|end_of_text|>", "</s>", "<eos>")
 BINARY_SNIFF = 8192  # a NUL byte among a file's first bytes marks it binary
 BATCH_BYTES = 4 << 20  # text encoded per tokenizer call: large enough to keep its threads busy
+BPE_MAX = 1 << 20  # bpe:N's largest N: 4x the largest released vocabularies; the trainer aborts the process on a huge N
 
 
 class Progress:
@@ -126,6 +128,8 @@ def documents(files: list[Path], progress: Progress) -> Iterator[bytes]:
 def _jsonl_documents(f: Path, lines, progress: Progress) -> Iterator[bytes]:
     for n, line in enumerate(lines, 1):
         progress.advance(len(line))
+        if n == 1:  # the byte-order mark some Windows editors write is no part of the JSON
+            line = line.removeprefix(codecs.BOM_UTF8)
         if not line.strip():
             continue
         try:  # bytes that are not UTF-8 become U+FFFD, as in text files
@@ -190,9 +194,10 @@ def make_tokenizer(spec: str, docs: Callable[[Progress], Iterator[bytes]], total
         return ByteTokenizer()
     if spec.startswith("bpe:"):
         size = spec[4:]
-        if not size.isdigit() or int(size) <= BYTE_VOCAB + 1:
+        if not (size.isascii() and size.isdigit()) or not BYTE_VOCAB + 1 < int(size) <= BPE_MAX:
             raise ConfigError(f"--tokenizer {spec!r}: bpe:N needs a whole N above {BYTE_VOCAB + 1} "
-                              f"({BYTE_VOCAB} byte tokens, end-of-text and at least one merge), e.g. bpe:8192")
+                              f"({BYTE_VOCAB} byte tokens, end-of-text and at least one merge) and at most "
+                              f"{BPE_MAX:,}, e.g. bpe:8192")
         return train_bpe(int(size), docs, total_bytes)
     path = Path(spec).expanduser()
     if not path.is_file():

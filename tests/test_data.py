@@ -1,5 +1,7 @@
 import dataclasses
+import json
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -197,3 +199,50 @@ def test_a_text_folder_skips_hidden_paths_and_binary_files(tmp_path):
     (corpus / "notes.txt").unlink()
     with pytest.raises(ConfigError, match="is a folder with only binary files in it"):
         data.load(DataConfig(source=str(corpus), seq_len=8, cache_dir=str(tmp_path / "cache")))
+
+
+def test_a_binary_file_not_named_bin_is_an_error_not_bytes(tmp_path):
+    path = _write(tmp_path / "train.u16", np.arange(5000, dtype="<u2").tobytes())  # token ids, another suffix
+    with pytest.raises(ConfigError, match="is a binary file .* must be named NAME.bin"):
+        data.load(DataConfig(source=path, seq_len=8, cache_dir=str(tmp_path / "cache")))
+
+
+def test_a_prepared_folder_without_meta_json_is_an_error_not_text(tmp_path):
+    from holmes_jax import prepare
+
+    _write(tmp_path / "a.txt", b"hello world, " * 100)
+    prepare.prepare([str(tmp_path / "a.txt")], str(tmp_path / "p"), "bpe:300")
+    (tmp_path / "p" / "meta.json").unlink()  # as an interrupted move into an existing folder leaves it
+    with pytest.raises(ConfigError, match="holds tokens.bin but no meta.json"):  # not its tokenizer.json as bytes
+        data.load(DataConfig(source=str(tmp_path / "p"), seq_len=8, cache_dir=str(tmp_path / "cache")))
+
+
+def test_the_tokens_bin_of_a_prepared_folder_reads_as_the_folder(tmp_path):
+    folder = tmp_path / "p"
+    ids = (np.arange(4000) * 17 + 65000) % 70000  # ids above 65535: uint32
+    _write(folder / "tokens.bin", ids.astype("<u4").tobytes())
+    meta = {"tokenizer": "t.json", "vocab_size": 70000, "dtype": "uint32", "documents": 1, "tokens": 4000, "eot_id": 0}
+    (folder / "meta.json").write_text(json.dumps(meta))
+    cfg = DataConfig(source=str(folder / "tokens.bin"), seq_len=8, val_fraction=0.25, cache_dir=str(tmp_path))
+    assert data.vocab_size(cfg) == 70000  # the model follows the folder's vocabulary
+    tokens = data.load(cfg)  # in meta.json's dtype, not DataConfig.token_dtype's uint16
+    assert (tokens.vocab_size, tokens.declared) == (70000, True)
+    np.testing.assert_array_equal(np.concatenate([tokens.train, tokens.val]), ids)
+
+
+def test_text_caches_written_at_once_under_one_pid_do_not_mix(tmp_path, monkeypatch):
+    # Processes on two hosts sharing the cache folder can have the same pid: here a second build
+    # starts (same pid) while the first is between its files.
+    files = [Path(_write(tmp_path / "t" / name, name.encode() * 500)) for name in ("a", "b")]
+    read, nested = Path.read_bytes, {}
+
+    def read_bytes(self):
+        if self.name == "b" and not nested:
+            nested["started"] = True
+            nested["cache"] = data._cached_bytes(files, tmp_path / "cache", "t")
+        return read(self)
+
+    monkeypatch.setattr(Path, "read_bytes", read_bytes)
+    outer = data._cached_bytes(files, tmp_path / "cache", "t")
+    assert bytes(outer) == bytes(nested["cache"]) == b"a" * 500 + b"b" * 500
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [Path(outer.filename).name]

@@ -163,6 +163,13 @@ def test_jsonl_bytes_that_are_not_utf8_become_replacement_characters(tmp_path):
     assert [bytes(d[:-1].astype(np.uint8)).decode() for d in docs] == ["caf\ufffd", "ok"]
 
 
+def test_a_jsonl_file_may_start_with_a_byte_order_mark(tmp_path):
+    (tmp_path / "docs.jsonl").write_bytes(b'\xef\xbb\xbf{"text": "first"}\n{"text": "second"}\n')
+    meta = prepare.prepare([str(tmp_path / "docs.jsonl")], str(tmp_path / "out"), "bytes")
+    _, docs = _documents(tmp_path / "out")
+    assert meta["documents"] == 2 and [bytes(d[:-1].astype(np.uint8)) for d in docs] == [b"first", b"second"]
+
+
 def test_out_may_be_the_empty_working_folder_and_a_folder_named_like_a_token_file(tmp_path, monkeypatch):
     (tmp_path / "text.txt").write_text("some text " * 50)
     (tmp_path / "here").mkdir()
@@ -207,6 +214,8 @@ BAD_INPUTS = {  # case: (arguments after `prepare`, {d} the test's folder; what 
     "bad tokenizer": ("{d}/text.txt --out {d}/out --tokenizer gpt2", "--tokenizer 'gpt2' is not allowed"),
     "bpe too small": ("{d}/text.txt --out {d}/out --tokenizer bpe:200", "bpe:N needs a whole N above 257"),
     "bpe not a number": ("{d}/text.txt --out {d}/out --tokenizer bpe:lots", "bpe:N needs a whole N"),
+    "bpe a digit, not a number": ("{d}/text.txt --out {d}/out --tokenizer bpe:\u00b2", "bpe:N needs a whole N"),
+    "bpe too large": ("{d}/text.txt --out {d}/out --tokenizer bpe:2000000", "at most 1,048,576"),  # larger aborts
     "broken tokenizer.json": ("{d}/text.txt --out {d}/out --tokenizer {d}/broken.json", "not a tokenizer.json"),
     "unwritable DIR": ("{d}/text.txt --out {d}/text.txt/sub", "cannot be written"),
     "DIR not empty": ("{d}/text.txt --out {d}/taken", "already exists"),
