@@ -81,9 +81,12 @@ class Progress:
 
 
 def folder_files(folder: Path) -> list[Path]:
-    """The files under `folder`, sorted, without hidden paths (a `.git` folder, say)."""
+    """The files under `folder`, sorted, without hidden paths (a `.git` folder, say) and without
+    the prepared folders under it (prepare's own output, written into its source folder)."""
+    prepared = {m.parent for m in folder.rglob(META_FILE) if (m.parent / TOKEN_FILE).is_file()}
     return sorted(f for f in folder.rglob("*") if f.is_file()
-                  and not any(part.startswith(".") for part in f.relative_to(folder).parts))
+                  and not any(part.startswith(".") for part in f.relative_to(folder).parts)
+                  and not prepared.intersection(f.parents))
 
 
 def is_binary(head: bytes) -> bool:

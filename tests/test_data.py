@@ -201,6 +201,14 @@ def test_a_text_folder_skips_hidden_paths_and_binary_files(tmp_path):
         data.load(DataConfig(source=str(corpus), seq_len=8, cache_dir=str(tmp_path / "cache")))
 
 
+def test_a_text_folder_skips_the_prepared_folders_in_it(tmp_path):
+    corpus = tmp_path / "corpus"
+    _write(corpus / "notes.txt", b"notes " * 100)
+    data.prepare.prepare([str(corpus)], str(corpus / "data"), "bytes")  # its tokenizer.json, meta.json: text
+    tokens = data.load(DataConfig(source=str(corpus), seq_len=8, cache_dir=str(tmp_path / "cache")))
+    assert len(tokens.train) + len(tokens.val) == 600
+
+
 def test_a_binary_file_not_named_bin_is_an_error_not_bytes(tmp_path):
     path = _write(tmp_path / "train.u16", np.arange(5000, dtype="<u2").tobytes())  # token ids, another suffix
     with pytest.raises(ConfigError, match="is a binary file .* must be named NAME.bin"):
