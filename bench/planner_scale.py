@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import time
 
+from holmes_jax import cli
 from holmes_jax.config import ModelConfig
 from holmes_jax.planning.topology import Cluster, Topology
 from holmes_jax.planning import cost
@@ -23,7 +24,8 @@ NODES = [2**k for k in range(3, 14)]  # 8 ... 8192
 LAYERS = (32, 64, 128)
 
 
-def main() -> None:
+def main(argv: list[str]) -> None:
+    cli.Parser(description=__doc__.splitlines()[0]).parse_args(argv)  # no flags: --help must not run it
     print(f"{'nodes':>6} {'layers':>6} {'seconds':>8}  {'mesh s/d/t':>11} {'m':>4} {'schedule':>8} {'TFLOPS':>7}")
     worst = {}
     for nodes in NODES:
@@ -43,4 +45,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

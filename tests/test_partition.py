@@ -29,6 +29,15 @@ def test_holmes_ratio_refuses_ratios_that_are_not_finite_and_positive(ratios):
         partition.ratio_split(8, ratios)
 
 
+def test_holmes_ratio_with_ratios_near_the_float_maximum():
+    # their sum overflowed to inf, every quota became 0 and the split was two huge negative counts
+    assert partition.ratio_split(10, [1e308, 1e308]) == (5, 5)
+    assert partition.ratio_split(36, [1.6e308, 0.8e308]) == (24, 12)
+    p = plan(TOPOLOGIES / "ib4_roce4.toml", "tiny", ParallelConfig(tp=4, pp=2, partition="holmes-ratio"),
+             ratios={"ib": 1e308, "roce": 1e308})
+    assert p.stage_layers == (2, 2)
+
+
 @pytest.mark.parametrize("call", [
     lambda: partition.uniform(3, 4),
     lambda: partition.ratio_split(2, [1, 1, 1]),

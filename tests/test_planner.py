@@ -1,3 +1,6 @@
+import re
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -5,10 +8,13 @@ import jax
 import numpy as np
 import pytest
 
-from holmes_jax.config import ConfigError
+from holmes_jax.config import ConfigError, ModelConfig, ParallelConfig
 from holmes_jax.mesh import devices as real
-from holmes_jax.planning import placement
+from holmes_jax.models import presets
+from holmes_jax.planning import placement, plan, search
 from holmes_jax.planning.topology import NIC_CLASSES, Cluster, Topology, load
+
+from helpers import REPO
 
 TOPOLOGIES = Path(__file__).resolve().parent.parent / "configs" / "topologies"
 
@@ -145,3 +151,46 @@ def test_local_topology_one_node_per_process():
         real.local_topology(_fake_devices([4, 2]), nic_class="roce")
     here = real.local_topology()  # the 8 CPU devices of this process, NIC detected
     assert (here.num_devices, here.clusters[0].nodes, here.clusters[0].nic in NIC_CLASSES) == (8, 1, True)
+
+
+def test_search_goes_past_the_microbatch_cap_where_only_small_micro_batches_fit():
+    """7.5B in float32 without remat on one node of 40 GB devices fits only with micro batches of 1 or
+    2, more microbatches than the search's cap (32 a stage): a plan, not 'no layout fits'."""
+    t = Topology((Cluster("a", "infiniband", nodes=1, devices_per_node=8, device_memory_gb=40),))
+    p = plan(t, "7.5b")
+    assert p.prediction.fits
+    assert p.microbatches > search.MAX_MICROBATCHES_PER_STAGE * p.mesh["stage"]
+    with pytest.raises(ConfigError, match="do not fit in device memory"):  # under the cap nothing fits
+        plan(t, "7.5b", ParallelConfig(tp=8, pp=1, microbatches=search.MAX_MICROBATCHES_PER_STAGE))
+
+
+def _need_over_have(text):
+    need, have = re.search(r"needs ([0-9.e+]+) GB, its devices have ([0-9.e+]+) GB", text).groups()
+    return float(need) / float(have)
+
+
+def test_when_nothing_fits_memory_the_error_names_the_layout_nearest_to_fitting():
+    t = Topology((Cluster("a", "infiniband", nodes=2, devices_per_node=8, device_memory_gb=24),))
+    with pytest.raises(ConfigError, match="no layout fits") as e:
+        plan(t, "7.5b")
+    cfg = presets.resolve(ModelConfig(preset="7.5b"))
+    _, errors = search._candidates(t, cfg, ParallelConfig(), set(search.SEARCHABLE), 512, cfg.max_seq_len, False, None)
+    nearest = min(_need_over_have(m) for m in errors if "device memory" in m)
+    assert _need_over_have(str(e.value)) == pytest.approx(nearest)  # it named the 4.5 TB pp = 1 layout before
+    assert "ModelConfig.remat = 'full', the plan CLI's --remat" in str(e.value)
+
+
+def test_tp_over_the_devices_with_pp_left_to_the_search_is_a_config_error():
+    # no pp was left to try, so no reason either: an IndexError from the plan command
+    with pytest.raises(ConfigError, match="tp = 16 is not allowed"):
+        plan(TOPOLOGIES / "cpu_2x4.toml", "llama-tiny", ParallelConfig(tp=16), auto=("pp",))
+
+
+def test_planner_scale_bench_answers_help_without_running():
+    # it took no flags and ran its whole 33-plan sweep (tens of seconds) for --help or a typo
+    run = lambda *args: subprocess.run([sys.executable, "bench/planner_scale.py", *args], capture_output=True,
+                                       text=True, cwd=REPO, timeout=60)
+    r = run("--help")
+    assert r.returncode == 0 and "Planning time from 8 to 8192 nodes" in r.stdout and "nodes layers" not in r.stdout
+    r = run("--nodes", "8")
+    assert r.returncode == 2 and r.stdout == "" and r.stderr.count("\n") == 1

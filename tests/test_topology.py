@@ -117,3 +117,13 @@ def test_unreadable_and_invalid_files(tmp_path):
     wrong.write_text('[[cluster]]\nname = "x"\nnic = "infiniband"\nnodes = -2\ndevices_per_node = 8\n')
     with pytest.raises(ConfigError, match=r"wrong\.toml.*nodes = -2"):
         T.load(wrong)
+
+
+def test_python_api_misuse_is_a_config_error():
+    one = T.Cluster("ib", "infiniband", nodes=2, devices_per_node=8)
+    assert T.Topology(one) == T.Topology((one,))  # one cluster without a tuple around it
+    with pytest.raises(ConfigError, match="topology clusters = 'ib' is not allowed; allowed: a tuple of Clusters"):
+        T.Topology("ib")
+    # a NIC class's name where a link goes was an AttributeError
+    with pytest.raises(ConfigError, match="inter_cluster = 'ethernet' is not allowed; allowed: a Fabric"):
+        T.Topology((one,), "ethernet")

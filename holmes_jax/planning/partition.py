@@ -43,6 +43,7 @@ def ratio_split(num_layers: int, ratios: Sequence[float]) -> tuple[int, ...]:
     r = np.asarray(ratios, dtype=float)
     if not np.all((r > 0) & np.isfinite(r)):  # an infinite ratio makes every quota nan
         raise ConfigError(f"partition ratios {list(ratios)} are not allowed; allowed: finite positive numbers")
+    r = r / r.max()  # ratios near the float maximum would sum to inf and every quota to 0
     quota = num_layers * r / r.sum()
     n = np.floor(quota).astype(int)
     n[np.argsort(n - quota, kind="stable")[: num_layers - n.sum()]] += 1

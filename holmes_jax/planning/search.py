@@ -68,7 +68,8 @@ DEFAULT_GLOBAL_BATCH = 512  # sequences: with seq 2048, 1M tokens a step, GPT-3-
 FULL_SEARCH = 3  # screened layouts that get the full partition search
 # Microbatch counts the search tries: from pp (fewer leave most of the pipeline idle and save no
 # memory) to 32 per stage (past that the bubble is under 3% while each microbatch adds fixed
-# latencies), at most 512 (keeps the schedule simulation quick).
+# latencies), at most 512 (keeps the schedule simulation quick). A layout that fits memory with none of
+# these tries more, up to 512: smaller micro batches are then what makes it fit.
 MAX_MICROBATCHES_PER_STAGE, MAX_MICROBATCHES = 32, 512
 
 def _cost_model(cfg: ModelConfig, pl: Placement, global_batch: int, seq_len: int, microbatches: int,
@@ -321,7 +322,8 @@ def _layouts(topology: Topology, cfg: ModelConfig, par: ParallelConfig, free: se
         elif dp is not None:
             yield tp, max(n // (tp * dp), 1), dp
         else:
-            yield from ((tp, pp, None) for pp in placement.divisors(n // tp) if pp <= cfg.num_layers)
+            # tp over the devices leaves no pp: pp 1 then, for the placement to say why
+            yield from ((tp, pp, None) for pp in placement.divisors(max(n // tp, 1)) if pp <= cfg.num_layers)
 
 
 def _check_model(cfg: ModelConfig, tp: int, pp: int) -> None:
@@ -345,6 +347,12 @@ def _microbatch_options(par: ParallelConfig, free: set, global_batch: int, dp: i
         raise ConfigError(f"microbatches = {par.microbatches} is not allowed: each data replica's {per_replica} "
                           f"samples must split evenly; allowed: a divisor of {per_replica}")
     return [par.microbatches]
+
+
+def _more_microbatches(per_replica: int, tried: list[int]) -> list[int]:
+    """Microbatch counts past the search's cap, up to MAX_MICROBATCHES, for a layout that does not fit
+    memory under it."""
+    return [m for m in range(max(tried) + 1, min(per_replica, MAX_MICROBATCHES) + 1) if per_replica % m == 0]
 
 
 def _topology(topology) -> Topology:
@@ -459,6 +467,8 @@ def _candidates(topo: Topology, cfg: ModelConfig, par: ParallelConfig, free: set
     """Every (layout, microbatches, schedule) that fits the topology, the model, the batch and
     device memory; and why the others do not."""
     found, errors, misfits = [], [], []  # misfits: layouts the model or the topology refuse
+    over = []  # (need / have, why) of the layouts over device memory
+    remat_hint = "" if cfg.remat == "full" else ", or ModelConfig.remat = 'full', the plan CLI's --remat"
     for tp, pp, dp in _layouts(topo, cfg, par, free):
         try:
             _check_model(cfg, tp, pp)
@@ -472,25 +482,34 @@ def _candidates(topo: Topology, cfg: ModelConfig, par: ParallelConfig, free: set
             errors.append(str(e))
             continue
         weights = _stage_ratios(topo, pl, ratios)
-        for m, schedule in itertools.product(options, SCHEDULES if "schedule" in free else [par.schedule]):
-            model, notes = _cost_model(cfg, pl, global_batch, seq_len, m, schedule, par, prof, topo)
-            if par.stage_layers is not None or par.partition != "auto":
-                split = partition.split(par.partition, model, weights, par.stage_layers)
-            else:
-                split = partition.time_balanced(model)
-                if not model.stage_terms([split])["fits"][0]:
-                    # more layers on a fast stage can be over memory where the even split is not
-                    split = partition.uniform(cfg.num_layers, pp)
-            bound = float(model.lower_bounds([split])[0])
-            if bound == np.inf:
-                memory = model.stage_terms([split])["memory"][0]
-                s = int(np.argmax(memory - np.array(pl.device_memory)))
-                errors.append(f"tp = {tp}, pp = {pp}, microbatches = {m}, schedule {schedule} do not fit in device "
-                              f"memory: stage {s} needs {memory[s] / 1e9:.3g} GB, its devices have "
-                              f"{pl.device_memory[s] / 1e9:.3g} GB; allowed: layouts that fit (or a larger "
-                              f"device_memory_gb in the topology)")
-                continue
-            found.append(_Candidate(bound, pl, model, weights, split, notes))
+        # Past the microbatch cap only where nothing under it fits memory: smaller micro batches
+        # then are what makes the layout fit at all.
+        more = _more_microbatches(global_batch // pl.grid.shape[1], options) if "microbatches" in free else []
+        fitted = len(found)
+        for group in (options, more):
+            if len(found) > fitted:
+                break
+            for m, schedule in itertools.product(group, SCHEDULES if "schedule" in free else [par.schedule]):
+                model, notes = _cost_model(cfg, pl, global_batch, seq_len, m, schedule, par, prof, topo)
+                if par.stage_layers is not None or par.partition != "auto":
+                    split = partition.split(par.partition, model, weights, par.stage_layers)
+                else:
+                    split = partition.time_balanced(model)
+                    if not model.stage_terms([split])["fits"][0]:
+                        # more layers on a fast stage can be over memory where the even split is not
+                        split = partition.uniform(cfg.num_layers, pp)
+                bound = float(model.lower_bounds([split])[0])
+                if bound == np.inf:
+                    memory = model.stage_terms([split])["memory"][0]
+                    s = int(np.argmax(memory / np.array(pl.device_memory)))
+                    over.append((memory[s] / pl.device_memory[s],
+                                 f"tp = {tp}, pp = {pp}, microbatches = {m}, schedule {schedule} do not fit in device "
+                                 f"memory: stage {s} needs {memory[s] / 1e9:.3g} GB, its devices have "
+                                 f"{pl.device_memory[s] / 1e9:.3g} GB; allowed: layouts that fit (or a larger "
+                                 f"device_memory_gb in the topology{remat_hint})"))
+                    continue
+                found.append(_Candidate(bound, pl, model, weights, split, notes))
     # Batch and memory misfits first: a searched pp that does not fit the clusters is no news when
     # the layouts that do fit fail for another reason (--microbatches 7 is not an --allow-mixed problem).
-    return found, errors + misfits
+    # Of the memory misfits, the nearest to fitting first: the one worth reading.
+    return found, errors + [text for _, text in sorted(over, key=lambda o: o[0])] + misfits

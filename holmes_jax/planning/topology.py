@@ -171,14 +171,21 @@ class Topology:
     name: str = "topology"
 
     def __post_init__(self):
+        if isinstance(self.clusters, Cluster):  # Topology(Cluster(...)): one cluster, not a tuple of them
+            object.__setattr__(self, "clusters", (self.clusters,))
+        if not isinstance(self.clusters, (tuple, list)) or not all(isinstance(c, Cluster) for c in self.clusters):
+            raise ConfigError(f"topology clusters = {self.clusters!r} is not allowed; allowed: a tuple of Clusters")
         object.__setattr__(self, "clusters", tuple(self.clusters))
-        if not self.clusters or not all(isinstance(c, Cluster) for c in self.clusters):
+        if not self.clusters:
             raise ConfigError("topology cluster = [] is not allowed; allowed: one or more [[cluster]] tables")
         names = [c.name for c in self.clusters]
         if len(set(names)) != len(names):
             raise ConfigError(f"topology cluster names {names} are not allowed; allowed: unique names")
         if not isinstance(self.name, str):
             raise ConfigError(f"topology name = {self.name!r} is not allowed; allowed: a string")
+        if not isinstance(self.inter_cluster, Fabric):
+            raise ConfigError(f"topology inter_cluster = {self.inter_cluster!r} is not allowed; allowed: a Fabric "
+                              f"(topology.nic_link('ethernet', gbps=...))")
         _check_link(self.inter_cluster, "inter_cluster.")
 
     @property
