@@ -186,6 +186,12 @@ def test_tp_over_the_devices_with_pp_left_to_the_search_is_a_config_error():
         plan(TOPOLOGIES / "cpu_2x4.toml", "llama-tiny", ParallelConfig(tp=16), auto=("pp",))
 
 
+def test_auto_may_name_one_size_as_a_string():
+    one = plan(TOPOLOGIES / "cpu_2x4.toml", "tiny", ParallelConfig(tp=1, dp=4), global_batch=8, auto="pp")
+    assert one.to_dict() == plan(TOPOLOGIES / "cpu_2x4.toml", "tiny", ParallelConfig(tp=1, dp=4), global_batch=8,
+                                 auto=("pp",)).to_dict()
+
+
 def test_planner_scale_bench_answers_help_without_running():
     # it took no flags and ran its whole 33-plan sweep (tens of seconds) for --help or a typo
     run = lambda *args: subprocess.run([sys.executable, "bench/planner_scale.py", *args], capture_output=True,

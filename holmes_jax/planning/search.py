@@ -381,6 +381,7 @@ def plan(topology, model, parallel: ParallelConfig | None = None, *, global_batc
     cfg = presets.resolve(model if isinstance(model, ModelConfig) else ModelConfig(preset=model))
     par = ParallelConfig() if parallel is None else parallel
     par.validate()
+    auto = (auto,) if isinstance(auto, str) else auto  # auto="pp": one name, not its letters
     free = set(SEARCHABLE if parallel is None else ()) if auto is None else set(auto)
     if free - set(SEARCHABLE):
         raise ConfigError(f"auto = {sorted(free)} is not allowed; allowed: any of {', '.join(SEARCHABLE)}")
