@@ -9,7 +9,11 @@
    coordinator and ranks, and makes each process see one GPU (its local rank; set
    `JAX_LOCAL_DEVICE_IDS` to change that); `HOLMES_COORDINATOR` may name the coordinator instead
    (needed for Open MPI 5, whose environment JAX does not parse);
-3. otherwise a single process, and `jax.distributed` is not started at all.
+3. MPICH, Intel MPI, MVAPICH (`PMI_SIZE` > 1, Hydra's `mpiexec`): ranks from `PMI_RANK` and
+   `MPI_LOCALRANKID`, the coordinator from `HOLMES_COORDINATOR` (JAX does not detect these);
+4. otherwise a single process, and `jax.distributed` is not started at all.
+
+Processes that have not all met within `INIT_TIMEOUT_S` end with one error line and status 1.
 
 On CPU the backend's device count (`HOLMES_CPU_DEVICES`, else the argument) and gloo collectives
 are configured first, so this must run before anything touches a JAX backend. So are the network
@@ -26,6 +30,8 @@ import json
 import os
 import re
 import socket
+import sys
+import threading
 
 import jax
 import numpy as np
@@ -36,6 +42,7 @@ from holmes_jax.mesh import nic
 
 COORDINATOR, NUM_PROCESSES, PROCESS_ID, CPU_DEVICES = (
     "HOLMES_COORDINATOR", "HOLMES_NUM_PROCESSES", "HOLMES_PROCESS_ID", "HOLMES_CPU_DEVICES")
+INIT_TIMEOUT_S = 300  # how long processes wait for each other at start-up (JAX's own default)
 FACTS_BYTES = 1024  # one process's facts as JSON; hostnames are at most 253 characters
 # A collective-permute's clique spans only the devices it connects (not every device), and no
 # clique is split from another: a split communicator keeps its parent's network.
@@ -51,7 +58,7 @@ class ProcessInfo:
     nic: str  # NIC class: infiniband | roce | ethernet
     gbps: float | None  # the host's NIC speed; None: unknown (or set by HOLMES_NIC_CLASS)
     local_devices: int
-    method: str  # how the processes were found: single | holmes | slurm | ompi
+    method: str  # how the processes were found: single | holmes | slurm | ompi | pmi
 
     def facts(self) -> dict:
         return {"process_index": self.process_index, "hostname": self.hostname, "nic": self.nic,
@@ -138,6 +145,26 @@ def _port_in_use(port: int) -> bool:
     return False
 
 
+def _mpi_ranks(env, prefix: str, local: str) -> dict:
+    """`jax.distributed.initialize`'s process count, index and local device from an MPI launcher's
+    `{prefix}_SIZE`, `{prefix}_RANK` and `local` rank, checked: JAX would read them with int()."""
+    size, rank = f"{prefix}_SIZE", f"{prefix}_RANK"
+    count = _int(env, size, 2)
+    if rank not in env:  # JAX would raise a KeyError
+        raise ConfigError(f"{size} = {count} but {rank} unset: start one process per rank with mpirun")
+    kwargs = {"num_processes": count, "process_id": _index(env, rank, size, count)}
+    if local in env:  # one device per process, as JAX's own detection does
+        kwargs["local_device_ids"] = [_int(env, local, 0)]
+    return kwargs
+
+
+def _mpi_coordinator(coordinator: str | None, example: str) -> str:
+    if coordinator is None:
+        raise ConfigError(f"this MPI does not tell JAX the coordinator; pass {COORDINATOR}=HOST:PORT "
+                          f"(e.g. {example} ...)")
+    return coordinator
+
+
 def launch_method(env=None) -> tuple[str, dict]:
     """(method, keyword arguments for `jax.distributed.initialize`) from `env`; method 'single'
     means one process and no `jax.distributed` at all."""
@@ -172,26 +199,58 @@ def launch_method(env=None) -> tuple[str, dict]:
             _jax_port(env)
         return "slurm", {"coordinator_address": coordinator, "cluster_detection_method": "slurm"}
     if "OMPI_COMM_WORLD_SIZE" in env and _int(env, "OMPI_COMM_WORLD_SIZE", 1) > 1:
-        count = _int(env, "OMPI_COMM_WORLD_SIZE", 2)
-        if "OMPI_COMM_WORLD_RANK" not in env:  # JAX would raise a KeyError
-            raise ConfigError(f"OMPI_COMM_WORLD_SIZE = {count} but OMPI_COMM_WORLD_RANK unset: "
-                              "start one process per rank with mpirun")
-        index = _index(env, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", count)
-        if "OMPI_COMM_WORLD_LOCAL_RANK" in env:
-            _int(env, "OMPI_COMM_WORLD_LOCAL_RANK", 0)
+        kwargs = _mpi_ranks(env, "OMPI_COMM_WORLD", "OMPI_COMM_WORLD_LOCAL_RANK")
         if "OMPI_MCA_orte_hnp_uri" in env and coordinator is None:  # Open MPI 4: JAX finds it all
             _jax_port(env)
             return "ompi", {"cluster_detection_method": "ompi"}
-        if coordinator is None:
-            raise ConfigError(f"this Open MPI does not tell JAX the coordinator; pass {COORDINATOR}=HOST:PORT "
-                              "(e.g. mpirun -x HOLMES_COORDINATOR=$(hostname):29500 ...)")
-        kwargs = {"coordinator_address": coordinator, "num_processes": count, "process_id": index}
-        if "OMPI_COMM_WORLD_LOCAL_RANK" in env:  # one device per process, as JAX's own detection does
-            kwargs["local_device_ids"] = [_int(env, "OMPI_COMM_WORLD_LOCAL_RANK", 0)]
-        return "ompi", kwargs
+        address = _mpi_coordinator(coordinator, "mpirun -x HOLMES_COORDINATOR=$(hostname):29500")
+        return "ompi", {"coordinator_address": address, **kwargs}
+    # MPICH's, Intel MPI's and MVAPICH's mpiexec (Hydra's PMI), which JAX does not detect: left
+    # alone, every rank would train the whole job on its own, all in one workdir.
+    if "PMI_SIZE" in env and _int(env, "PMI_SIZE", 1) > 1:
+        kwargs = _mpi_ranks(env, "PMI", "MPI_LOCALRANKID")
+        address = _mpi_coordinator(coordinator, "mpiexec -genv HOLMES_COORDINATOR $(hostname):29500")
+        return "pmi", {"coordinator_address": address, **kwargs}
     if coordinator is not None:
         raise ConfigError(f"{COORDINATOR} is set but {NUM_PROCESSES} and {PROCESS_ID} are not; set all three")
     return "single", {}
+
+
+def _answers(address: str) -> bool:
+    """Whether anything accepts a connection at HOST:PORT."""
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=5).close()
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def _start(method: str, kwargs: dict) -> None:
+    """`jax.distributed.initialize`, or one error line and status 1 after `INIT_TIMEOUT_S`: when its
+    own timeout runs out, jaxlib aborts the process with a C++ check failure and a stack dump."""
+    started = threading.Event()
+
+    def give_up():
+        if started.wait(INIT_TIMEOUT_S):
+            return
+        address, index = kwargs.get("coordinator_address"), kwargs.get("process_id")
+        where = f"{method}, coordinator {address or 'found by JAX'}"
+        if index is not None:
+            where += f", process {index} of {kwargs['num_processes']}"
+        if address and index and not _answers(address):
+            why = f"nothing answers at {address}: is process 0 running, on that host and port?"
+        else:
+            why = "not every process joined: are they all running, with the same coordinator?"
+        print(f"error: jax.distributed did not start within {INIT_TIMEOUT_S:g} s ({where}); {why}",
+              file=sys.stderr, flush=True)
+        os._exit(1)  # the main thread waits inside jaxlib, which aborts if it gives up first
+
+    threading.Thread(target=give_up, daemon=True).start()
+    try:
+        jax.distributed.initialize(**kwargs, initialization_timeout=int(INIT_TIMEOUT_S) + 60)
+    finally:
+        started.set()
 
 
 def initialize(cpu_devices_per_process: int | None = None) -> ProcessInfo:
@@ -223,7 +282,7 @@ def initialize(cpu_devices_per_process: int | None = None) -> ProcessInfo:
                 raise ConfigError(f"{COORDINATOR} = {address!r}: port {port} is in use on this host, process 0's, where "
                                   "the coordinator starts; allowed: a free port (holmes_jax.launch: leave --port out)")
             try:
-                jax.distributed.initialize(**kwargs)
+                _start(method, kwargs)
             except RuntimeError as e:  # the port taken after all (a race, or one JAX derives), an Open MPI URI
                 raise RunError(f"jax.distributed did not start ({method}, coordinator {address or 'found by JAX'}): "
                                f"{str(e).strip().splitlines()[0]}") from None

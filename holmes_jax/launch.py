@@ -2,12 +2,14 @@
 
 Each process gets `HOLMES_COORDINATOR` (127.0.0.1 and a free port), `HOLMES_NUM_PROCESSES`,
 `HOLMES_PROCESS_ID` (what `holmes_jax.distributed.initialize` reads), optionally its CPU device
-count and NIC class. Output is streamed line by line as "[rank i] ...". When one process fails
-the others are stopped (SIGTERM, then SIGKILL after a grace period) and its status is returned.
-SIGINT (Ctrl-C), SIGTERM or SIGHUP to the launcher is passed on to all (a training process saves a
-checkpoint and exits), then SIGKILL after the grace period; the status is 128 + the signal. If
-the launcher itself is killed (even SIGKILL), its processes get SIGTERM from the kernel (Linux
-parent-death signal), so none runs on orphaned. Status 0 only when all succeed.
+count and NIC class, and `HOLMES_LAUNCH_ID`, which marks this launch's processes: a stop reaches
+what they started in sessions of their own (`setsid`, a daemon) too, as long as it kept the mark.
+Output is streamed line by line as "[rank i] ...". When one process fails the others are stopped
+(SIGTERM, then SIGKILL after a grace period) and its status is returned. SIGINT (Ctrl-C), SIGTERM
+or SIGHUP to the launcher is passed on to all (a training process saves a checkpoint and exits),
+then SIGKILL after the grace period; the status is 128 + the signal. If the launcher itself is
+killed (even SIGKILL), its processes get SIGTERM from the kernel (Linux parent-death signal), so
+none runs on orphaned. Status 0 only when all succeed.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from typing import Callable, Sequence
 
 from holmes_jax import cli
@@ -30,6 +33,7 @@ from holmes_jax.planning.topology import NIC_CLASSES
 TIMED_OUT = 124  # the status `timeout(1)` uses
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
+LAUNCH_ID = "HOLMES_LAUNCH_ID"  # marks one launch's processes, to find those that left their group
 _libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
 
 
@@ -49,10 +53,12 @@ CPU_MALLOC_TUNABLES = ("glibc.malloc.arena_max=1:glibc.malloc.mmap_max=0:glibc.m
 
 
 def process_env(rank: int, n: int, coordinator: str, devices_per_process: int | None = None,
-                nic_class: str | None = None, extra: dict | None = None) -> dict:
+                nic_class: str | None = None, extra: dict | None = None, launch_id: str | None = None) -> dict:
     """The environment of process `rank`: ours on top of this process's, then `extra`."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", HOLMES_COORDINATOR=coordinator,
                HOLMES_NUM_PROCESSES=str(n), HOLMES_PROCESS_ID=str(rank))
+    if launch_id is not None:
+        env[LAUNCH_ID] = launch_id
     if devices_per_process is not None:
         # JAX_NUM_CPU_DEVICES for any JAX program; HOLMES_CPU_DEVICES wins over train's config.
         env.update(JAX_NUM_CPU_DEVICES=str(devices_per_process), HOLMES_CPU_DEVICES=str(devices_per_process))
@@ -76,7 +82,7 @@ def _check(cmd, n, devices_per_process, port, nic_classes, grace_s, timeout_s, e
     if timeout_s is not None and not timeout_s > 0:
         raise ConfigError(f"--timeout = {timeout_s:g} is not allowed; allowed: seconds > 0")
     for key in env or {}:  # they would override the job's own: a count not -n, one rank twice
-        if key in ("HOLMES_COORDINATOR", "HOLMES_NUM_PROCESSES", "HOLMES_PROCESS_ID"):
+        if key in ("HOLMES_COORDINATOR", "HOLMES_NUM_PROCESSES", "HOLMES_PROCESS_ID", LAUNCH_ID):
             raise ConfigError(f"--env {key}=... is not allowed: the launcher sets it for each process (-n, --port); "
                               "allowed: any other variable")
     if nic_classes is not None:
@@ -127,8 +133,27 @@ def _running(p: subprocess.Popen) -> bool:
     return True
 
 
-def _stop(procs: list[subprocess.Popen], first: int, grace_s: float) -> None:
-    """Signals each process group still running with `first`, then SIGKILL after `grace_s`."""
+def _marked(pid: int | str, mark: bytes) -> bool:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:  # empty once it has exited (a zombie)
+            return mark in f.read().split(b"\0")
+    except OSError:  # gone, another user's, or no /proc
+        return False
+
+
+def _strays(mark: bytes) -> list[int]:
+    """Processes whose environment holds `mark`: what the ranks started, also what left their
+    process group (`setsid`, a daemon), which a signal to the group misses."""
+    try:
+        pids = [pid for pid in os.listdir("/proc") if pid.isdigit()]
+    except OSError:
+        return []
+    return [int(pid) for pid in pids if _marked(pid, mark)]
+
+
+def _stop(procs: list[subprocess.Popen], first: int, grace_s: float, mark: bytes = b"") -> None:
+    """Signals each process group still running, and each process marked with `mark`, with
+    `first`, then SIGKILL after `grace_s`."""
     for sig in (first, signal.SIGKILL):
         for p in procs:
             if _running(p):
@@ -136,8 +161,15 @@ def _stop(procs: list[subprocess.Popen], first: int, grace_s: float) -> None:
                     os.killpg(p.pid, sig)  # its own session: reaches whatever it started too
                 except ProcessLookupError:
                     pass
+        strays = _strays(mark) if mark else []
+        for pid in strays:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
         deadline = time.monotonic() + grace_s
-        while any(_running(p) for p in procs) and time.monotonic() < deadline:
+        while ((any(_running(p) for p in procs) or any(_marked(pid, mark) for pid in strays))
+               and time.monotonic() < deadline):
             time.sleep(0.05)
 
 
@@ -154,6 +186,16 @@ def _status(code: int) -> int:
     return 128 - code if code < 0 else code  # killed by signal s: 128 + s, as shells report it
 
 
+def _how(code: int) -> str:
+    """How a process ended, from its Popen return code: a signal is named (SIGKILL: the OOM killer?)."""
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name} (status {_status(code)})"
+        except ValueError:  # a real-time signal has no name
+            pass
+    return f"exited with status {_status(code)}"
+
+
 def launch(cmd: Sequence[str], n: int, devices_per_process: int | None = None, port: int | None = None,
            env: dict | None = None, nic_classes: Sequence[str] | None = None, coordinator_host: str = "127.0.0.1",
            wrap: Callable[[int], list[str]] | None = None, grace_s: float = 30.0,
@@ -163,6 +205,7 @@ def launch(cmd: Sequence[str], n: int, devices_per_process: int | None = None, p
     `timeout_s` stops everything after that long, returning 124."""
     _check(cmd, n, devices_per_process, port, nic_classes, grace_s, timeout_s, env)
     coordinator = f"{coordinator_host}:{port or free_port()}"
+    launch_id = uuid.uuid4().hex
     out, err, lock = sys.stdout, sys.stderr, threading.Lock()
     procs, pumps = [], []
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -177,7 +220,8 @@ def launch(cmd: Sequence[str], n: int, devices_per_process: int | None = None, p
     try:
         # All started before any output thread: a preexec_fn must not run while other threads do.
         for rank in range(n):
-            penv = process_env(rank, n, coordinator, devices_per_process, nic_classes and nic_classes[rank], env)
+            penv = process_env(rank, n, coordinator, devices_per_process, nic_classes and nic_classes[rank], env,
+                               launch_id)
             argv = [*(wrap(rank) if wrap else []), *cmd]
             try:
                 procs.append(subprocess.Popen(argv, env=penv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
@@ -195,8 +239,9 @@ def launch(cmd: Sequence[str], n: int, devices_per_process: int | None = None, p
             failed = next(((r, c) for r, c in enumerate(codes) if c not in (None, 0)), None)
             if failed:
                 code = _status(failed[1])
-                if None in codes:
-                    _say(f"launch: rank {failed[0]} exited with status {code}; stopping the others", err, lock)
+                if n > 1:  # which rank failed first, also when the others ended too before we looked
+                    rest = "; stopping the others" if None in codes else ""
+                    _say(f"launch: rank {failed[0]} {_how(failed[1])}{rest}", err, lock)
             elif all(c == 0 for c in codes):
                 code = 0
             elif deadline is not None and time.monotonic() > deadline:
@@ -210,7 +255,7 @@ def launch(cmd: Sequence[str], n: int, devices_per_process: int | None = None, p
     finally:
         for sig in previous:  # a second Ctrl-C must not cut the grace period short
             signal.signal(sig, signal.SIG_IGN)
-        _stop(procs, first_signal, grace_s)
+        _stop(procs, first_signal, grace_s, f"{LAUNCH_ID}={launch_id}".encode())
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         for t in pumps:

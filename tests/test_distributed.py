@@ -31,6 +31,10 @@ from helpers import REPO, read_metrics
     ({"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
       "HOLMES_COORDINATOR": "head:29500"}, "ompi",
      {"coordinator_address": "head:29500", "num_processes": 4, "process_id": 3, "local_device_ids": [1]}),
+    # MPICH / Intel MPI (Hydra's PMI): JAX does not detect them, so without this every rank ran alone
+    ({"PMI_SIZE": "4", "PMI_RANK": "3", "MPI_LOCALRANKID": "1", "HOLMES_COORDINATOR": "head:29500"}, "pmi",
+     {"coordinator_address": "head:29500", "num_processes": 4, "process_id": 3, "local_device_ids": [1]}),
+    ({"PMI_SIZE": "1", "PMI_RANK": "0"}, "single", {}),
     # our launcher's variables win over a scheduler's
     ({"HOLMES_COORDINATOR": "h:1", "HOLMES_NUM_PROCESSES": "2", "HOLMES_PROCESS_ID": "1", "OMPI_COMM_WORLD_SIZE": "4"},
      "holmes", {"coordinator_address": "h:1", "num_processes": 2, "process_id": 1}),
@@ -59,6 +63,9 @@ def test_launch_method(env, method, kwargs):
       "OMPI_MCA_orte_hnp_uri": "1.0;tcp://10.0.0.1:1"}, "OMPI_COMM_WORLD_LOCAL_RANK = 'one'"),
     ({"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
       "OMPI_MCA_orte_hnp_uri": "1.0;tcp://10.0.0.1:1", "JAX_COORDINATOR_PORT": "port"}, "JAX_COORDINATOR_PORT = 'port'"),
+    ({"PMI_SIZE": "4", "PMI_RANK": "0"}, "this MPI does not tell JAX the coordinator; pass HOLMES_COORDINATOR"),
+    ({"PMI_SIZE": "4", "PMI_RANK": "4", "HOLMES_COORDINATOR": "h:1"}, "PMI_RANK = 4 is not allowed"),
+    ({"PMI_SIZE": "4", "HOLMES_COORDINATOR": "h:1"}, "PMI_RANK unset"),
     ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4", "SLURM_STEP_NODELIST": "n1", "SLURM_PROCID": "4", "SLURM_LOCALID": "0"},
      "SLURM_PROCID = 4 is not allowed; allowed: 0 .. SLURM_NTASKS - 1 = 3"),
     ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4", "SLURM_STEP_NODELIST": "n1", "SLURM_PROCID": "x", "SLURM_LOCALID": "0"},
@@ -85,6 +92,30 @@ def test_single_process_initialize_is_idempotent():
 
 
 # --------------------------------------------------------------------------- several processes
+
+
+def test_a_node_may_run_one_process_per_device():
+    # srun --ntasks-per-node=8 (one task per GPU, as the README's SLURM example): each node of the
+    # topology file is several processes; before, only one process per node was accepted
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from holmes_jax.mesh import devices as real
+    from holmes_jax.planning.topology import Cluster, Topology
+
+    t = Topology((Cluster("ib", "infiniband", nodes=2, devices_per_node=2),
+                  Cluster("roce", "roce", nodes=1, devices_per_node=2)))
+    devices = [SimpleNamespace(process_index=p, id=2048 * p) for p in range(6)]
+    nics = ["roce", "roce", "infiniband", "infiniband", "infiniband", "infiniband"]
+    placed = real.device_array(np.arange(6), t, devices, nics)
+    assert [d.process_index for d in placed] == [2, 3, 4, 5, 0, 1]
+    # a process whose devices would sit on two nodes
+    ib = Topology((Cluster("ib", "infiniband", nodes=2, devices_per_node=2),), name="ib2")
+    spread = [SimpleNamespace(process_index=p, id=2048 * p + k) for p, n in enumerate([1, 2, 1]) for k in range(n)]
+    with pytest.raises(ConfigError, match="process 1 has 2 devices but node 0 of topology 'ib2' has 2; allowed: a node's "
+                                          "devices in one process or several, none spread over two nodes"):
+        real.device_array(np.arange(4), ib, spread, ["infiniband"] * 3)
 
 
 def _env() -> dict:
@@ -210,6 +241,24 @@ def test_coordinator_port_in_use_is_one_error_line():
     assert r.stderr.strip().splitlines() == [
         f"error: HOLMES_COORDINATOR = {address!r}: port {address.rpartition(':')[2]} is in use on this host, process 0's, "
         "where the coordinator starts; allowed: a free port (holmes_jax.launch: leave --port out)"]
+
+
+@pytest.mark.parametrize("rank, why", [
+    (1, "nothing answers at {address}: is process 0 running, on that host and port?"),
+    (0, "not every process joined: are they all running, with the same coordinator?"),
+])
+def test_processes_that_never_meet_end_in_one_error_line(rank, why):
+    # jaxlib's own timeout aborts the process with a C++ check failure and a stack dump (status 134)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"  # closed again: nothing answers there
+    script = "from holmes_jax import distributed; distributed.INIT_TIMEOUT_S = 1; distributed.initialize(1)"
+    env = dict(_env(), HOLMES_COORDINATOR=address, HOLMES_NUM_PROCESSES="2", HOLMES_PROCESS_ID=str(rank))
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=REPO, env=env)
+    assert r.returncode == 1, r.stderr
+    assert r.stderr.strip().splitlines() == [
+        f"error: jax.distributed did not start within 1 s (holmes, coordinator {address}, process {rank} of 2); "
+        + why.format(address=address)]
 
 
 def test_bad_distributed_environment_exits_2():

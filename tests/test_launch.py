@@ -88,6 +88,16 @@ def test_a_failing_process_stops_the_others_and_sets_the_status():
     assert "rank 1 exited with status 3; stopping the others" in r.stderr
 
 
+def test_a_process_killed_by_a_signal_is_named_with_its_signal():
+    # what the OOM killer does: the message said "exited with status 137"
+    script = ("import os, signal, time\n"
+              "if os.environ['HOLMES_PROCESS_ID'] == '1': os.kill(os.getpid(), signal.SIGKILL)\n"
+              "time.sleep(300)")
+    r = run_module("holmes_jax.launch", "-n", "2", "--grace", "1", "--", sys.executable, "-c", script, timeout=60)
+    assert r.returncode == 128 + signal.SIGKILL
+    assert "launch: rank 1 was killed by SIGKILL (status 137); stopping the others" in r.stderr.splitlines()
+
+
 def test_sigterm_is_followed_by_sigkill_after_the_grace_period():
     # rank 0 ignores SIGTERM; only SIGKILL ends it.
     script = ("import os, signal, sys, time; r = int(os.environ['HOLMES_PROCESS_ID'])\n"
@@ -168,6 +178,26 @@ def test_what_a_wrapper_script_started_gets_the_grace_period_and_then_sigkill(tm
     assert time.monotonic() - t < 60
 
 
+def test_a_process_that_left_its_group_is_stopped_too():
+    # A rank starts a helper in a session of its own (setsid, a daemon) and fails: a signal to the
+    # rank's process group misses the helper, which ran on after the launcher.
+    script = ("import subprocess, sys\n"
+              "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'], start_new_session=True,\n"
+              "                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n"
+              "print(p.pid, flush=True); sys.exit(3)")
+    r = run_module("holmes_jax.launch", "-n", "1", "--grace", "1", "--", sys.executable, "-c", script, timeout=60)
+    pid = int(r.stdout.split("] ")[1])
+    deadline = time.monotonic() + 10  # a killed orphan is reaped by init, not us
+    while not _gone(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    try:
+        assert _gone(pid), "the helper outlived the launcher"
+    finally:
+        if not _gone(pid):
+            os.kill(pid, signal.SIGKILL)
+    assert r.returncode == 3, r.stderr
+
+
 def test_output_read_no_further_neither_hangs_nor_fails():
     # `launch ... | head -1`: the processes' output must still be drained (a full pipe would block
     # them for ever) and the job's status kept.
@@ -207,6 +237,7 @@ def test_timeout_stops_everything(capsys):
     (["-n", "2", "--timeout", "0", "--", "true"], "--timeout = 0"),
     (["-n", "2", "--timeout", "nan", "--", "true"], "--timeout = nan"),  # would never fire
     (["-n", "2", "--env", "HOLMES_NUM_PROCESSES=4", "--", "true"], "--env HOLMES_NUM_PROCESSES"),  # 2 would wait for 4
+    (["-n", "2", "--env", "HOLMES_LAUNCH_ID=x", "--", "true"], "--env HOLMES_LAUNCH_ID"),
     (["-n", "2", "--bogus", "--", "true"], "--bogus"),
     (["-n", "2", "--"], "no command to run"),
     (["-n", "2", "--", "/nonexistent/program"], "cannot run '/nonexistent/program'"),

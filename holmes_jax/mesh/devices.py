@@ -34,9 +34,10 @@ def device_array(grid, topology: Topology, devices=None, process_nics=None) -> n
     """The real devices at the grid's places.
 
     One process: its devices, in (process_index, id) order, are the topology's devices in order.
-    Several: each process is one node; the i-th process (by index) reporting NIC class X runs the
-    i-th node of class X in topology order. `process_nics`: each process's NIC class (or `Nic`), in
-    process order; None: exchanged between processes (only when the topology has several classes).
+    Several: the processes reporting NIC class X, by index, run the nodes of class X in topology
+    order, each node one process or several consecutive ones (one per GPU) that fill it exactly.
+    `process_nics`: each process's NIC class (or `Nic`), in process order; None: exchanged between
+    processes (only when the topology has several classes).
     """
     by_process = _by_process(devices)
     if len(by_process) == 1:
@@ -60,16 +61,25 @@ def _match_processes(topology: Topology, by_process: dict, process_nics) -> list
     for nic_class in sorted(set(process_nics) | set(classes)):
         nodes = [n for n in range(topology.num_nodes) if topology.clusters[topology.node_cluster[n]].nic == nic_class]
         procs = [p for p, c in zip(by_process, process_nics) if c == nic_class]
-        if len(procs) != len(nodes):
+        have, need = sum(len(by_process[p]) for p in procs), sum(len(topology.node_devices[n]) for n in nodes)
+        if have != need:
             raise ConfigError(
-                f"NIC class {nic_class!r} is reported by {len(procs)} process(es) but topology {topology.name!r} has "
-                f"{len(nodes)} {nic_class} node(s); allowed: one process per node, on a host of that node's NIC class")
-        for node, proc in zip(nodes, procs):
-            want = topology.node_devices[node]
-            if len(by_process[proc]) != len(want):
+                f"NIC class {nic_class!r} is reported by {len(procs)} process(es) with {have} device(s) but topology "
+                f"{topology.name!r} has {len(nodes)} {nic_class} node(s) with {need}; allowed: a node's devices in "
+                "processes on a host of that node's NIC class")
+        # A node runs one process or several (one per GPU, as srun and mpirun start them), taken in
+        # process order: consecutive ranks share a host under srun's and mpirun's default layout.
+        queue = iter(procs)
+        for node in nodes:
+            want, mine = topology.node_devices[node], []
+            while len(mine) < len(want):
+                proc = next(queue)
+                mine += by_process[proc]
+            if len(mine) != len(want):
                 raise ConfigError(f"process {proc} has {len(by_process[proc])} devices but node {node} of topology "
-                                  f"{topology.name!r} has {len(want)}; allowed: {len(want)} devices per process")
-            for index, device in zip(want, by_process[proc]):
+                                  f"{topology.name!r} has {len(want)}; allowed: a node's devices in one process or "
+                                  "several, none spread over two nodes")
+            for index, device in zip(want, mine):
                 placed[index] = device
     return placed
 
