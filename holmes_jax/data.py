@@ -156,7 +156,7 @@ def _max_id(tokens: np.ndarray) -> int:
     return max(int(tokens[i : i + SCAN_CHUNK].max()) for i in range(0, len(tokens), SCAN_CHUNK))
 
 
-def _prepared(source: str) -> Path | None:
+def prepared_folder(source: str) -> Path | None:
     """The folder of a prepared source (one holding meta.json; a folder may be named x.bin), else None.
     The folder's own tokens.bin counts as the folder: its dtype and vocabulary are in meta.json."""
     path = Path(source).expanduser()
@@ -183,7 +183,7 @@ def read_meta(folder: Path) -> dict:
 def vocab_size(cfg: DataConfig) -> int | None:
     """The vocabulary the data declares, known without reading tokens: a prepared folder's, a
     `.bin`'s `DataConfig.vocab_size`; None for byte text and for a `.bin` without one."""
-    folder = _prepared(cfg.source)
+    folder = prepared_folder(cfg.source)
     if folder:
         return read_meta(folder)["vocab_size"]
     return cfg.vocab_size if cfg.source.endswith(".bin") else None
@@ -191,7 +191,7 @@ def vocab_size(cfg: DataConfig) -> int | None:
 
 def tokenizer_path(cfg: DataConfig) -> Path | None:
     """The tokenizer.json of a prepared source that has one (bytes have none)."""
-    folder = _prepared(cfg.source)
+    folder = prepared_folder(cfg.source)
     return folder / TOKENIZER_FILE if folder and (folder / TOKENIZER_FILE).is_file() else None
 
 
@@ -203,7 +203,7 @@ def padded_vocab(n: int, multiple: int = 128) -> int:
 def load(cfg: DataConfig) -> TokenData:
     cache_dir = Path(cfg.cache_dir or Path.home() / ".cache" / "holmes_jax").expanduser()
     declared = True
-    folder = _prepared(cfg.source)
+    folder = prepared_folder(cfg.source)
     if cfg.source == "stdlib":
         tokens = _cached_bytes(_stdlib_files(), cache_dir, cfg.source)
         vocab, what = BYTE_VOCAB, "python stdlib sources (bytes)"

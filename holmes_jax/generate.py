@@ -2,22 +2,26 @@
 [--temperature X] [--top-k K] [--seed S] [--step N]`: prints the prompt and a continuation from a
 run's newest checkpoint (or that of step N).
 
-Text becomes tokens with the run's tokenizer.json, or as UTF-8 bytes when the run read bytes;
-bytes that are not valid UTF-8 print as U+FFFD. There is no KV cache: every new token reruns the
-model over its context, padded to one fixed length so the forward compiles once. The context is
-the last `max_seq_len` tokens.
+Text becomes tokens with the run's tokenizer.json (no special tokens added: training added none),
+or as UTF-8 bytes when the run read bytes; bytes that are not valid UTF-8 print as U+FFFD. A run
+on a .bin token file has no way from text to its ids: an error. Only ids the tokenizer (or bytes)
+knows are generated, not the padding rows of the embedding. Generation stops early at the
+end-of-text id the data put after each document; an empty prompt starts a new document after one.
+There is no KV cache: every new token reruns the model over its context, padded to one fixed
+length so the forward compiles once. The context is the last `max_seq_len` tokens.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from holmes_jax import cli
+from holmes_jax import cli, prepare
 from holmes_jax.config import ConfigError
 from holmes_jax.inference import Model, load
 from holmes_jax.models import gpt
@@ -28,9 +32,13 @@ def encode(m: Model, text: str) -> list[int]:
         text.encode("utf-8")
     except UnicodeEncodeError:  # bytes a terminal passed that are not UTF-8 arrive as lone surrogates
         raise ConfigError(f"--prompt {text!r} is not allowed; allowed: UTF-8 text") from None
+    if m.token_file is not None:  # its ids are not bytes: encoding text as bytes would feed the model noise
+        raise ConfigError(f"the run read token ids from {m.token_file!r} and has no tokenizer.json, so text cannot "
+                          f"become its ids; generate from a run on text or on a holmes-data prepare folder")
     if m.tokenizer is None:
         return list(text.encode("utf-8"))
-    return m.tokenizer.encode(text).ids
+    # A template's special tokens (a leading <s>, say) were not in the training data either.
+    return m.tokenizer.encode(text, add_special_tokens=False).ids
 
 
 def decode(m: Model, ids: list[int]) -> str:
@@ -41,21 +49,40 @@ def decode(m: Model, ids: list[int]) -> str:
 
 def generate(m: Model, prompt: list[int], max_tokens: int, greedy: bool = False, temperature: float = 1.0,
              top_k: int | None = None, seed: int = 0) -> list[int]:
-    """`max_tokens` new token ids after `prompt` (greedy: the most likely each time, else sampled)."""
-    if not prompt:
+    """Up to `max_tokens` new token ids after `prompt` (greedy: the most likely each time, else
+    sampled), ending before the run's end-of-text id if the model writes it."""
+    eot = m.end_of_text if m.end_of_text is not None and m.end_of_text < m.config.vocab_size else None
+    if not prompt and eot is None:
         raise ConfigError("--prompt is empty: generation needs at least one token")
-    if max(prompt) >= m.config.vocab_size:
+    if prompt and max(prompt) >= m.config.vocab_size:
         raise ConfigError(f"--prompt holds token id {max(prompt)}, outside ModelConfig.vocab_size = {m.config.vocab_size}")
-    length = min(len(prompt) + max_tokens, m.config.max_seq_len)
+    if not greedy and not (math.isfinite(temperature) and temperature > 0):
+        raise ConfigError(f"--temperature {temperature} is not allowed; allowed: a finite positive number")
+    start = [] if prompt else [eot]  # every training document follows an end-of-text
+    known = min(_known_ids(m), m.config.vocab_size)
+    length = min(len(start) + len(prompt) + max_tokens, m.config.max_seq_len)
     rng = np.random.default_rng(seed)
-    ids = list(prompt)
+    ids = start + list(prompt)
     for _ in range(max_tokens):
         context = ids[-length:]
         padded = np.zeros((1, length), np.int32)
         padded[0, : len(context)] = context  # causal: the padding after the context changes nothing before it
-        logits = np.asarray(_last_logits(m.gpt, m.params, jnp.asarray(padded), len(context)), np.float64)
-        ids.append(int(np.argmax(logits)) if greedy else _sample(logits, temperature, top_k, rng))
-    return ids[len(prompt):]
+        logits = np.asarray(_last_logits(m.gpt, m.params, jnp.asarray(padded), len(context)), np.float64)[:known]
+        token = int(np.argmax(logits)) if greedy else _sample(logits, temperature, top_k, rng)
+        if token == eot:
+            break
+        ids.append(token)
+    return ids[len(start) + len(prompt):]
+
+
+def _known_ids(m: Model) -> int:
+    """How many ids the run's text has: the vocabulary is padded (to a multiple of 128) with rows no
+    data held, which would print as nothing (tokenizer) or U+FFFD (bytes)."""
+    if m.tokenizer is not None:
+        return max(m.tokenizer.get_vocab(with_added_tokens=True).values()) + 1
+    if m.token_file is not None:
+        return m.config.vocab_size
+    return prepare.BYTE_VOCAB + (m.end_of_text is not None)
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -78,8 +105,8 @@ def _positive_float(text: str) -> float:
         value = float(text)
     except ValueError:
         value = -1.0
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not allowed; allowed: a positive number")
+    if not (math.isfinite(value) and value > 0):  # inf: its top-k sampling divides -inf by inf
+        raise argparse.ArgumentTypeError(f"{text!r} is not allowed; allowed: a finite positive number")
     return value
 
 
@@ -87,8 +114,10 @@ def main(argv: list[str]) -> int:
     p = cli.Parser(prog="python -m holmes_jax.generate",
                    description="Continue a prompt with a run's newest checkpoint.")
     p.add_argument("--workdir", required=True, help="the run's TrainConfig.workdir")
-    p.add_argument("--prompt", required=True, help="the text to continue")
-    p.add_argument("--max-tokens", type=cli.positive_int, default=64, help="tokens to generate (default 64)")
+    p.add_argument("--prompt", required=True,
+                   help="the text to continue ('': a new document, where the run's data marks their ends)")
+    p.add_argument("--max-tokens", type=cli.positive_int, default=64,
+                   help="tokens to generate at most: fewer when the model ends the document (default 64)")
     p.add_argument("--greedy", action="store_true", help="always the most likely token (no sampling)")
     p.add_argument("--temperature", type=_positive_float, default=1.0, help="sampling temperature (default 1)")
     p.add_argument("--top-k", type=cli.positive_int, help="sample among the K most likely tokens only")

@@ -3,7 +3,8 @@
     m = holmes_jax.load("runs/default")
     m.config, m.step        # the resolved ModelConfig, the checkpoint's step
     m.params                # canonical parameters {"embed", "blocks", "head"}, float32
-    m.tokenizer             # tokenizers.Tokenizer, or None: the run read bytes
+    m.tokenizer             # tokenizers.Tokenizer, or None: the run read bytes (or a .bin's ids)
+    m.end_of_text           # the id its data put after each document, or None
     m.logits(tokens)        # int (batch, seq) -> float32 (batch, seq, vocab)
 
 The configs come from the run's config.gin (parsed with gin, which replaces any gin config the
@@ -22,7 +23,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from holmes_jax import configure
+from holmes_jax import configure, prepare
 from holmes_jax import data as data_sources
 from holmes_jax.checkpoint import reason
 from holmes_jax.config import ConfigError, DataConfig, ModelConfig
@@ -82,6 +83,8 @@ class Model:
     params: dict
     tokenizer: Any  # tokenizers.Tokenizer | None
     step: int
+    end_of_text: int | None = None  # the id the data put after each document; None: it put none
+    token_file: str | None = None  # the .bin the run read ids from, with no tokenizer to turn text into them
 
     def __post_init__(self):
         self.gpt = gpt.GPT(self.config)
@@ -105,10 +108,21 @@ def load(workdir: str | Path, step: int | None = None) -> Model:
     """The model of a run's newest checkpoint (or of `step`)."""
     cfg, data = read_configs(workdir)
     params, step = restore_params(workdir, cfg, step)
-    tokenizer = None
+    tokenizer, eot, token_file = None, None, None
     path = tokenizer_file(workdir, data)
+    prepared = data_sources.prepared_folder(data.source)
     if path is not None:
         import tokenizers
 
-        tokenizer = tokenizers.Tokenizer.from_file(str(path))
-    return Model(cfg, params, tokenizer, step)
+        try:
+            tokenizer = tokenizers.Tokenizer.from_file(str(path))
+        except Exception as e:  # a damaged copy: the tokenizers library raises a bare Exception
+            raise ConfigError(f"{str(path)!r} cannot be read as a tokenizer.json ({reason(e)}); copy the run's "
+                              f"data folder's tokenizer.json there again") from None
+        vocab = tokenizer.get_vocab(with_added_tokens=True)  # holmes-data prepare's end-of-text rule
+        eot = next((vocab[name] for name in prepare.EOT_NAMES if name in vocab), None)
+    elif prepared:  # prepared as bytes: ids 0-255 and end-of-text 256
+        eot = prepare.BYTE_VOCAB
+    elif data.source.endswith(".bin"):
+        token_file = data.source
+    return Model(cfg, params, tokenizer, step, eot, token_file)

@@ -2,6 +2,7 @@
 run (grouped-query attention, biases, tied embeddings, a tokenizer.json in its data folder) serves
 the run-level tests; the GPT-2 / LLaMA layouts are checked on freshly initialised parameters."""
 
+import argparse
 import json
 import subprocess
 import sys
@@ -255,6 +256,7 @@ def test_load_gives_the_runs_model(run):
     cfg, _ = inference.read_configs(run)
     assert m.config == cfg and m.step == 2
     assert m.tokenizer.get_vocab_size() == 201  # the data's tokenizer, <|endoftext|> added by prepare
+    assert m.end_of_text == json.loads((run.parent / "data" / "meta.json").read_text())["eot_id"] == 200
     # The run keeps a copy: found from any working folder, and after the data folder moves.
     assert inference.tokenizer_file(run, inference.read_configs(run)[1]) == run / "tokenizer.json"
     params, _ = inference.restore_params(run, cfg)
@@ -336,3 +338,55 @@ def test_import_reads_sharded_bfloat16_folders(tmp_path):
     want = jax.tree.map(lambda x: np.asarray(x.astype(ml_dtypes.bfloat16), np.float32), params)
     jax.tree.map(np.testing.assert_array_equal, back, want)
     assert all(x.dtype == np.float32 for x in jax.tree.leaves(back))
+
+
+def _model_favouring(token: int, vocab: int = 384, tokenizer=None, **fields) -> inference.Model:
+    """A Model whose next-token logits are 64 for `token`, 32 for the byte 'A' and 0 for the rest,
+    whatever the context: its head's norm outputs ones and its output kernel picks the columns."""
+    cfg = presets.resolve(ModelConfig(preset="tiny", num_layers=1, hidden=64, num_heads=4, ffn_hidden=96,
+                                      vocab_size=vocab, tie_embeddings=False))
+    params = jax.tree.map(np.array, gpt.GPT(cfg).init(0))
+    params["head"]["norm"]["scale"][:], params["head"]["norm"]["bias"][:] = 0.0, 1.0
+    kernel = np.zeros((cfg.hidden, vocab), np.float32)
+    kernel[:, token], kernel[:, ord("A")] = 1.0, 0.5
+    params["head"]["out"]["kernel"] = kernel
+    return inference.Model(cfg, params, tokenizer, 0, **fields)
+
+
+def test_generation_never_writes_the_padding_rows_of_the_vocabulary():
+    # 257 ids (bytes and end-of-text) padded to 384: ids 257-383 were never in the data.
+    for m in (_model_favouring(300), _model_favouring(300, end_of_text=256)):
+        assert generate.generate(m, [65], 3, greedy=True) == [65] * 3
+        assert generate.generate(m, [65], 3, top_k=1) == [65] * 3
+        assert "\ufffd" not in generate.decode(m, generate.generate(m, [65], 3, temperature=1e-3))
+
+
+def test_generation_stops_at_end_of_text_and_an_empty_prompt_starts_a_document():
+    m = _model_favouring(256, end_of_text=256)
+    assert generate.generate(m, [65, 66], 5, greedy=True) == []  # the model ended the document
+    assert generate.generate(m, [65, 66], 5, top_k=1) == []
+    after = _model_favouring(300, end_of_text=256)
+    assert generate.generate(after, [], 3, greedy=True) == [65] * 3
+    with pytest.raises(ConfigError, match="--prompt is empty"):  # text read as bytes: no end-of-text
+        generate.generate(_model_favouring(200, vocab=256), [], 3, greedy=True)
+
+
+def test_an_infinite_temperature_is_refused():
+    with pytest.raises(argparse.ArgumentTypeError, match="allowed: a finite positive number"):
+        generate._positive_float("inf")
+    with pytest.raises(ConfigError, match="--temperature inf"):
+        generate.generate(_model_favouring(300), [65], 2, temperature=float("inf"), top_k=2)
+
+
+def test_prompts_get_no_special_tokens_and_only_the_tokenizers_ids_come_out(tmp_path):
+    import tokenizers
+
+    _tokenizer_json("abc abd abe " * 20, tmp_path / "bpe.json")
+    tok = tokenizers.Tokenizer.from_file(str(tmp_path / "bpe.json"))
+    unk = tok.token_to_id("<unk>")
+    tok.post_processor = tokenizers.processors.TemplateProcessing(single="<unk> $A", special_tokens=[("<unk>", unk)])
+    m = _model_favouring(300, tokenizer=tok)  # a template that adds a leading token, as LLaMA's adds <s>
+    assert generate.encode(m, "abc") == tok.encode("abc", add_special_tokens=False).ids
+    assert unk not in generate.encode(m, "abc")
+    n = max(tok.get_vocab(with_added_tokens=True).values()) + 1
+    assert all(i < n for i in generate.generate(m, generate.encode(m, "abc"), 3, greedy=True))

@@ -8,9 +8,10 @@ import os
 import shutil
 
 import jax
+import numpy as np
 import pytest
 
-from holmes_jax import cli, generate, train
+from holmes_jax import cli, generate, inference, prepare, train
 from helpers import small_configs
 
 
@@ -47,3 +48,35 @@ def test_a_damaged_checkpoint_is_one_error_line_naming_the_others(run_dir, tmp_p
     assert err.strip().endswith("allowed: --step 1") and len(err.splitlines()) == 1, err
     code, out, err = _generate("--workdir", run_dir, "--prompt", "ab", "--max-tokens", 1, "--step", 1)
     assert code == 0 and out.startswith("ab"), err
+
+
+def _with_data_source(run_dir, tmp_path, source) -> object:
+    """A copy of the run whose config.gin names another DataConfig.source (the model's shapes unchanged)."""
+    copy = shutil.copytree(run_dir, tmp_path / "run")
+    gin = copy / "config.gin"
+    gin.write_text("\n".join(f"DataConfig.source = {str(source)!r}" if line.startswith("DataConfig.source")
+                             else line for line in gin.read_text().splitlines()))
+    return copy
+
+
+def test_a_run_on_a_token_file_refuses_a_text_prompt_in_one_line(run_dir, tmp_path):
+    ids = tmp_path / "ids.bin"
+    np.arange(200, dtype=np.uint16).tofile(ids)  # ids with no tokenizer: "ab" as bytes would be other tokens
+    code, out, err = _generate("--workdir", _with_data_source(run_dir, tmp_path, ids), "--prompt", "ab",
+                               "--max-tokens", 1, "--greedy")
+    assert code == 2 and not out and err.startswith("error: the run read token ids from") and "ids.bin" in err, err
+    assert len(err.splitlines()) == 1, err
+
+
+def test_a_damaged_tokenizer_json_is_one_error_line(run_dir, tmp_path):
+    copy = shutil.copytree(run_dir, tmp_path / "run")
+    (copy / "tokenizer.json").write_text("{broken")
+    code, _, err = _generate("--workdir", copy, "--prompt", "ab", "--max-tokens", 1)
+    assert code == 2 and err.startswith("error: ") and "tokenizer.json" in err and len(err.splitlines()) == 1, err
+
+
+def test_a_run_on_prepared_bytes_knows_its_end_of_text(run_dir, tmp_path):
+    (tmp_path / "doc.txt").write_text("hello world\n" * 20)
+    prepare.prepare([str(tmp_path / "doc.txt")], str(tmp_path / "data"), "bytes")
+    assert inference.load(_with_data_source(run_dir, tmp_path, tmp_path / "data")).end_of_text == 256
+    assert inference.load(run_dir).end_of_text is None  # text read as bytes: documents have no end mark
