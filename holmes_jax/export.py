@@ -50,10 +50,12 @@ def architecture(cfg: ModelConfig) -> str:
                       f"rmsnorm, swiglu")
 
 
-def hf_config(cfg: ModelConfig) -> dict:
-    """config.json for `cfg`. No token ids: the run's tokenizer (or bytes) defines them."""
+def hf_config(cfg: ModelConfig, end_of_text: int | None = None) -> dict:
+    """config.json for `cfg`. The only token id is `end_of_text`, the one the run's data put after
+    each document (where it put one): `transformers`' generate stops there. No begin-of-text: the
+    runs' documents start without one."""
     common = dict(architectures=[architecture(cfg)], vocab_size=cfg.vocab_size, tie_word_embeddings=cfg.tie_embeddings,
-                  bos_token_id=None, eos_token_id=None, torch_dtype="float32")
+                  bos_token_id=None, eos_token_id=end_of_text, torch_dtype="float32")
     if architecture(cfg) == GPT2:
         return dict(common, model_type="gpt2", n_layer=cfg.num_layers, n_embd=cfg.hidden, n_head=cfg.num_heads,
                     n_inner=cfg.ffn_hidden, n_positions=cfg.max_seq_len, layer_norm_epsilon=cfg.norm_eps,
@@ -316,10 +318,11 @@ def import_hf(folder: str | Path, cfg: ModelConfig) -> dict:
     return _from_hf(tensors, cfg)
 
 
-def save_hf(params: dict, cfg: ModelConfig, out: str | Path, tokenizer: Path | None = None) -> Path:
+def save_hf(params: dict, cfg: ModelConfig, out: str | Path, tokenizer: Path | None = None,
+            end_of_text: int | None = None) -> Path:
     """Writes `params` of `cfg` as a Hugging Face folder `out`, which must be new or empty (and
     copies `tokenizer`, a tokenizer.json); returns its absolute path."""
-    config = hf_config(cfg)
+    config = hf_config(cfg, end_of_text)
     with cli.output_folder(out, last="config.json") as tmp:
         try:
             safetensors.numpy.save_file(to_hf(params, cfg), tmp / "model.safetensors", metadata={"format": "pt"})
@@ -336,8 +339,9 @@ def export(workdir: str | Path, out: str | Path, step: int | None = None) -> Pat
     cfg, data = inference.read_configs(workdir)
     architecture(cfg)  # before the restore: an unexportable config or a taken --out fails fast
     cli.new_folder(out)
+    _, eot, _ = inference.run_tokens(workdir, data)  # before the restore: a damaged tokenizer.json fails fast
     params, _ = inference.restore_params(workdir, cfg, step, jax.devices("cpu")[0])
-    return save_hf(params, cfg, out, inference.tokenizer_file(workdir, data))
+    return save_hf(params, cfg, out, inference.tokenizer_file(workdir, data), eot)
 
 
 def main(argv: list[str]) -> int:

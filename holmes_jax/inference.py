@@ -104,13 +104,10 @@ class Model:
         return self._logits(self.params, tokens.astype(np.int32))
 
 
-def load(workdir: str | Path, step: int | None = None) -> Model:
-    """The model of a run's newest checkpoint (or of `step`)."""
-    cfg, data = read_configs(workdir)
-    params, step = restore_params(workdir, cfg, step)
-    tokenizer, eot, token_file = None, None, None
+def run_tokens(workdir: str | Path, data: DataConfig) -> tuple[Any, int | None, str | None]:
+    """How a run's text became ids: (its tokenizers.Tokenizer or None for bytes, the end-of-text id
+    its data put after each document or None, the .bin it read ids from with no tokenizer or None)."""
     path = tokenizer_file(workdir, data)
-    prepared = data_sources.prepared_folder(data.source)
     if path is not None:
         import tokenizers
 
@@ -120,9 +117,15 @@ def load(workdir: str | Path, step: int | None = None) -> Model:
             raise ConfigError(f"{str(path)!r} cannot be read as a tokenizer.json ({reason(e)}); copy the run's "
                               f"data folder's tokenizer.json there again") from None
         vocab = tokenizer.get_vocab(with_added_tokens=True)  # holmes-data prepare's end-of-text rule
-        eot = next((vocab[name] for name in prepare.EOT_NAMES if name in vocab), None)
-    elif prepared:  # prepared as bytes: ids 0-255 and end-of-text 256
-        eot = prepare.BYTE_VOCAB
-    elif data.source.endswith(".bin"):
-        token_file = data.source
+        return tokenizer, next((vocab[name] for name in prepare.EOT_NAMES if name in vocab), None), None
+    if data_sources.prepared_folder(data.source):  # prepared as bytes: ids 0-255 and end-of-text 256
+        return None, prepare.BYTE_VOCAB, None
+    return None, None, data.source if data.source.endswith(".bin") else None
+
+
+def load(workdir: str | Path, step: int | None = None) -> Model:
+    """The model of a run's newest checkpoint (or of `step`)."""
+    cfg, data = read_configs(workdir)
+    params, step = restore_params(workdir, cfg, step)
+    tokenizer, eot, token_file = run_tokens(workdir, data)
     return Model(cfg, params, tokenizer, step, eot, token_file)

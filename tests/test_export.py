@@ -84,6 +84,7 @@ def test_the_files_follow_transformers_names_shapes_and_config(tmp_path, name, o
     assert all(v.dtype == np.float32 for v in tensors.values())
     config = json.loads((out / "config.json").read_text())
     assert config["vocab_size"] == cfg.vocab_size and config["tie_word_embeddings"] is False
+    assert config["eos_token_id"] is None  # no run, no data: no end-of-text
     if name == "gpt2":
         assert config["architectures"] == ["GPT2LMHeadModel"] and config["model_type"] == "gpt2"
         assert (config["n_layer"], config["n_embd"], config["n_head"], config["n_inner"], config["n_positions"]) == (
@@ -117,6 +118,8 @@ def test_export_of_a_run_imports_back_to_its_checkpoint(run, tmp_path):
     config = json.loads((out / "config.json").read_text())
     assert config["attention_bias"] is config["mlp_bias"] is True and config["rope_theta"] == 500000.0
     assert config["tie_word_embeddings"] is True
+    meta = json.loads((run.parent / "data" / "meta.json").read_text())
+    assert config["eos_token_id"] == meta["eot_id"] and config["bos_token_id"] is None  # transformers stops there
     assert (out / "tokenizer.json").read_bytes() == (run.parent / "data" / "tokenizer.json").read_bytes()
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), params, export.import_hf(out, cfg))
     first = safetensors.numpy.load_file(export.export(run, tmp_path / "hf1", step=1) / "model.safetensors")
