@@ -16,6 +16,7 @@ import contextlib
 import os
 import shutil
 import signal
+import socket
 import sys
 from pathlib import Path
 from typing import Callable, Iterator, NoReturn
@@ -98,16 +99,39 @@ def new_folder(out: str | Path) -> Path:
     return path
 
 
+def _remove_leftovers(folder: Path, prefix: str) -> None:
+    """Removes `folder`'s PREFIX<pid>.tmp whose process is gone: a killed command's temporary output
+    (its `finally` never ran), which nothing else would ever remove."""
+    for old in folder.iterdir():
+        pid = old.name[len(prefix):-len(".tmp")]
+        if old.name.startswith(prefix) and old.name.endswith(".tmp") and pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return False  # our own leftover: an earlier call of this process, or a process before it with our pid
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, OverflowError):  # OverflowError: a number no pid can be
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
 @contextlib.contextmanager
 def output_folder(out: str | Path, last: str) -> Iterator[Path]:
     """Yields a temporary folder beside `out` (see `new_folder`) to write into, then moves it to
     `out`: one rename, or into an existing empty folder (the working one, say) file by file with
-    `last`, the file readers look for, last. A failure leaves no `out` and no temporary folder."""
+    `last`, the file readers look for, last. A failure leaves no `out` and no temporary folder; the
+    one a killed command left (beside the same `out`) goes at the next."""
     path = new_folder(out)
-    tmp = path.parent / f".{path.name}.{os.getpid()}.tmp"  # ours by name: a leftover of a killed run
+    prefix = f".{path.name}.{socket.gethostname()}."  # the host too: on a shared disk a pid is only this host's
+    tmp = path.parent / f"{prefix}{os.getpid()}.tmp"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
+        _remove_leftovers(path.parent, prefix)
         tmp.mkdir()
         yield tmp
         if path.exists():

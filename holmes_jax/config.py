@@ -24,7 +24,9 @@ class ConfigError(ValueError):
 
 
 def check_choice(name: str, value: Any, allowed: tuple) -> None:
-    if value not in allowed:
+    # Compared one by one, type included: `in` on a dict of choices raised TypeError for a list
+    # value, and 1 or 0.0 passed as True or False.
+    if not any(type(value) is type(choice) and value == choice for choice in allowed):
         raise ConfigError(f"{name} = {value!r} is not allowed; choose one of {', '.join(map(repr, allowed))}")
 
 

@@ -106,6 +106,20 @@ def parse_args(argv: list[str]) -> tuple[list[str], list[str]]:
     return files, bindings
 
 
+def _check_macros(bindings: list[str]) -> None:
+    """gin takes `--gin.steps=3` (no class) as a macro, which sets nothing unless a gin file uses
+    `%steps`: a typo that was silently ignored. Call after the configs are built (gin's operative
+    config then lists the macros used)."""
+    used = gin.operative_config_str()
+    for binding in bindings:
+        name, _, value = binding.partition(" = ")
+        if re.fullmatch(r"\w+", name) and not re.search(rf"^{name} = ", used, flags=re.MULTILINE):
+            fields = [f"{cls.__name__}.{name}" for cls in CLASSES if name in {f.name for f in dataclasses.fields(cls)}]
+            raise ConfigError(f"--gin.{name}={value} sets nothing: a field is named Class.field, as in "
+                              f"{' or '.join(fields) or 'TrainConfig.steps'} (a bare name is a gin macro, "
+                              f"and no gin file uses %{name})")
+
+
 def load_configs(argv: list[str]) -> Configs:
     """Parses configs/default.gin, the gin files on top of it and the bindings into validated configs
     (the model resolved from its preset)."""
@@ -127,7 +141,9 @@ def load_configs(argv: list[str]) -> Configs:
         raise ConfigError(f"gin: {e.filename or '--gin binding'}, line {e.lineno}: {(e.text or '').strip()!r}: "
                           f"{reason} (a value is a Python literal: quote strings, as in 'runs/x')") from None
     except Exception as e:  # gin reports unknown names and unparsable values with assorted types
-        raise ConfigError("gin: " + " ".join(str(e).split())) from None
+        # an unbound %macro's message went on with the whole config text
+        raise ConfigError("gin: " + " ".join(str(e).partition(" in config string:")[0].split())) from None
+    _check_macros(bindings)
     for c in (cfgs.parallel, cfgs.data, cfgs.train, cfgs.checkpoint):
         c.validate()
     model = cfgs.model

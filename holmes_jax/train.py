@@ -165,6 +165,10 @@ def _resume_and_train(cfgs: Configs, setup: Setup, token_data, workdir: Path, ck
         say(f"resumed from checkpoint at step {start}")
     else:
         state, start = setup.init_state(), 0
+    last = min(tcfg.steps, tcfg.stop_after or tcfg.steps)
+    if start >= last:  # config.gin stays the checkpointed run's: these settings trained nothing
+        say(f"nothing to do: the checkpoint is at step {start}, the run ends at step {last}")
+        return {"steps": start}
     if lead:  # only now: a checkpoint that does not fit must not leave this run's config behind
         settings, saved = configure.operative_config(cfgs), workdir / "config.gin"
         if restored and saved.is_file() and (changed := configure.changed_settings(saved.read_text(), settings)):
@@ -175,10 +179,6 @@ def _resume_and_train(cfgs: Configs, setup: Setup, token_data, workdir: Path, ck
         if tokenizer := data.tokenizer_path(cfgs.data):  # export and generate find it here, from any folder
             shutil.copyfile(tokenizer, workdir / "tokenizer.json")
         (workdir / "plan.json").write_text(setup.plan.to_json(indent=1))  # what `holmes_jax.report` compares against
-    last = min(tcfg.steps, tcfg.stop_after or tcfg.steps)
-    if start >= last:
-        say(f"nothing to do: the checkpoint is at step {start}, the run ends at step {last}")
-        return {"steps": start}
 
     t0 = time.perf_counter()
     compiled = make_train_step(setup).lower(state, setup.batch("train", start, token_data)).compile()

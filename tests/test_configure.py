@@ -6,6 +6,8 @@ import dataclasses
 import importlib
 import io
 import logging
+import signal
+import subprocess
 import sys
 import tomllib
 
@@ -119,6 +121,9 @@ def test_holmes_plan_runs_the_plan_command(monkeypatch, capsys):
     ("TrainConfig.min_lr_ratio=True", "TrainConfig.min_lr_ratio"),
     ("TrainConfig.weight_decay=False", "TrainConfig.weight_decay"),
     ("TrainConfig.beta1=False", "TrainConfig.beta1"),
+    ("ParallelConfig.grad_reduce_dtype=[1]", "ParallelConfig.grad_reduce_dtype"),  # was a TypeError (unhashable)
+    ("CheckpointConfig.enabled=1", "CheckpointConfig.enabled"),  # 1 and 0 passed as True and False
+    ("ParallelConfig.zero1=0", "ParallelConfig.zero1"),
 ])
 def test_values_that_failed_later_or_silently_are_config_errors_naming_the_field(binding, field):
     with pytest.raises(ConfigError, match=f"^{field} = .* allowed|^{field} = .* must|^{field} = .* not known"):
@@ -180,3 +185,30 @@ def test_an_include_found_nowhere_is_one_config_error_without_a_log_line(tmp_pat
     with caplog.at_level(logging.INFO), pytest.raises(ConfigError, match="missing.gin"):
         configure.load_configs(["--gin_file", str(path)])
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]  # was ERROR:root:Path not found
+
+
+def test_a_binding_without_a_class_is_refused_unless_a_gin_file_uses_it(tmp_path):
+    # gin read `--gin.steps=3` as a macro nothing used: the run went on with 300 steps
+    with pytest.raises(ConfigError, match=r"^--gin.steps=3 sets nothing: .* TrainConfig.steps"):
+        configure.load_configs(["--gin.steps=3"])
+    with pytest.raises(ConfigError, match="ModelConfig.vocab_size or DataConfig.vocab_size"):
+        configure.load_configs(["--gin.vocab_size=512"])
+    path = tmp_path / "run.gin"
+    path.write_text("TrainConfig.steps = %STEPS\n")  # a macro a gin file uses is what macros are for
+    assert configure.load_configs(["--gin_file", str(path), "--gin.STEPS=7"]).train.steps == 7
+    with pytest.raises(ConfigError) as e:  # an unbound macro: gin's message went on with the whole config
+        configure.load_configs(["--gin_file", str(path)])
+    assert str(e.value) == "gin: No bindings specified for 'STEPS/gin.macro'"
+
+
+def test_a_killed_commands_temporary_output_is_removed_by_the_next(tmp_path):
+    out = tmp_path / "out"
+    killed = subprocess.run([sys.executable, "-c", "import os, signal, sys\nfrom holmes_jax import cli\n"
+                             "with cli.output_folder(sys.argv[1], 'meta') as tmp:\n"
+                             "    (tmp / 'part').write_text('x')\n    os.kill(os.getpid(), signal.SIGKILL)", str(out)],
+                            cwd=REPO)
+    assert killed.returncode == -signal.SIGKILL and [p.name for p in tmp_path.iterdir()] != []
+    with cli.output_folder(out, "meta") as tmp:
+        (tmp / "meta").write_text("{}")
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]  # the killed one's folder stayed forever
+    assert [p.name for p in out.iterdir()] == ["meta"]

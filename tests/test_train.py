@@ -232,3 +232,11 @@ def test_fresh_states_saves_and_restores_compile_once(tmp_path):
         jax.monitoring.unregister_event_duration_listener(listener)
     assert compiles == []
     assert jax.tree.structure(state) == jax.tree.structure(setup.abstract_state())
+
+
+def test_a_rerun_with_nothing_to_do_leaves_config_gin_as_the_checkpointed_run_wrote_it(tmp_path):
+    train.run(small_configs(tmp_path, "--gin.TrainConfig.steps=2"), quiet=True)
+    written = (tmp_path / "config.gin").read_text()
+    assert train.run(small_configs(tmp_path, "--gin.TrainConfig.steps=1"), quiet=True) == {"steps": 2}
+    # was rewritten with steps = 1: a rerun then said "TrainConfig.steps 1 -> 2" of a run trained to 2
+    assert (tmp_path / "config.gin").read_text() == written
