@@ -12,11 +12,12 @@ def _abstract_params(cfg):
     return jax.eval_shape(lambda: gpt.GPT(cfg).init(0))
 
 
-@pytest.mark.parametrize("name, billions", [("3.6b", 3.6), ("7.5b", 7.5), ("39.1b", 39.1)])
+@pytest.mark.parametrize("name, billions", [("125m", 0.125), ("350m", 0.35), ("1.3b", 1.3), ("3.6b", 3.6),
+                                            ("7.5b", 7.5), ("39.1b", 39.1)])
 def test_preset_parameter_counts_match_their_names(name, billions):
     cfg = presets.resolve(ModelConfig(preset=name))
     count = gpt.count_params(_abstract_params(cfg))
-    assert abs(count / 1e9 - billions) / billions < 0.03, count
+    assert abs(count / 1e9 - billions) / billions < 0.02, count  # as the presets' docstring says
 
 
 @pytest.mark.parametrize("options", [
@@ -226,3 +227,21 @@ def test_the_planners_zero1_rule_keeps_whole_what_the_runtime_keeps_whole(option
     shared = gpt.count_params(params["embed"]) + gpt.count_params(params["head"])
     assert expected.shared_share == pytest.approx(sum(x.size for x in whole["embed"] + whole["head"]) / shared)
     assert expected.leaves == sum(len(w) for w in whole.values())
+
+
+def test_bf16_embedding_gradient_of_a_frequent_token_stays_close_to_fp32():
+    # The lookup's gradient adds up every occurrence of a token: in bfloat16 half a batch of one
+    # token got a gradient off by a quarter. Every other gradient is within bf16's usual ~0.5%.
+    tokens = np.random.default_rng(3).integers(0, 256, (16, 257))
+    tokens[np.random.default_rng(4).random(tokens.shape) < 0.5] = 32
+    batch = jnp.asarray(tokens, jnp.int32)
+
+    def grads(dtype):
+        cfg = presets.resolve(ModelConfig(preset="tiny", num_layers=1, compute_dtype=dtype))
+        model = gpt.GPT(cfg)
+        return jax.jit(jax.grad(model.loss))(model.init(0), batch)["embed"]
+
+    ref, bf16 = grads("float32"), grads("bfloat16")
+    for name in ("tokens", "positions"):
+        a, b = jax.tree.leaves(bf16[name])[0], jax.tree.leaves(ref[name])[0]
+        assert float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b)) < 0.02, name

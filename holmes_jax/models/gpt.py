@@ -83,10 +83,12 @@ class Embedding(nnx.Module):
             self.positions = nnx.Param(_INIT(rngs.params(), (cfg.max_seq_len, cfg.hidden), jnp.float32))
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
-        x = self.tokens(tokens)
+        # Looked up and summed in float32, then cast: the lookup's gradient is a scatter-add over
+        # every occurrence of a token, which in bfloat16 loses much of a frequent token's gradient.
+        x = jnp.take(self.tokens.embedding[...], tokens, axis=0)
         if self.cfg.positions == "learned":
-            x = x + self.positions[: tokens.shape[1]].astype(x.dtype)
-        return x
+            x = x + self.positions[: tokens.shape[1]]
+        return x.astype(self.cfg.compute_dtype)
 
 
 class Block(nnx.Module):

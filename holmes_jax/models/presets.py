@@ -2,10 +2,10 @@
 
 The large presets follow Megatron's GPT shapes used by the Holmes paper (vocabulary padded to
 51200, sequence 2048, learned positions, LayerNorm, GELU, tied embeddings); their parameter
-counts land within 1% of their names. `gpt2-small` is GPT-2's smallest model exactly (biases,
-vocabulary 50257), `llama3-8b` Llama 3 8B's shapes and `llama-1b` Llama 3.2 1B's (both use the
-plain rotary frequencies: no long-context scaling), so their weights convert to and from Hugging
-Face (`holmes_jax.export`).
+counts land within 2% of their names (350m has 357 million, 1.3b 1.32 billion). `gpt2-small` is
+GPT-2's smallest model exactly (biases, vocabulary 50257), `llama3-8b` Llama 3 8B's shapes and
+`llama-1b` Llama 3.2 1B's (both use the plain rotary frequencies: no long-context scaling), so
+their weights convert to and from Hugging Face (`holmes_jax.export`).
 """
 
 from __future__ import annotations
