@@ -88,7 +88,9 @@ class ModelConfig:
                 f"ModelConfig.hidden = {self.hidden} must be divisible by ModelConfig.num_heads = {self.num_heads}"
             )
         if self.positions == "rotary" and self.head_dim % 2:
-            raise ConfigError(f"rotary positions need an even head size; hidden / num_heads = {self.head_dim}")
+            raise ConfigError(f"ModelConfig.hidden = {self.hidden} / ModelConfig.num_heads = {self.num_heads} = "
+                              f"{self.head_dim} must be even: ModelConfig.positions = 'rotary' turns pairs of a "
+                              "head's dimensions")
         check_positive("ModelConfig.num_kv_heads", self.num_kv_heads)
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(f"ModelConfig.num_kv_heads = {self.num_kv_heads} must divide "

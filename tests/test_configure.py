@@ -130,6 +130,12 @@ def test_values_that_failed_later_or_silently_are_config_errors_naming_the_field
         configure.load_configs(["--gin.ParallelConfig.pp=1", f"--gin.{binding}"])
 
 
+def test_an_odd_rotary_head_size_names_the_fields():
+    with pytest.raises(ConfigError, match=r"^ModelConfig.hidden = 120 / ModelConfig.num_heads = 8 = 15 must be even"):
+        configure.load_configs(["--gin.ModelConfig.positions='rotary'", "--gin.ModelConfig.hidden=120",
+                                "--gin.ModelConfig.num_heads=8"])
+
+
 def test_a_bare_word_in_a_gin_file_names_the_file_line_and_the_fix(tmp_path):
     path = tmp_path / "run.gin"
     path.write_text("TrainConfig.steps = 3\nTrainConfig.workdir = runs/x\n")
