@@ -128,7 +128,7 @@ def load_configs(argv: list[str]) -> Configs:
     files = [f for f in files if f is not None]
     for f in files:
         if not Path(f).is_file():
-            raise ConfigError(f"--gin_file {f!r}: no such file")
+            raise ConfigError(f"--gin_file {f!r}: " + ("a folder, not a gin file" if Path(f).is_dir() else "no such file"))
         _search_beside(f)
     gin.clear_config()
     try:

@@ -136,6 +136,13 @@ def test_an_odd_rotary_head_size_names_the_fields():
                                 "--gin.ModelConfig.num_heads=8"])
 
 
+def test_a_gin_file_that_is_missing_or_a_folder_is_named_as_such(tmp_path):
+    with pytest.raises(ConfigError, match=r"^--gin_file '.*nope.gin': no such file$"):
+        configure.load_configs(["--gin_file", str(tmp_path / "nope.gin")])
+    with pytest.raises(ConfigError, match=r"^--gin_file '.*': a folder, not a gin file$"):
+        configure.load_configs(["--gin_file", str(tmp_path)])
+
+
 def test_a_bare_word_in_a_gin_file_names_the_file_line_and_the_fix(tmp_path):
     path = tmp_path / "run.gin"
     path.write_text("TrainConfig.steps = 3\nTrainConfig.workdir = runs/x\n")
