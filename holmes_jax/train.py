@@ -140,6 +140,9 @@ def run(cfgs: Configs, devices=None, quiet: bool = False) -> dict:
         f"{setup.plan.schedule} over {setup.plan.microbatches} microbatches on {setup.mesh.devices.size} "
         f"{setup.mesh.devices.flat[0].platform} devices")
     say(f"data: {token_data.description}")
+    if tcfg.warmup_steps >= tcfg.steps:  # a short trial run on a long run's config, say: no error, but said
+        say(f"note: TrainConfig.warmup_steps = {tcfg.warmup_steps} >= steps = {tcfg.steps}: the learning rate "
+            f"rises for the whole run and never decays")
     say(setup.plan.explain())
 
     workdir = prepare_workdir(tcfg.workdir)

@@ -240,3 +240,13 @@ def test_a_rerun_with_nothing_to_do_leaves_config_gin_as_the_checkpointed_run_wr
     assert train.run(small_configs(tmp_path, "--gin.TrainConfig.steps=1"), quiet=True) == {"steps": 2}
     # was rewritten with steps = 1: a rerun then said "TrainConfig.steps 1 -> 2" of a run trained to 2
     assert (tmp_path / "config.gin").read_text() == written
+
+
+def test_a_warm_up_as_long_as_the_run_is_noted(tmp_path, capsys):
+    one = ["--gin.ParallelConfig.dp=1", "--gin.TrainConfig.steps=1", "--gin.CheckpointConfig.enabled=False"]
+    train.run(small_configs(tmp_path / "a", *one), jax.devices()[:1])
+    train.run(small_configs(tmp_path / "b", *one[:2], "--gin.TrainConfig.steps=2", "--gin.CheckpointConfig.enabled=False"),
+              jax.devices()[:1])
+    notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: TrainConfig.warmup_steps")]
+    assert notes == ["note: TrainConfig.warmup_steps = 1 >= steps = 1: the learning rate rises for the whole run "
+                     "and never decays"]
