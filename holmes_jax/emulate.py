@@ -35,6 +35,7 @@ gradient all-reduce inside an infiniband cluster ≈ 7 ms.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import itertools
 import json
 import math
@@ -44,6 +45,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Sequence
@@ -60,6 +62,7 @@ INTER_MBIT = 100.0
 # What tc shapes as asked: below 1 kbit/s tbf rounds the rate and bucket wrongly; above 1 Tbit/s the
 # 1 ms bucket outgrows tc's 32-bit burst.
 MIN_MBIT, MAX_MBIT = 0.001, 1_000_000.0
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 COORDINATOR_PORT = 29500  # inside host 0's fresh namespace, so always free
 _counter = itertools.count()
 
@@ -224,15 +227,34 @@ class CpuLimits:
                         except OSError:
                             pass
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            self.close()
+        except EmulationError as e:
+            if exc is None:
+                raise
+            exc.add_note(str(e))  # the block's own error stays the one reported
 
-    def close(self) -> None:
-        for group in sorted(self.root.glob("*"), reverse=True):
-            if group.is_dir():
-                group.rmdir()
-        if self.root.exists():
-            self.root.rmdir()
+    def close(self, wait_s: float = 2.0) -> None:
+        """Removes the groups. A process still in one (one we started, or what it started) keeps
+        it: after `wait_s` for it to end, the others go and the error names the pids."""
+        deadline, busy = time.monotonic() + wait_s, []
+        for group in sorted(self.root.glob("*"), reverse=True) + [self.root]:
+            while group.is_dir() and not (busy and group == self.root):  # the root goes only once empty
+                try:
+                    group.rmdir()
+                except FileNotFoundError:
+                    pass
+                except OSError as e:
+                    if e.errno != errno.EBUSY or time.monotonic() > deadline:
+                        busy.append(group)
+                        break
+                    time.sleep(0.05)  # a process just stopped may still be exiting
+        if busy:
+            pids = [pid for g in busy if (g / "cgroup.procs").is_file()
+                    for pid in (g / "cgroup.procs").read_text().split()]
+            raise EmulationError(f"CPU groups {', '.join(map(str, busy))} are still in use (processes "
+                                 f"{', '.join(pids) or '?'}); stop those processes, then remove the groups with rmdir")
 
     def prefix(self) -> list[str]:
         """A command prefix that moves the process into its rank's group (launch's HOLMES_PROCESS_ID)."""
@@ -301,7 +323,20 @@ class EmulatedCluster:
         self.close()
 
     def close(self) -> None:
-        _remove(self.leftovers())
+        # A Ctrl-C or SIGTERM during the teardown (a second one, often) acts once it is done: cut
+        # short, it left namespaces. Held by handler, not by signal mask: other threads (BLAS's) take it.
+        caught, previous = [], {}
+        try:
+            if threading.current_thread() is threading.main_thread():
+                for sig in STOP_SIGNALS:
+                    if signal.getsignal(sig) is not None:  # None: a handler not set from Python
+                        previous[sig] = signal.signal(sig, lambda signum, frame: caught.append(signum))
+            _remove(self.leftovers())
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            if caught:
+                signal.raise_signal(caught[0])  # now it stops us as it would have
 
     def leftovers(self) -> list[str]:
         """Our namespaces and /etc/netns entries that still exist (none after the block)."""
@@ -457,8 +492,16 @@ def parse_rates(text: str) -> dict[str, float]:
     return rates
 
 
+def _stop(signum, frame) -> None:
+    for sig in STOP_SIGNALS:  # the first stops us; a second (Ctrl-C twice) must not cut the teardown short
+        signal.signal(sig, signal.SIG_IGN)
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt
+    sys.exit(128 + signum)
+
+
 def main(argv: list[str]) -> int:
-    opts, cmd = launch.split_command(argv)
+    opts, cmd = launch.split_command(argv) if "--" in argv else (argv, [])  # --bandwidth alone runs nothing
     p = cli.Parser(prog="python -m holmes_jax.emulate", usage="python -m holmes_jax.emulate --clusters "
                        "NAME:NIC:HOSTS,... [options] -- CMD ...", description="Runs CMD on an emulated cluster (root).")
     p.add_argument("--clusters", required=True, help="e.g. ib:infiniband:2,roce:roce:2")
@@ -469,8 +512,11 @@ def main(argv: list[str]) -> int:
     p.add_argument("--timeout", type=float, help="stop everything after this many seconds (status 124)")
     p.add_argument("--bandwidth", action="store_true", help="measure an intra and an inter-cluster link first")
     args = p.parse_args(opts)
-    # A SIGTERM (a scheduler's, `timeout`) unwinds through the with-block below, so nothing is left.
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    # Ctrl-C, a SIGTERM (a scheduler's, `timeout`) or a SIGHUP (a closed terminal) unwinds through
+    # the with-block below, so nothing is left; nohup's ignored SIGHUP stays ignored.
+    for sig in STOP_SIGNALS:
+        if sig == signal.SIGTERM or signal.getsignal(sig) != signal.SIG_IGN:
+            signal.signal(sig, _stop)
     if not cmd and not args.bandwidth:
         raise ConfigError("no command to run; give it after --, or pass --bandwidth")
     ec = EmulatedCluster(parse_clusters(args.clusters), parse_rates(args.intra_mbit) if args.intra_mbit else None,

@@ -4,6 +4,7 @@ Needs root and iproute2; skipped with the reason otherwise (the argument checks 
 import json
 import os
 import pathlib
+import signal
 import socket
 import subprocess
 import sys
@@ -145,6 +146,8 @@ def test_bad_cluster_specs_are_config_errors(clusters, kwargs, message):
     (["--", "true"], "--clusters"),
     (["--clusters", "ib:infiniband:2", "--inter-mbit", "nan", "--", "true"], "inter_mbit = nan"),
     (["--clusters", "ib:infiniband:2", "--intra-mbit", "infiniband=inf", "--", "true"], "= inf"),
+    # --bandwidth needs no command, so no `--` either: this was "no command to run", not the bad class
+    (["--clusters", "ib:myrinet:2", "--bandwidth"], "myrinet"),
 ])
 def test_bad_command_line_exits_2(args, message):
     r = run_module("holmes_jax.emulate", *args)
@@ -326,3 +329,94 @@ def test_cpu_limits_must_give_one_number_per_host():
         ec.run(["true"], cpu=cpu)
     with pytest.raises(ConfigError, match="not set up"):
         emulate.EmulatedCluster([("a", "roce", 1)]).run(["true"], cpu=limits)
+
+
+@needs_root
+def test_bandwidth_alone_needs_no_command():
+    r = run_module("holmes_jax.emulate", "--clusters", "a:roce:1", "--bandwidth", timeout=60)
+    assert r.returncode == 0, r.stderr  # was status 2: "no command to run; give it after --"
+    assert "inter-cluster uplinks 100 Mbit/s" in r.stdout
+
+
+def _repo_env():
+    return dict(os.environ, PYTHONPATH=str(pathlib.Path(__file__).resolve().parents[1]))
+
+
+@needs_root
+@pytest.mark.parametrize("signals", [(signal.SIGHUP,), (signal.SIGINT, signal.SIGTERM)])
+def test_a_stop_signal_during_the_bandwidth_check_leaves_nothing(signals):
+    # A closed terminal (SIGHUP) killed the emulator outright, leaving every namespace behind.
+    p = subprocess.Popen([sys.executable, "-m", "holmes_jax.emulate", "--clusters", "a:roce:1,b:roce:1",
+                          "--inter-mbit", "1", "--bandwidth"],  # 1 MiB at 1 Mbit/s: 8 s to stop it in
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_repo_env())
+    prefix = f"{emulate.PREFIX}{p.pid}-"
+    try:
+        for line in p.stdout:
+            if "inter-cluster uplinks" in line:  # built; measuring now
+                break
+        for sig in signals:  # a second signal (Ctrl-C, then a kill) must not cut the teardown short
+            p.send_signal(sig)
+        p.communicate(timeout=60)
+        assert p.returncode == 128 + signals[0], p.returncode
+        assert not [n for n in emulate.namespaces() if n.startswith(prefix)]
+        assert not (emulate.NETNS_ETC.is_dir() and [n for n in os.listdir(emulate.NETNS_ETC) if n.startswith(prefix)])
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        emulate._remove([n for n in emulate.namespaces() if n.startswith(prefix)])
+
+
+@needs_root
+def test_a_signal_during_the_teardown_waits_for_its_end(monkeypatch):
+    real_sh = emulate._sh
+
+    def sh(*args, **kwargs):
+        if args[:3] == ("ip", "netns", "del"):
+            os.kill(os.getpid(), signal.SIGTERM)  # arrives mid-teardown, as a second Ctrl-C or kill would
+        return real_sh(*args, **kwargs)
+
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    ec = emulate.EmulatedCluster([("a", "roce", 2)])
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        ec.__enter__()
+        monkeypatch.setattr(emulate, "_sh", sh)
+        with pytest.raises(SystemExit):
+            ec.close()
+        assert ec.leftovers() == []
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        monkeypatch.undo()
+        emulate._remove(ec.leftovers())
+
+
+@needs_root
+def test_cpu_limits_with_a_process_still_inside_name_it_and_keep_the_first_error():
+    limits = _cpu_limits_or_skip([0.5, 0.5])
+    sleeper = None
+    try:
+        with pytest.raises(RuntimeError, match="boom") as info:  # was OSError EBUSY, the error lost
+            with limits as cpu:
+                sleeper = subprocess.Popen([*cpu.prefix(), "sleep", "60"], env={**os.environ, "HOLMES_PROCESS_ID": "0"})
+                for _ in range(100):  # until the shell has moved it into the group
+                    if (cpu.root / "0" / "cgroup.procs").read_text().split():
+                        break
+                    threading.Event().wait(0.05)
+                raise RuntimeError("boom")
+        assert f"processes {sleeper.pid}" in " ".join(info.value.__notes__)
+        assert not (limits.root / "1").exists() and (limits.root / "0").is_dir()  # only the busy group stays
+        with pytest.raises(emulate.EmulationError, match="still in use"):
+            limits.close(wait_s=0)
+        sleeper.kill()
+        sleeper.wait()
+        limits.close()
+        assert not limits.root.exists()
+    finally:
+        if sleeper is not None and sleeper.poll() is None:
+            sleeper.kill()
+            sleeper.wait()
+        if limits.root.exists():
+            _rmdirs(limits.root)
