@@ -475,7 +475,7 @@ def parse_clusters(text: str) -> list[tuple[str, str, int]]:
     clusters = []
     for item in text.split(","):
         parts = item.split(":")
-        if len(parts) != 3 or not parts[2].isdigit():
+        if len(parts) != 3 or not (parts[2].isascii() and parts[2].isdigit()):
             raise ConfigError(f"--clusters item {item!r} is not allowed; allowed: NAME:NIC_CLASS:HOSTS, e.g. ib:infiniband:2")
         clusters.append((parts[0], parts[1], int(parts[2])))
     return clusters

@@ -148,6 +148,7 @@ def test_bad_cluster_specs_are_config_errors(clusters, kwargs, message):
     (["--clusters", "ib:infiniband:2", "--intra-mbit", "infiniband=inf", "--", "true"], "= inf"),
     # --bandwidth needs no command, so no `--` either: this was "no command to run", not the bad class
     (["--clusters", "ib:myrinet:2", "--bandwidth"], "myrinet"),
+    (["--clusters", "ib:infiniband:\u00b2", "--", "true"], "NAME:NIC_CLASS:HOSTS"),  # a digit to isdigit, not to int
 ])
 def test_bad_command_line_exits_2(args, message):
     r = run_module("holmes_jax.emulate", *args)
