@@ -62,10 +62,27 @@ def drop_output() -> None:
     os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
+class _Signalled(BaseException):  # not an Exception: no `except Exception` on the way out swallows it
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_signalled(signum, frame) -> NoReturn:
+    raise _Signalled(signum)
+
+
 def run(main: Callable[[list[str]], int | None], argv: list[str] | None = None) -> NoReturn:
-    """Runs `main(argv)`, turning our exceptions into one stderr line and the status above."""
+    """Runs `main(argv)`, turning our exceptions into one stderr line and the status above. A
+    SIGTERM or SIGHUP that no command took over unwinds it (its `finally` blocks clean up) and
+    ends it with one line, as Ctrl-C does; an ignored SIGHUP (`nohup`) stays ignored."""
+    previous = {sig: signal.signal(sig, _raise_signalled) for sig in (signal.SIGTERM, signal.SIGHUP)
+                if signal.getsignal(sig) == signal.SIG_DFL}
     try:
         code = main(sys.argv[1:] if argv is None else argv)
+    except _Signalled as e:
+        print(f"stopped by {signal.Signals(e.signum).name}", file=sys.stderr)
+        raise SystemExit(128 + e.signum) from None
     except ConfigError as e:
         fail(str(e))
     except RunError as e:
@@ -79,6 +96,9 @@ def run(main: Callable[[list[str]], int | None], argv: list[str] | None = None) 
     except BrokenPipeError:  # the reader of our output left (`| head`): end quietly, as on SIGPIPE
         drop_output()
         raise SystemExit(128 + signal.SIGPIPE) from None
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     raise SystemExit(code or 0)
 
 

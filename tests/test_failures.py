@@ -175,6 +175,26 @@ def test_a_signalled_run_exits_128_plus_the_signal_with_one_line(tmp_path, name,
     assert (tmp_path / "checkpoints" / "2").is_dir()
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_a_term_or_hup_before_a_command_takes_them_over_unwinds_it_with_one_line(capsys, sig):
+    # before training (the data prepared, the step compiled): Python's default ended it with no line
+    # and no clean-up, where Ctrl-C printed `interrupted`
+    cleaned = []
+
+    def main(argv):
+        try:
+            os.kill(os.getpid(), sig)
+            time.sleep(30)
+        finally:
+            cleaned.append(True)
+
+    with pytest.raises(SystemExit) as e:
+        cli.run(main, [])
+    assert e.value.code == 128 + sig and cleaned
+    assert capsys.readouterr().err == f"stopped by {signal.Signals(sig).name}\n"
+    assert signal.getsignal(sig) == signal.SIG_DFL
+
+
 @pytest.mark.slow
 def test_a_reader_of_the_step_lines_that_leaves_stops_the_run_as_a_signal_does(tmp_path):
     # `train | head`: the step after the first failed print is saved, the status is 128 + SIGPIPE
