@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import difflib
 import inspect
 import io
 import logging
@@ -106,6 +107,21 @@ def parse_args(argv: list[str]) -> tuple[list[str], list[str]]:
     return files, bindings
 
 
+def _allowed_names(message: str) -> str:
+    """What gin's unknown-name message leaves out: the names that exist, the nearest first."""
+    by_class = {cls.__name__: [f.name for f in dataclasses.fields(cls)] for cls in CLASSES}
+    if found := re.search(r"Configurable '(\w+)' doesn't have a parameter named '(\w+)'", message):
+        names, typed = by_class.get(found.group(1)), found.group(2)
+    elif found := re.search(r"No configurable matching '([\w.]+)'", message):
+        names, typed = list(by_class), found.group(1)
+    else:
+        return ""
+    if not names:
+        return ""
+    near = difflib.get_close_matches(typed, names, n=1)
+    return (f"; did you mean {near[0]!r}? Allowed: " if near else "; allowed: ") + ", ".join(names)
+
+
 def _check_macros(bindings: list[str]) -> None:
     """gin takes `--gin.steps=3` (no class) as a macro, which sets nothing unless a gin file uses
     `%steps`: a typo that was silently ignored. Call after the configs are built (gin's operative
@@ -142,7 +158,8 @@ def load_configs(argv: list[str]) -> Configs:
                           f"{reason} (a value is a Python literal: quote strings, as in 'runs/x')") from None
     except Exception as e:  # gin reports unknown names and unparsable values with assorted types
         # an unbound %macro's message went on with the whole config text
-        raise ConfigError("gin: " + " ".join(str(e).partition(" in config string:")[0].split())) from None
+        message = "gin: " + " ".join(str(e).partition(" in config string:")[0].split())
+        raise ConfigError(message + _allowed_names(message)) from None
     _check_macros(bindings)
     for c in (cfgs.parallel, cfgs.data, cfgs.train, cfgs.checkpoint):
         c.validate()

@@ -136,6 +136,17 @@ def test_an_odd_rotary_head_size_names_the_fields():
                                 "--gin.ModelConfig.num_heads=8"])
 
 
+@pytest.mark.parametrize("binding, said", [
+    ("TrainConfig.stepz=3", "; did you mean 'steps'? Allowed: steps, stop_after,"),
+    ("TrainConfi.steps=3", "; did you mean 'TrainConfig'? Allowed: ModelConfig, ParallelConfig,"),
+    ("Foo.bar=1", "; allowed: ModelConfig, ParallelConfig, DataConfig, TrainConfig, CheckpointConfig"),
+])
+def test_an_unknown_name_says_which_names_exist(binding, said):
+    with pytest.raises(ConfigError) as e:  # gin's own message named only what was typed
+        configure.load_configs([f"--gin.{binding}"])
+    assert str(e.value).startswith("gin: ") and said in str(e.value)
+
+
 def test_a_gin_file_that_is_missing_or_a_folder_is_named_as_such(tmp_path):
     with pytest.raises(ConfigError, match=r"^--gin_file '.*nope.gin': no such file$"):
         configure.load_configs(["--gin_file", str(tmp_path / "nope.gin")])
