@@ -137,8 +137,8 @@ def run(cfgs: Configs, devices=None, quiet: bool = False) -> dict:
     say(f"holmes_jax: {cfgs.model.preset} model, "
         f"{gpt.count_params(jax.eval_shape(lambda: setup.model.init(0))):,} parameters; "
         f"mesh {dict(setup.mesh.shape)}, stage layers {list(setup.pipeline.stage_layers)}, "
-        f"{setup.plan.schedule} over {setup.plan.microbatches} microbatches on {setup.mesh.devices.size} "
-        f"{setup.mesh.devices.flat[0].platform} devices")
+        f"{setup.plan.schedule} over {setup.plan.microbatches} microbatch{'es' * (setup.plan.microbatches > 1)} on "
+        f"{setup.mesh.devices.size} {setup.mesh.devices.flat[0].platform} device{'s' * (setup.mesh.devices.size > 1)}")
     say(f"data: {token_data.description}")
     if tcfg.warmup_steps >= tcfg.steps:  # a short trial run on a long run's config, say: no error, but said
         say(f"note: TrainConfig.warmup_steps = {tcfg.warmup_steps} >= steps = {tcfg.steps}: the learning rate "

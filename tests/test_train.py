@@ -247,6 +247,8 @@ def test_a_warm_up_as_long_as_the_run_is_noted(tmp_path, capsys):
     train.run(small_configs(tmp_path / "a", *one), jax.devices()[:1])
     train.run(small_configs(tmp_path / "b", *one[:2], "--gin.TrainConfig.steps=2", "--gin.CheckpointConfig.enabled=False"),
               jax.devices()[:1])
-    notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: TrainConfig.warmup_steps")]
+    said = capsys.readouterr().out.splitlines()
+    assert sum(line.endswith(", gpipe over 1 microbatch on 1 cpu device") for line in said) == 2  # not plurals
+    notes = [line for line in said if line.startswith("note: TrainConfig.warmup_steps")]
     assert notes == ["note: TrainConfig.warmup_steps = 1 >= steps = 1: the learning rate rises for the whole run "
                      "and never decays"]
