@@ -103,16 +103,20 @@ class Setup:
                                   export.import_hf(folder, self.cfgs.model), self.canonical_shardings["params"])
         return self._jitted_fresh_state(params)
 
-    def _settled(self, state: dict) -> dict:
-        return {"params": self.settle(state["params"], state["pending"]), "opt_state": state["opt_state"],
+    def _settled(self, state: dict, settle=None) -> dict:
+        return {"params": (settle or self.settle)(state["params"], state["pending"]), "opt_state": state["opt_state"],
                 "step": state["step"]}
 
     @functools.cached_property
-    def settled(self):
-        """`settled(state)`: the train state with its pending updates added and `pending` dropped
-        (staged layout), the parameters the next step computes with; jitted once, run at every eval."""
-        shardings = {k: v for k, v in self.state_shardings.items() if k != "pending"}
-        return jax.jit(self._settled, out_shardings=shardings)
+    def _jitted_settle(self):
+        return jax.jit(self.settle, out_shardings=self.state_shardings["params"])
+
+    def settled(self, state: dict) -> dict:
+        """The train state with its pending updates added and `pending` dropped (staged layout),
+        the parameters the next step computes with; run at every eval. Only the parameters go
+        through the (once jitted) program: the optimizer state is the state's own, not a copy of
+        the moments made on every eval."""
+        return self._settled(state, self._jitted_settle)
 
     @functools.cached_property
     def canonical(self):
@@ -133,7 +137,8 @@ class Setup:
         return _abstract(self._fresh_state, self.state_shardings)
 
     def batch(self, split: str, step: int, token_data: data.TokenData) -> jax.Array:
-        """The global batch of `step`; on several processes each builds only its own shards."""
+        """The global batch of `step`. Every process reads the same global batch on the host (a pure
+        function of seed and step) and puts only its own devices' shards on them."""
         d = self.cfgs.data
         tokens = token_data.batch(split, self.cfgs.train.seed, step, d.global_batch, d.seq_len)
         m = self.plan.microbatches

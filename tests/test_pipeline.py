@@ -246,3 +246,22 @@ def test_weight_decay_covers_kernels_and_both_embeddings_not_norms_or_biases(tmp
             np.testing.assert_allclose(u, -0.5 * np.asarray(p), rtol=1e-6, err_msg=jax.tree_util.keystr(path))
     assert decayed == {"['embed']['positions']", "['embed']['tokens']['embedding']", "['head']['out']['kernel']",
                        *(f"['blocks']['{name}']['kernel']" for name in ("q", "k", "v", "o", "up", "down"))}
+
+
+def test_settling_for_an_eval_adds_the_pending_updates_and_copies_no_optimizer_state(tmp_path):
+    # Every eval settles the state; a program that passed the optimizer state through made a copy
+    # of both Adam moments on every device each time (memory the train step does not need).
+    setup = build.build(small_configs(tmp_path, "--gin.ParallelConfig.pp=2", "--gin.ParallelConfig.stage_layers=(1,1)"))
+    state = setup.init_state()
+    state["pending"] = jax.tree.map(lambda u: u + 0.5, state["pending"])
+    settled = setup.settled(state)
+    assert "pending" not in settled and settled["step"] is state["step"]
+    assert all(a is b for a, b in zip(jax.tree.leaves(settled["opt_state"]), jax.tree.leaves(state["opt_state"])))
+    split = 0
+    for p, u, s in zip(*(jax.tree.leaves(x) for x in (state["params"], state["pending"], settled["params"]))):
+        if u.size:  # a leaf ZeRO-1 splits: each replica's half-step gathered and added
+            split += 1
+            np.testing.assert_allclose(np.asarray(s), np.asarray(p) + 0.5, rtol=0, atol=1e-6)
+        else:
+            np.testing.assert_array_equal(np.asarray(s), np.asarray(p))
+    assert split

@@ -182,3 +182,12 @@ def test_losses_match_one_stage_and_padding_never_moves(tmp_path, pp, layers, sc
         if "blocks" in jax.tree_util.keystr(path):  # parameters and both Adam moments
             assert not after[padding].any(), jax.tree_util.keystr(path)
             assert not np.array_equal(after[~padding], before[~padding]), jax.tree_util.keystr(path)
+
+
+@pytest.mark.parametrize("layers", ["(2,1,1,0)", "(4,0,0,0)", "(0,4,0,0)"])
+def test_a_stage_without_layers_is_refused_in_one_line(tmp_path, layers):
+    from holmes_jax.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"stage_layers = .* must list 4 positive layer counts"):
+        small_configs(tmp_path, "--gin.ModelConfig.num_layers=4", "--gin.ParallelConfig.pp=4",
+                      f"--gin.ParallelConfig.stage_layers={layers}")

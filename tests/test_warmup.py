@@ -175,3 +175,32 @@ def test_this_jaxlib_accepts_the_xla_network_flags():
     r = subprocess.run([sys.executable, "-c", "import jax.numpy as jnp; print(float(jnp.ones(3).sum()))"],
                        capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "3.0", r.stderr[-500:]
+
+
+UNREADABLE = "  %g = f32[] all-reduce(%x), channel_id=9, replica_groups=something_new, to_apply=%add"
+
+
+def test_a_group_format_it_cannot_read_warms_the_hops_and_warns_rather_than_stopping_the_run(built, monkeypatch):
+    monkeypatch.delenv("NCCL_NET", raising=False)
+    setup, _, _, hlo = built(2)
+    lines = []
+    fn, args = warmup.program(setup, hlo + "\n" + UNREADABLE, lines.append)
+    assert args[1] is None  # no sums: their groups could not be read
+    assert {op for op, _ in warmup.collectives(fn.lower(*args).compile().as_text())} == {"collective-permute"}
+    assert any(line.startswith("warning: cannot read the groups of: %g = f32[] all-reduce") for line in lines)
+    lines.clear()
+    assert warmup.warm_up(setup, hlo + "\n" + UNREADABLE, lines.append)
+    assert "stage hops 0->1" in lines[-1] and "sums" not in lines[-1]
+
+
+def test_one_cluster_has_nothing_to_warm_up_whatever_its_hlo_holds(tmp_path):
+    setup = build.build(small_configs(tmp_path, "--gin.ParallelConfig.dp=8"))  # an emulated one-cluster topology
+    assert warmup.program(setup, UNREADABLE) is None
+    assert not warmup.warm_up(setup, UNREADABLE, lambda *a: None)
+
+
+@pytest.mark.parametrize("groups", ["replica_groups={}", "replica_groups=[2,4]<=[6]",
+                                    "replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_9'}"])
+def test_groups_that_do_not_add_up_are_named_as_unreadable(groups):
+    with pytest.raises(ValueError, match=r"cannot read the groups of: %g = f32\[\] all-reduce"):
+        warmup.collectives(f"  %g = f32[] all-reduce(%x), {groups}")
