@@ -163,18 +163,20 @@ def _resume_and_train(cfgs: Configs, setup: Setup, token_data, workdir: Path, ck
                       quiet: bool) -> dict:
     lead, tcfg = jax.process_index() == 0, cfgs.train
     restored = ckpt.restore_newest(setup.abstract_canonical(), say) if ckpt else None
-    if restored:
+    resumed = restored is not None
+    if resumed:
         start, state = restored[0], setup.staged(restored[1])
         say(f"resumed from checkpoint at step {start}")
     else:
         state, start = setup.init_state(), 0
+    del restored  # its canonical arrays would stay on the devices beside the state for the whole run
     last = min(tcfg.steps, tcfg.stop_after or tcfg.steps)
     if start >= last:  # config.gin stays the checkpointed run's: these settings trained nothing
         say(f"nothing to do: the checkpoint is at step {start}, the run ends at step {last}")
         return {"steps": start}
     if lead:  # only now: a checkpoint that does not fit must not leave this run's config behind
         settings, saved = configure.operative_config(cfgs), workdir / "config.gin"
-        if restored and saved.is_file() and (changed := configure.changed_settings(saved.read_text(), settings)):
+        if resumed and saved.is_file() and (changed := configure.changed_settings(saved.read_text(), settings)):
             # Legitimate (a longer run, a new learning rate), but new data or seq_len means other
             # batches than an uninterrupted run's: say which, before config.gin forgets the old.
             say(f"resumed with settings changed since the checkpointed run: {'; '.join(changed)}")

@@ -1,3 +1,4 @@
+import gc
 import re
 import time
 
@@ -252,3 +253,17 @@ def test_a_warm_up_as_long_as_the_run_is_noted(tmp_path, capsys):
     notes = [line for line in said if line.startswith("note: TrainConfig.warmup_steps")]
     assert notes == ["note: TrainConfig.warmup_steps = 1 >= steps = 1: the learning rate rises for the whole run "
                      "and never decays"]
+
+
+def test_a_resumed_run_keeps_no_copy_of_the_checkpoint_on_the_devices(tmp_path, monkeypatch):
+    live = []
+    batch = build.Setup.batch
+    monkeypatch.setattr(build.Setup, "batch",
+                        lambda self, *a: (gc.collect(), live.append(len(jax.live_arrays())), batch(self, *a))[2])
+    one = ["--gin.ParallelConfig.dp=1", "--gin.TrainConfig.steps=4", "--gin.CheckpointConfig.every=2"]
+    train.run(small_configs(tmp_path / "fresh", *one), jax.devices()[:1], quiet=True)
+    fresh = live[-1]
+    train.run(small_configs(tmp_path / "resumed", *one, "--gin.TrainConfig.stop_after=2"), jax.devices()[:1], quiet=True)
+    live.clear()
+    train.run(small_configs(tmp_path / "resumed", *one), jax.devices()[:1], quiet=True)
+    assert live[-1] == fresh  # the restored canonical state was held beside the staged one
