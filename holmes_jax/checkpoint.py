@@ -9,6 +9,7 @@ fails (a full disk) is a `RunError`."""
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import re
@@ -52,9 +53,34 @@ def _is_closed_loop(error: BaseException | None) -> bool:
     return bool(frames) and all(f"{os.sep}asyncio{os.sep}" in frame.filename for frame in frames)
 
 
+def _is_failed_read(unraisable) -> bool:
+    """When one array of a restore cannot be read (a damaged checkpoint), orbax leaves its other
+    reads behind unfinished; each raises its error, with a TensorStore spec dump, again when the
+    garbage collector closes it (thousands of lines on stderr). The failure itself reaches us
+    through the restore and is reported in one line."""
+    code = getattr(unraisable.object, "cr_code", None)  # a coroutine's
+    return code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename
+
+
+def _quiet(unraisable, hook) -> None:
+    if not (_is_closed_loop(unraisable.exc_value) or _is_failed_read(unraisable)):
+        hook(unraisable)
+
+
 _excepthook, _unraisablehook = sys.excepthook, sys.unraisablehook
 sys.excepthook = lambda kind, error, tb: None if _is_closed_loop(error) else _excepthook(kind, error, tb)
-sys.unraisablehook = lambda unraisable: None if _is_closed_loop(unraisable.exc_value) else _unraisablehook(unraisable)
+sys.unraisablehook = lambda unraisable: _quiet(unraisable, _unraisablehook)
+
+
+def _close_failed_reads() -> None:
+    """Closes the reads a failed restore left behind now, while their errors are dropped whoever
+    holds sys.unraisablehook (a test runner replaces ours), not at some later collection."""
+    hook = sys.unraisablehook
+    sys.unraisablehook = lambda unraisable: _quiet(unraisable, hook)
+    try:
+        gc.collect()
+    finally:
+        sys.unraisablehook = hook
 
 
 def reason(error: Exception) -> str:
@@ -133,6 +159,13 @@ class Checkpointer:
         one line each which checkpoint could not be read and which one is used instead."""
         steps = sorted(self._manager.all_steps(), reverse=True)
         damaged = []
+        try:
+            return self._restore_newest(steps, damaged, target, say)
+        finally:
+            if damaged:
+                _close_failed_reads()
+
+    def _restore_newest(self, steps: list[int], damaged: list[int], target, say) -> tuple[int, dict] | None:
         for step in steps:
             try:
                 saved = self._manager.item_metadata(step)
