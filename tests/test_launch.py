@@ -150,6 +150,19 @@ def _gone(pid: int) -> bool:
         return True
 
 
+def _assert_ends_soon(pid: int, what: str) -> None:
+    """`pid` is gone within 10 s of the launcher's end (a killed orphan is reaped by init, not us);
+    killed here if not, so no test leaves it running."""
+    deadline = time.monotonic() + 10
+    while not _gone(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    try:
+        assert _gone(pid), f"{what} outlived the launcher"
+    finally:
+        if not _gone(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
 def test_what_a_wrapper_script_started_gets_the_grace_period_and_then_sigkill(tmp_path):
     # Each rank is a shell that runs python as its child (as a wrapper script does). Rank 1 fails;
     # rank 0's shell dies of the SIGTERM at once, its python ignores it: SIGKILL must still reach it.
@@ -166,15 +179,7 @@ def test_what_a_wrapper_script_started_gets_the_grace_period_and_then_sigkill(tm
     r = run_module("holmes_jax.launch", "-n", "2", "--grace", "1", "--env", f"READY={ready}", "--",
                    "sh", "-c", '"$0" -c "$1"; exit $?', sys.executable, script, timeout=120)
     assert r.returncode == 3, r.stderr
-    pid = int(r.stdout.split("] ")[1])
-    deadline = time.monotonic() + 10  # a killed orphan is reaped by init, not us
-    while not _gone(pid) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    try:
-        assert _gone(pid), "rank 0's python outlived the launcher"
-    finally:
-        if not _gone(pid):
-            os.kill(pid, signal.SIGKILL)
+    _assert_ends_soon(int(r.stdout.split("] ")[1]), "rank 0's python")
     assert time.monotonic() - t < 60
 
 
@@ -186,15 +191,7 @@ def test_a_process_that_left_its_group_is_stopped_too():
               "                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n"
               "print(p.pid, flush=True); sys.exit(3)")
     r = run_module("holmes_jax.launch", "-n", "1", "--grace", "1", "--", sys.executable, "-c", script, timeout=60)
-    pid = int(r.stdout.split("] ")[1])
-    deadline = time.monotonic() + 10  # a killed orphan is reaped by init, not us
-    while not _gone(pid) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    try:
-        assert _gone(pid), "the helper outlived the launcher"
-    finally:
-        if not _gone(pid):
-            os.kill(pid, signal.SIGKILL)
+    _assert_ends_soon(int(r.stdout.split("] ")[1]), "the helper")
     assert r.returncode == 3, r.stderr
 
 
