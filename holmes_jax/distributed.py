@@ -118,9 +118,19 @@ def _jax_port(env) -> None:
         raise ConfigError(f"JAX_COORDINATOR_PORT = {port!r} is not allowed; allowed: 1 .. 65535")
 
 
-# The first name of a SLURM node list, as JAX reads it (the text before ',' or '[', then the first
-# number in the brackets): 'node001', 'node[001-004],gpu7'.
-SLURM_NODELIST = re.compile(r"[^\s,\[\]]+(\[\d|,|$)")
+# A SLURM node list's first name, e.g. 'node[001-004],gpu7' or 'rack[1-2]-n[01-04]': text and
+# bracket groups up to the first ',' outside brackets.
+SLURM_FIRST_NAME = re.compile(r"([^\s,\[\]](?:[^\s,\[\]]|\[\d[\d,\-]*\])*)(?:,|$)")
+
+
+def slurm_first_host(node_list: str) -> str | None:
+    """The first host of a SLURM node list (each bracket group's first number), or None if the
+    list does not start with a name. JAX's own reading stops at the first bracket group, so it
+    gives 'rack1' for 'rack[1-2]-n[01-04]', whose first host is 'rack1-n01'."""
+    name = SLURM_FIRST_NAME.match(node_list)
+    if name is None:
+        return None
+    return re.sub(r"\[(\d+)[^\]]*\]", r"\1", name.group(1))
 
 
 def _coordinator(env) -> str | None:
@@ -193,10 +203,14 @@ def launch_method(env=None) -> tuple[str, dict]:
         _index(env, "SLURM_PROCID", "SLURM_NTASKS", _int(env, "SLURM_NTASKS", 1))
         _int(env, "SLURM_LOCALID", 0)
         if coordinator is None:
-            if not SLURM_NODELIST.match(env["SLURM_STEP_NODELIST"]):
+            host = slurm_first_host(env["SLURM_STEP_NODELIST"])
+            if host is None:
                 raise ConfigError(f"SLURM_STEP_NODELIST = {env['SLURM_STEP_NODELIST']!r} is not allowed; allowed: "
                                   "a SLURM node list starting with a host name, e.g. node[001-004]")
             _jax_port(env)
+            # JAX's port rule for SLURM jobs, unless JAX_COORDINATOR_PORT names one
+            port = env.get("JAX_COORDINATOR_PORT") or str(_int(env, "SLURM_JOB_ID", 0) % 4096 + 61440)
+            coordinator = f"{host}:{port}"
         return "slurm", {"coordinator_address": coordinator, "cluster_detection_method": "slurm"}
     if "OMPI_COMM_WORLD_SIZE" in env and _int(env, "OMPI_COMM_WORLD_SIZE", 1) > 1:
         kwargs = _mpi_ranks(env, "OMPI_COMM_WORLD", "OMPI_COMM_WORLD_LOCAL_RANK")

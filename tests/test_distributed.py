@@ -22,8 +22,16 @@ from helpers import REPO, read_metrics
     ({"HOLMES_COORDINATOR": "127.0.0.1:1234", "HOLMES_NUM_PROCESSES": "4", "HOLMES_PROCESS_ID": "3"}, "holmes",
      {"coordinator_address": "127.0.0.1:1234", "num_processes": 4, "process_id": 3}),
     ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "1"}, "single", {}),  # a one-task job: no distributed runtime
+    # the coordinator is the node list's first host, on JAX's port for the job (7 % 4096 + 61440)
     ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "8", "SLURM_STEP_NODELIST": "n[1-2]", "SLURM_PROCID": "5",
-      "SLURM_LOCALID": "1"}, "slurm", {"coordinator_address": None, "cluster_detection_method": "slurm"}),
+      "SLURM_LOCALID": "1"}, "slurm", {"coordinator_address": "n1:61447", "cluster_detection_method": "slurm"}),
+    # several bracket groups: JAX's own reading gave 'rack1', a host that does not exist
+    ({"SLURM_JOB_ID": "4097", "SLURM_NTASKS": "8", "SLURM_STEP_NODELIST": "rack[1-2]-n[01-04],gpu7",
+      "SLURM_PROCID": "5", "SLURM_LOCALID": "1", "JAX_COORDINATOR_PORT": "29500"}, "slurm",
+     {"coordinator_address": "rack1-n01:29500", "cluster_detection_method": "slurm"}),
+    ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "8", "SLURM_STEP_NODELIST": "n[1-2]", "SLURM_PROCID": "5",
+      "SLURM_LOCALID": "1", "HOLMES_COORDINATOR": "head:1"}, "slurm",
+     {"coordinator_address": "head:1", "cluster_detection_method": "slurm"}),
     ({"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "2", "OMPI_MCA_orte_hnp_uri": "1.0;tcp://10.0.0.1:1"},
      "ompi", {"cluster_detection_method": "ompi"}),
     ({"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "2", "HOLMES_COORDINATOR": "head:29500"}, "ompi",
