@@ -1,3 +1,4 @@
+import os
 import re
 
 import pytest
@@ -214,3 +215,82 @@ def test_apply_nccl_env_takes_the_user_values_nccl_reads():
     env = {"NCCL_NET": "AWS Libfabric", "NCCL_IB_HCA": "^=mlx5_2:1,mlx5_3", "NCCL_IB_GID_INDEX": "-1",
            "NCCL_SOCKET_IFNAME": "^docker,lo"}
     assert nic.apply_nccl_env(ROCE_DERIVED, dict(env)) == [f'{k}="{v}" (from env)' for k, v in env.items()]
+
+
+def test_nccl_env_leaves_the_network_to_nccl_without_a_port_of_the_class(tmp_path):
+    # HOLMES_NIC_CLASS=infiniband on a host without IB ports (an emulated cluster): NCCL_NET=IB
+    # would fail every communicator ("Failed to initialize any NET plugin")
+    sysfs, proc = tmp_path / "sys", tmp_path / "proc"
+    _rdma_port(sysfs, "mlx5_0", 1, "Ethernet", "100 Gb/sec (4X EDR)")  # RoCE only
+    _net(sysfs, "eth0", 25000, "up")
+    _route(proc, ("eth0", "00000000", "00000000"))
+    found = nic.detect(sysfs, env={nic.ENV: "infiniband"})
+    assert nic.nccl_env(found, sysfs, proc) == {"NCCL_SOCKET_IFNAME": "=eth0"}
+    assert nic.nccl_env(nic.Nic("roce", None), tmp_path / "bare", proc) == {"NCCL_SOCKET_IFNAME": "=eth0"}
+
+
+def test_nccl_env_without_a_default_route_skips_ipoib_and_interfaces_without_an_address(tmp_path):
+    # a cluster without a default route: IPoIB is the fastest interface up, but does not reach
+    # other clusters; eth1 is up but holds no IPv4 route, so NCCL would find no address on it
+    sysfs, proc = tmp_path / "sys", tmp_path / "proc"
+    _net(sysfs, "ib0", 200000, "up")
+    (sysfs / "class" / "net" / "ib0" / "type").write_text("32\n")
+    _net(sysfs, "eth0", 10000, "up")
+    _net(sysfs, "eth1", 25000, "up")
+    for iface in ("eth0", "eth1"):
+        (sysfs / "class" / "net" / iface / "type").write_text("1\n")
+    _route(proc, ("ib0", "0000A8C0", "00FFFFFF"), ("eth0", "0000000A", "000000FF"))
+    assert nic.nccl_env(nic.Nic("ethernet", 25.0), sysfs, proc)["NCCL_SOCKET_IFNAME"] == "=eth0"
+
+
+def test_apply_nccl_env_never_overrides_nccl_config_files(tmp_path):
+    # NCCL reads NCCL_CONF_FILE (else ~/.nccl.conf), then /etc/nccl.conf, for what the environment
+    # leaves unset: a site's HCA and interface choices there must not be replaced
+    conf = tmp_path / "nccl.conf"
+    conf.write_text("# site settings\nNCCL_IB_HCA=^mlx5_4\n#NCCL_NET=Socket\nNCCL_SOCKET_IFNAME=bond0\r\n")
+    env = {"NCCL_CONF_FILE": str(conf), "NCCL_SOCKET_IFNAME": "eth9"}  # the environment wins over the file
+    lines = nic.apply_nccl_env(ROCE_DERIVED, env)
+    assert env == {"NCCL_CONF_FILE": str(conf), "NCCL_SOCKET_IFNAME": "eth9", "NCCL_NET": "IB",
+                   "NCCL_IB_GID_INDEX": "3"}
+    assert lines == ['NCCL_NET="IB" (derived)', f'NCCL_IB_HCA="^mlx5_4" (from {conf})',
+                     'NCCL_IB_GID_INDEX="3" (derived)', 'NCCL_SOCKET_IFNAME="eth9" (from env)']
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / ".nccl.conf").write_text("NCCL_IB_DISABLE=1\n")
+    env = {"HOME": str(home)}
+    assert nic.apply_nccl_env(ROCE_DERIVED, env)[0] == (
+        f'NCCL_NET="Socket" (derived, as NCCL_IB_DISABLE="1" from {home / ".nccl.conf"})')
+    (home / ".nccl.conf").write_text("NCCL_IB_GID_INDEX=three\n")
+    with pytest.raises(ConfigError, match=re.escape(f"NCCL_IB_GID_INDEX = 'three' (from {home / '.nccl.conf'}) is "
+                                                    "not allowed: NCCL would misread it")):
+        nic.apply_nccl_env(ROCE_DERIVED, {"HOME": str(home)})
+
+
+def test_processes_exchange_their_nic_classes_over_sockets(monkeypatch):
+    # the exchange is an all-gather over every device, so across clusters: over IB it would join an
+    # InfiniBand HCA to a RoCE one, which cannot connect, and leave that communicator cached
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from holmes_jax.mesh import devices as real
+    from holmes_jax.planning.topology import Cluster, Topology
+
+    seen = []
+
+    def exchange(local):
+        seen.append(os.environ.get("NCCL_NET"))
+        return [nic.Nic("roce", None), nic.Nic("infiniband", None)]
+
+    monkeypatch.setattr(nic, "detect", lambda: nic.Nic("roce", None))
+    monkeypatch.setattr(nic, "exchange", exchange)
+    t = Topology((Cluster("ib", "infiniband", nodes=1, devices_per_node=2),
+                  Cluster("roce", "roce", nodes=1, devices_per_node=2)))
+    devices = [SimpleNamespace(process_index=p, id=2048 * p + k) for p in range(2) for k in range(2)]
+    monkeypatch.setenv("NCCL_NET", "IB")
+    placed = real.device_array(np.arange(4), t, devices)
+    assert [d.process_index for d in placed] == [1, 1, 0, 0]
+    assert seen == ["Socket"] and os.environ["NCCL_NET"] == "IB"  # put back as it was
+    monkeypatch.delenv("NCCL_NET")
+    real.device_array(np.arange(4), t, devices)
+    assert seen == ["Socket"] * 2 and "NCCL_NET" not in os.environ

@@ -53,7 +53,11 @@ def device_array(grid, topology: Topology, devices=None, process_nics=None) -> n
 def _match_processes(topology: Topology, by_process: dict, process_nics) -> list:
     classes = sorted({c.nic for c in topology.clusters})
     if process_nics is None:  # with one class there is nothing to match on, so no collective
-        process_nics = classes * len(by_process) if len(classes) == 1 else nic.exchange(nic.detect())
+        if len(classes) == 1:
+            process_nics = classes * len(by_process)
+        else:  # over every device, so across clusters, whose RDMA fabrics do not reach each other
+            with nic.over_sockets():
+                process_nics = nic.exchange(nic.detect())
     process_nics = [getattr(x, "nic_class", x) for x in process_nics]
     if len(process_nics) != len(by_process):
         raise ConfigError(f"{len(process_nics)} NIC classes given for {len(by_process)} processes")

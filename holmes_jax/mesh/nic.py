@@ -7,15 +7,17 @@ from `rate`, e.g. "200 Gb/sec (4X HDR)"); else plain Ethernet, its speed from
 `/sys/class/net/*/speed` (Mb/s). The sysfs root is a parameter so tests can pass a fake tree.
 
 `nccl_env()` turns the answer into NCCL settings for this host (docs/nccl.md says why each):
-InfiniBand and RoCE -> NCCL_NET=IB and NCCL_IB_HCA naming the active HCA ports of that class
-(RoCE also NCCL_IB_GID_INDEX, the port's RoCE v2 GID of an IPv4 address); Ethernet ->
-NCCL_NET=Socket. Every class gets NCCL_SOCKET_IFNAME, the interface of the default route: NCCL's
+InfiniBand and RoCE -> NCCL_NET=IB and NCCL_IB_HCA naming the active HCA ports of that class,
+where sysfs shows some (RoCE also NCCL_IB_GID_INDEX, the port's RoCE v2 GID of an IPv4 address);
+Ethernet -> NCCL_NET=Socket. `apply_nccl_env` sets them where neither the environment nor NCCL's
+config files do. Every class gets NCCL_SOCKET_IFNAME, the interface of the default route: NCCL's
 own choice would start with IPoIB (`ib*`) interfaces, which do not reach other clusters, and
 the socket transport carries the hops between clusters.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
@@ -92,8 +94,26 @@ def detect(sysfs: str | os.PathLike = "/sys", env: dict | None = None) -> Nic:
     return Nic("ethernet", _ethernet_gbps(sysfs))
 
 
+@contextlib.contextmanager
+def over_sockets():
+    """NCCL_NET=Socket for the communicators created inside, then NCCL_NET as it was: NCCL picks
+    a communicator's network when it creates it, and an IB one across NIC classes (an
+    InfiniBand HCA to a RoCE one) cannot connect."""
+    saved = os.environ.get("NCCL_NET")
+    os.environ["NCCL_NET"] = "Socket"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("NCCL_NET", None)
+        else:
+            os.environ["NCCL_NET"] = saved
+
+
 def exchange(local: Nic) -> list[Nic]:
-    """Every process's Nic, in process order (a collective: all processes must call it)."""
+    """Every process's Nic, in process order (a collective: all processes must call it). On GPUs
+    it is an all-gather over every device, so a communicator of them all: where processes may
+    differ in NIC class, call it inside `over_sockets()`."""
     import jax
 
     if jax.process_count() == 1:
@@ -122,22 +142,23 @@ def _roce_v2_gid(port: Path) -> int | None:
 
 def _default_route_interface(sysfs: Path, proc: Path) -> str | None:
     """The interface of the IPv4 default route (/proc/net/route), else the fastest interface that
-    is up; loopback never, nor "*", how the file names the missing device of an unreachable or
-    blackhole route."""
-    text = _read(proc / "net" / "route") or ""
-    for line in text.splitlines()[1:]:
-        fields = line.split()
+    is up, not IPoIB, and preferably one with an IPv4 route (an address NCCL can use); loopback
+    never, nor "*", how the file names the missing device of an unreachable or blackhole route."""
+    rows = [line.split() for line in (_read(proc / "net" / "route") or "").splitlines()[1:]]
+    for fields in rows:
         default = len(fields) >= 8 and fields[1] == "00000000" and fields[7] == "00000000"
         if default and fields[0] not in ("lo", "*"):
             return fields[0]
+    routed = {fields[0] for fields in rows if fields}
     best = None
     for iface in sorted((sysfs / "class" / "net").glob("*")):
-        if iface.name == "lo" or _read(iface / "operstate") != "up":
+        # type 32 (ARPHRD_INFINIBAND) is IPoIB: often the fastest, but it does not reach other clusters
+        if iface.name == "lo" or _read(iface / "operstate") != "up" or _read(iface / "type") == "32":
             continue
         speed = _read(iface / "speed") or ""
-        speed = int(speed) if speed.lstrip("-").isdigit() else 0
-        if best is None or speed > best[0]:
-            best = (speed, iface.name)
+        key = (iface.name in routed, int(speed) if speed.lstrip("-").isdigit() else 0)
+        if best is None or key > best[0]:
+            best = (key, iface.name)
     return best and best[1]
 
 
@@ -151,9 +172,11 @@ def nccl_env(nic: Nic, sysfs: str | os.PathLike = "/sys", proc: str | os.PathLik
     if nic.nic_class == "ethernet":
         env["NCCL_NET"] = "Socket"
     else:
-        env["NCCL_NET"] = "IB"
         ports = [path for nic_class, _, path in _rdma_ports(sysfs) if nic_class == nic.nic_class]
+        # NCCL_NET=IB without an IB device fails every communicator ("Failed to initialize any NET
+        # plugin"), e.g. HOLMES_NIC_CLASS=infiniband on an Ethernet host: then NCCL picks itself.
         if ports:
+            env["NCCL_NET"] = "IB"
             env["NCCL_IB_HCA"] = "=" + ",".join(f"{p.parent.parent.name}:{p.name}" for p in ports)
         if nic.nic_class == "roce":
             gids = {_roce_v2_gid(p) for p in ports}
@@ -189,30 +212,54 @@ def _nonzero(text: str) -> bool:
     return bool(match) and match.group(1).strip("0xX") != ""
 
 
-def apply_nccl_env(derived: dict[str, str], env=None) -> list[str]:
-    """Sets each derived variable the user has not set in `env` (os.environ by default); returns
-    one line per NCCL variable in force, saying whether it came from the environment or was derived.
-    A value the user set that NCCL would misread is a ConfigError. With NCCL_IB_DISABLE set the
-    network is NCCL's sockets, and with NCCL's GID search steered no GID index is derived."""
+def nccl_conf(env=None) -> dict[str, tuple[str, str]]:
+    """NCCL's variables from its config files, which NCCL reads for what the environment does not
+    set (`initEnv` in NCCL's src/misc/param.cc): NCCL_CONF_FILE, else ~/.nccl.conf, then
+    /etc/nccl.conf, the first to set a variable winning; name -> (value, file). Lines as NCCL
+    reads them: `NAME=value`, nothing stripped, `#` lines skipped."""
     env = os.environ if env is None else env
+    user = env.get("NCCL_CONF_FILE") or (env.get("HOME") and os.path.join(env["HOME"], ".nccl.conf"))
+    found = {}
+    for path in filter(None, (user, "/etc/nccl.conf")):
+        for line in (_read(Path(path)) or "").split("\n"):
+            name, eq, value = line.rstrip("\r").partition("=")
+            if eq and name and not name.startswith("#"):
+                found.setdefault(name, (value, path))
+    return found
+
+
+def apply_nccl_env(derived: dict[str, str], env=None, conf=None) -> list[str]:
+    """Sets each derived variable the user has not set, in `env` (os.environ by default) or in
+    NCCL's config files (`conf`, by default `nccl_conf(env)`); returns one line per NCCL variable in
+    force, saying whether it came from the environment, a config file, or was derived. A value the
+    user set that NCCL would misread is a ConfigError. With NCCL_IB_DISABLE set the network is
+    NCCL's sockets, and with NCCL's GID search steered no GID index is derived."""
+    env = os.environ if env is None else env
+    conf = nccl_conf(env) if conf is None else conf
+    # what NCCL reads without us; the environment wins over the files, as in NCCL
+    given = {name: (value, "from " + path) for name, (value, path) in conf.items()}
+    given |= {name: (value, "from env") for name, value in env.items() if name.startswith("NCCL_")}
     for name, (ok, allowed) in _USER_VALUES.items():
-        if name in env and not ok(env[name]):
-            raise ConfigError(f"{name} = {env[name]!r} is not allowed: NCCL would misread it; allowed: unset "
-                              f"(holmes_jax derives it) or {allowed}")
+        if name in given and not ok(given[name][0]):
+            where = "" if given[name][1] == "from env" else f" ({given[name][1]})"
+            raise ConfigError(f"{name} = {given[name][0]!r}{where} is not allowed: NCCL would misread it; allowed: "
+                              f"unset (holmes_jax derives it) or {allowed}")
     derived, why = dict(derived), {}
-    if _nonzero(env.get("NCCL_IB_DISABLE", "")):
-        if env.get("NCCL_NET", "").lower() == "ib":
-            raise ConfigError(f"NCCL_NET = {env['NCCL_NET']!r} is not allowed with NCCL_IB_DISABLE = "
-                              f"{env['NCCL_IB_DISABLE']!r}: NCCL would find no network; allowed: unset one of them")
+    disable, disable_from = given.get("NCCL_IB_DISABLE", ("", ""))
+    if _nonzero(disable):
+        net = given.get("NCCL_NET", ("", ""))[0]
+        if net.lower() == "ib":
+            raise ConfigError(f"NCCL_NET = {net!r} is not allowed with NCCL_IB_DISABLE = {disable!r}: NCCL would "
+                              "find no network; allowed: unset one of them")
         if derived.get("NCCL_NET") == "IB":  # NCCL would find no network; sockets, as NCCL picks itself then
             derived = {k: v for k, v in derived.items() if k == "NCCL_SOCKET_IFNAME"} | {"NCCL_NET": "Socket"}
-            why["NCCL_NET"] = f'derived, as NCCL_IB_DISABLE="{env["NCCL_IB_DISABLE"]}" from env'
-    if any(name in env for name in GID_SEARCH):
+            why["NCCL_NET"] = f'derived, as NCCL_IB_DISABLE="{disable}" {disable_from}'
+    if any(name in given for name in GID_SEARCH):
         derived.pop("NCCL_IB_GID_INDEX", None)
     lines = []
     for name in NCCL_VARIABLES:
-        if name in env:
-            lines.append(f'{name}="{env[name]}" (from env)')
+        if name in given:
+            lines.append(f'{name}="{given[name][0]}" ({given[name][1]})')
         elif name in derived:
             env[name] = derived[name]
             lines.append(f'{name}="{derived[name]}" ({why.get(name, "derived")})')
