@@ -18,7 +18,6 @@ split from a parent created on another network (docs/nccl.md).
 from __future__ import annotations
 
 import itertools
-import os
 import re
 
 import jax
@@ -28,6 +27,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from holmes_jax import distributed
+from holmes_jax.mesh import nic
 from holmes_jax.planning.placement import AXES
 
 _OP = re.compile(r"\b(all-reduce|reduce-scatter|all-gather|all-to-all|collective-permute|collective-broadcast)"
@@ -162,15 +162,8 @@ def warm_up(setup, hlo: str, say=print) -> bool:
         return False
     fn, args = built
     compiled = fn.lower(*args).compile()
-    saved = os.environ.get("NCCL_NET")
-    os.environ["NCCL_NET"] = "Socket"
-    try:
+    with nic.over_sockets():
         _run(compiled, args)
-    finally:
-        if saved is None:
-            os.environ.pop("NCCL_NET", None)
-        else:
-            os.environ["NCCL_NET"] = saved
     hops = setup.pipeline.boundary_hops
     say(f"network: communicators across clusters created over sockets (stage hops "
         f"{', '.join(f'{s}->{s + 1}' for s in hops) or 'none'}{'; cross-stage sums' if args[1] is not None else ''})")
