@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from tensorboardX.event_file_writer import EventsWriter
-from tensorboardX.proto.event_pb2 import Event
+from tensorboardX.proto.event_pb2 import Event, SessionLog
 from tensorboardX.proto.summary_pb2 import Summary
 from tensorboardX.summary import scalar
 
@@ -23,7 +23,7 @@ logging.getLogger("tensorboardX.x2num").setLevel(logging.ERROR)
 # The PCIe and NVL cards peak lower than the SXM ones of the same name: matched first.
 _PEAK_TFLOPS = {"nvidia h100 pcie": 756.0, "nvidia h800 pcie": 756.0, "nvidia h100 nvl": 835.0,
                 "nvidia h200 nvl": 835.0, "nvidia a100": 312.0, "nvidia h100": 989.0, "nvidia h200": 989.0,
-                "nvidia h800": 989.0}
+                "nvidia h800": 989.0, "nvidia gh200": 989.0, "nvidia a800": 312.0}
 
 
 def device_peak_tflops(device_kind: str) -> float | None:
@@ -69,7 +69,9 @@ class MetricsLog:
         # Written in this thread, not queued for tensorboardX's writer thread: each row is on disk
         # once `write` returns (a crash lost the newest rows) and a full disk raises here (the thread
         # printed tracebacks).
-        self.tensorboard = EventsWriter(str(folder / "events"))
+        # A name of its own: tensorboardX names the file by the second and opens it with 'wb', so a
+        # resumed run started in the same second emptied the earlier run's file.
+        self.tensorboard = EventsWriter(str(folder / "events"), filename_suffix=f".{time.time_ns()}")
         if self.path.is_file():  # a resumed run's
             written = self.path.read_bytes()
             if written and not written.endswith(b"\n"):
@@ -83,6 +85,12 @@ class MetricsLog:
         with open(self.path, "a") as f:
             f.write(json.dumps(row) + "\n")
         values = [scalar(key, value).value[0] for key, value in row.items() if key != "step" and value is not None]
+        if self._last_step is None:
+            # This run's first row is where it took over: a resumed run logs again the steps a stopped
+            # one logged after its checkpoint. TensorBoard drops an earlier file's events from a
+            # restart's START on, instead of drawing both runs' values at those steps.
+            self.tensorboard.write_event(Event(wall_time=time.time(), step=row["step"],
+                                               session_log=SessionLog(status=SessionLog.START)))
         self.tensorboard.write_event(Event(wall_time=time.time(), step=row["step"], summary=Summary(value=values)))
         self.tensorboard.flush()
         steps = row["step"] - self._last_step if self._last_step is not None else 1

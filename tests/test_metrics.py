@@ -13,17 +13,17 @@ from pathlib import Path
 import matplotlib.image
 import numpy as np
 import pytest
-from tensorboardX.proto.event_pb2 import Event
+from tensorboardX.proto.event_pb2 import Event, SessionLog
 from tensorboardX.record_writer import masked_crc32c
 
 from holmes_jax import cli, metrics, report, train
 from helpers import REPO, read_metrics, small_configs
 
 
-def read_scalars(folder) -> dict[str, dict[int, float]]:
-    """tag -> {step: value} from every event file under `folder`, read as TFRecords (length,
-    its CRC, the Event, its CRC) with the writer's own protobuf classes; CRCs checked."""
-    scalars = {}
+def read_events(folder):
+    """The Events of every event file under `folder`, in TensorBoard's order (files by name), read
+    as TFRecords (length, its CRC, the Event, its CRC) with the writer's own protobuf classes; CRCs
+    checked."""
     for path in sorted(Path(folder).glob("events.out.tfevents.*")):
         raw, at = path.read_bytes(), 0
         while at < len(raw):
@@ -33,10 +33,29 @@ def read_scalars(folder) -> dict[str, dict[int, float]]:
             (data_crc,) = struct.unpack("<I", raw[at + 12 + length:at + 16 + length])
             assert length_crc == masked_crc32c(header) and data_crc == masked_crc32c(data)
             at += 16 + length
-            event = Event.FromString(data)
-            for value in event.summary.value:
-                scalars.setdefault(value.tag, {})[event.step] = value.simple_value
+            yield Event.FromString(data)
+
+
+def read_scalars(folder) -> dict[str, dict[int, float]]:
+    """tag -> {step: value} from every event file under `folder` (a later file's value wins)."""
+    scalars = {}
+    for event in read_events(folder):
+        for value in event.summary.value:
+            scalars.setdefault(value.tag, {})[event.step] = value.simple_value
     return scalars
+
+
+def tensorboard_view(folder, tag: str) -> list[tuple[int, float]]:
+    """(step, value) of `tag` as TensorBoard's event accumulator keeps them: every SessionLog START
+    after the first is a restart and drops the values kept so far from its step on."""
+    kept, started = [], False
+    for event in read_events(folder):
+        if event.session_log.status == SessionLog.START:
+            if started:
+                kept = [(step, value) for step, value in kept if step < event.step]
+            started = True
+        kept += [(event.step, value.simple_value) for value in event.summary.value if value.tag == tag]
+    return kept
 
 
 @pytest.fixture(scope="module")
@@ -156,6 +175,34 @@ def test_each_row_is_in_the_tensorboard_events_once_written(tmp_path):
     log.close()
 
 
+def test_tensorboard_shows_a_resumed_runs_steps_once(tmp_path):
+    # A run logged steps 1-4 but its newest checkpoint is step 2: the resumed run logs 3 and 4
+    # again, and TensorBoard must draw those, not both runs' values at each step.
+    row = {"step_time_s": 0.1, "tokens_per_s": 1.0, "tflops_per_device": 1.0}
+    first = metrics.MetricsLog(tmp_path / "metrics.jsonl", total_steps=5, quiet=True)
+    for step in (1, 2, 3, 4):
+        first.write(dict(row, step=step, loss=float(step)))
+    first.close()
+    resumed = metrics.MetricsLog(tmp_path / "metrics.jsonl", total_steps=5, quiet=True)
+    for step in (3, 4, 5):
+        resumed.write(dict(row, step=step, loss=10.0 * step))
+    resumed.close()
+    assert tensorboard_view(tmp_path / "tensorboard", "loss") == [(1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0),
+                                                                   (5, 50.0)]
+
+
+def test_a_run_started_in_the_same_second_keeps_the_earlier_runs_events(tmp_path, monkeypatch):
+    monkeypatch.setattr(metrics.time, "time", lambda: 1.7e9)  # tensorboardX names event files by the second
+    row = {"step_time_s": 0.1, "tokens_per_s": 1.0, "tflops_per_device": 1.0}
+    for steps in ((1, 2), (3, 4)):  # a run stopped after step 2, and its resumed run
+        log = metrics.MetricsLog(tmp_path / "metrics.jsonl", total_steps=4, quiet=True)
+        for step in steps:
+            log.write(dict(row, step=step, loss=float(step)))
+        log.close()
+    assert len(list((tmp_path / "tensorboard").iterdir())) == 2
+    assert read_scalars(tmp_path / "tensorboard")["loss"] == {s: float(s) for s in (1, 2, 3, 4)}
+
+
 def test_a_full_disk_under_the_tensorboard_events_is_an_os_error_and_nothing_else(tmp_path):
     if os.geteuid() != 0:
         pytest.skip("mounting a small tmpfs needs root")
@@ -184,6 +231,7 @@ def test_a_full_disk_under_the_tensorboard_events_is_an_os_error_and_nothing_els
 
 @pytest.mark.parametrize("kind, peak", [("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H100 PCIe", 756.0),
                                         ("NVIDIA H100 NVL", 835.0), ("NVIDIA H200", 989.0), ("NVIDIA H200 NVL", 835.0),
-                                        ("NVIDIA H800 PCIe", 756.0), ("NVIDIA A100-SXM4-80GB", 312.0), ("cpu", None)])
+                                        ("NVIDIA H800 PCIe", 756.0), ("NVIDIA A100-SXM4-80GB", 312.0),
+                                        ("NVIDIA GH200 480GB", 989.0), ("NVIDIA A800-SXM4-80GB", 312.0), ("cpu", None)])
 def test_each_device_kind_gets_its_own_dense_bf16_peak(kind, peak):
     assert metrics.device_peak_tflops(kind) == peak
