@@ -160,11 +160,15 @@ def _route_text(r: Link) -> str:
 
 
 def _seconds(s: float) -> str:
+    s = float(f"{s:.3g}")  # the unit of the rounded figure: 0.9996 s is 1 s, not "1e+03 ms"
+    if s >= 1000:
+        return f"{s:.0f} s"
     return f"{s:.3g} s" if s >= 1 or s == 0 else f"{s * 1e3:.3g} ms" if s >= 1e-3 else f"{s * 1e6:.3g} us"
 
 
 def _bytes(n: float) -> str:
-    return f"{n / 1e9:.3g} GB" if n >= 1e9 else f"{n / 1e6:.3g} MB"
+    n = float(f"{n:.3g}")
+    return f"{n / 1e12:.3g} TB" if n >= 1e12 else f"{n / 1e9:.3g} GB" if n >= 1e9 else f"{n / 1e6:.3g} MB"
 
 
 def _table(header: list, rows: list[list]) -> str:
