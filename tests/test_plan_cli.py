@@ -17,6 +17,7 @@ from holmes_jax.models import presets
 from holmes_jax.planning import Plan, plan, workload
 from holmes_jax.planning.cli import main
 from holmes_jax.planning.measured import Profile, StepProbe
+from holmes_jax.planning.placement import place
 from holmes_jax.planning.topology import Cluster, Link, Topology
 from helpers import run_module
 
@@ -254,3 +255,30 @@ def test_a_reader_that_leaves_ends_the_command_quietly():
     proc.stdout.close()  # before the plan is computed, so its first write finds no reader
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGPIPE and err == b""
+
+
+def test_a_pp_error_says_which_pp_fit_the_clusters():
+    """ib3_roce5 with tp 8: pp 3 listed 1, 2, 4, 8 as allowed, and 1, 2, 4 were then refused as mixed stages."""
+    ib3_roce5 = str(TOPOLOGIES / "ib3_roce5.toml")
+    code, _, err = _cli("--topology", ib3_roce5, "--model", "7.5b", "--tp", "8", "--pp", "3")
+    assert code == 2 and "allowed pp: 1, 2, 4, 8; every cluster holds whole stages only with pp 8 (the others " \
+                         "need allow_mixed=True, --allow-mixed)" in err
+    assert _cli("--topology", ib3_roce5, "--model", "7.5b", "--tp", "8", "--pp", "8")[0] == 0
+    # with mixed stages allowed every pp that divides is listed
+    code, _, err = _cli("--topology", ib3_roce5, "--model", "7.5b", "--tp", "8", "--pp", "3", "--allow-mixed")
+    assert code == 2 and "allowed pp: 1, 2, 4, 8\n" in err
+
+
+def test_a_tp_error_lists_tp_that_fit_every_cluster():
+    """Nodes of 6 and 4 devices: tp 4 said 'tp dividing 6' and tp 3 'tp dividing 4', each refused by the other."""
+    topo = Topology((Cluster("a", "infiniband", 1, 6), Cluster("b", "roce", 1, 4)))
+    for tp in (3, 4):
+        with pytest.raises(ConfigError, match=rf"^tp = {tp} is not allowed: .*; allowed: tp dividing 2$"):
+            place(topo, tp, 1, allow_mixed=True)
+
+
+def test_a_dp_that_does_not_divide_the_devices_is_named():
+    """--dp 3 on 64 devices blamed 'pp = 21', a pp the user never gave (the search derived it from dp)."""
+    code, _, err = _cli("--topology", IB4_ROCE4, "--model", "7.5b", "--dp", "3")
+    assert code == 2 and "dp = 3 is not allowed with tp = 1: dp * tp must divide the 64 devices" in err
+    assert "allowed dp: 1, 2, 4, 8, 16, 32, 64" in err and "pp = 21" not in err

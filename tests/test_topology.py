@@ -127,3 +127,20 @@ def test_python_api_misuse_is_a_config_error():
     # a NIC class's name where a link goes was an AttributeError
     with pytest.raises(ConfigError, match="inter_cluster = 'ethernet' is not allowed; allowed: a Fabric"):
         T.Topology((one,), "ethernet")
+
+
+def test_a_utf8_file_loads_under_a_non_utf8_locale(tmp_path):
+    """TOML is UTF-8: read with the locale's encoding, a name like 'münchen' was 'not valid TOML' (or mojibake)."""
+    import os
+    import subprocess
+    import sys
+
+    path = tmp_path / "utf8.toml"
+    path.write_text('# Ströme\n[[cluster]]\nname = "münchen"\nnic = "roce"\nnodes = 1\ndevices_per_node = 2\n',
+                    encoding="utf-8")
+    code = f"from holmes_jax.planning import topology as T; print(ascii(T.load({str(path)!r}).clusters[0].name))"
+    env = dict(os.environ, LC_ALL="C", LANG="C", PYTHONUTF8="0")  # an ASCII locale, no UTF-8 mode
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                       cwd=Path(__file__).resolve().parent.parent)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == ascii("münchen")

@@ -22,6 +22,7 @@ over: a ring's hops leaving one node on one fabric share that node's NIC.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 
@@ -93,13 +94,23 @@ def place(topology: Topology, tp: int, pp: int, dp: int | None = None, method: s
         check_positive(name, value, allow_none=True)
     for c in topology.clusters:
         if c.devices_per_node % tp:
+            # every cluster's node size, not just this one's: a tp that fits here may not fit another
+            node = math.gcd(*(d.devices_per_node for d in topology.clusters))
             raise ConfigError(
                 f"tp = {tp} is not allowed: tensor groups stay inside one node and cluster {c.name!r} has "
-                f"{c.devices_per_node} devices per node; allowed: tp dividing {c.devices_per_node}")
+                f"{c.devices_per_node} devices per node; allowed: tp dividing {node}")
     n = topology.num_devices
     if n % (pp * tp):
+        if dp is not None and n % (dp * tp):  # the search derives pp from a given dp: name the dp
+            raise ConfigError(f"dp = {dp} is not allowed with tp = {tp}: dp * tp must divide the {n} devices; "
+                              f"allowed dp: {', '.join(map(str, divisors(n // tp)))}")
+        allowed = divisors(n // tp)
+        # say which of them fit the clusters: the others are refused next as mixed stages
+        fitting = _fitting_pp(topology, tp) if method == "holmes" and not allow_mixed else allowed
         raise ConfigError(f"pp = {pp} is not allowed with tp = {tp}: pp * tp must divide the {n} devices; "
-                          f"allowed pp: {', '.join(map(str, divisors(n // tp)))}")
+                          f"allowed pp: {', '.join(map(str, allowed))}" + ("" if fitting == allowed else
+                          f"; every cluster holds whole stages only with pp {', '.join(map(str, fitting)) or 'none'} "
+                          f"(the others need allow_mixed=True, --allow-mixed)"))
     if dp is not None and pp * dp * tp != n:
         raise ConfigError(f"dp = {dp} is not allowed: pp * dp * tp = {pp} * {dp} * {tp} must equal the {n} devices; "
                           f"allowed with pp = {pp}, tp = {tp}: dp = {n // (pp * tp)}")

@@ -268,7 +268,7 @@ def load(path) -> Topology:
     """Reads a topology TOML file; any problem is a ConfigError naming the file and the field."""
     path = Path(path)
     try:
-        data = tomllib.loads(path.read_text())
+        data = tomllib.loads(path.read_text(encoding="utf-8"))  # TOML is UTF-8 whatever the locale says
     except OSError as e:
         raise ConfigError(f"topology {str(path)!r}: cannot read ({e.strerror or e})") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
