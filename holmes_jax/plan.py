@@ -5,11 +5,26 @@ command's entry point.
 """
 
 import functools
+import sys
+import types
 
 from holmes_jax import cli, pictures
 from holmes_jax.planning import cli as planning_cli
 
 main = functools.partial(planning_cli.main, draw=pictures.draw_plan)
+
+
+class _CallableModule(types.ModuleType):
+    """Importing this module binds it to the name `holmes_jax.plan`, where the package's function
+    was (Python sets a package's submodules as its attributes): calling it still plans."""
+
+    def __call__(self, topology, model, parallel=None, **options):
+        from holmes_jax.planning.search import plan
+
+        return plan(topology, model, parallel, **options)
+
+
+sys.modules[__name__].__class__ = _CallableModule
 
 if __name__ == "__main__":
     cli.run(main)

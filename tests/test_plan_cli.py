@@ -3,6 +3,8 @@ import dataclasses
 import io
 import json
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
@@ -70,6 +72,15 @@ def test_module_is_callable_and_the_function_importable():
     data = json.loads(p.to_json())
     assert data["stage_layers"] == list(p.stage_layers) and data["schedule"] == "1f1b"
     assert "ib" in p.explain() and "roce" in p.explain()
+
+
+def test_the_function_still_plans_after_the_command_module_is_imported():
+    # `import holmes_jax.plan` binds the command's module to the function's name
+    code = ("import sys, holmes_jax, holmes_jax.plan; p = holmes_jax.plan(sys.argv[1], '7.5b'); "
+            "print(p.mesh, 'jax' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code, IB4_ROCE4], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split("}")[1].strip() == "False" and "'stage'" in r.stdout
 
 
 def test_naive_placement_mixes_nic_classes_and_is_slower():
