@@ -13,7 +13,8 @@ plainly that no GPU was measured. The last line is one JSON object: `device_kind
 `tflops_per_device`, `minimal_ratio`, `gpu_measured` of the first model, and `runs` with every
 model's figures.
 
-    python bench/gpu.py [--models 1.3b,125m] [--batch-per-device 1] [--remat none] [--steps 5] [--rounds 3]
+    python bench/gpu.py [--models 1.3b,125m] [--seq-len 2048] [--batch-per-device 1] [--dtype bfloat16]
+                        [--remat none] [--steps 5] [--rounds 3] [--cpu-setting]
 """
 
 from __future__ import annotations
@@ -129,7 +130,8 @@ def main(argv):
     args = parser.parse_args(argv)
     gpu = jax.devices()[0].platform == "gpu"
     if not gpu or args.cpu_setting:
-        print(f"no GPU measured: {jax.devices()[0].platform} devices only; running the {CPU_SETTING['models']} "
+        why = "--cpu-setting" if gpu else f"{jax.devices()[0].platform} devices only"
+        print(f"no GPU measured: {why}; running the {CPU_SETTING['models']} "
               f"model on them instead (checks this code, says nothing about GPU speed)")
         for name, value in CPU_SETTING.items():
             setattr(args, name, value)
@@ -138,7 +140,14 @@ def main(argv):
         configs(model, args.seq_len, args.batch_per_device * n, args.dtype, args.remat, n)
     runs = []
     for model in models:
-        r = measure(model, args.seq_len, args.batch_per_device, args.dtype, args.remat, args.steps, args.rounds)
+        try:
+            r = measure(model, args.seq_len, args.batch_per_device, args.dtype, args.remat, args.steps, args.rounds)
+        except jax.errors.JaxRuntimeError as e:  # XLA's out-of-memory is a long traceback: say what to change
+            if "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            raise cli.RunError(f"{model} at batch {args.batch_per_device} x {args.seq_len} per device does not fit "
+                               f"in the devices' memory (both steps' state is held at once): try --remat dots or "
+                               f"full, or a smaller --batch-per-device or --seq-len ({str(e).splitlines()[0]})") from None
         runs.append(r)
         mfu = "n/a (no known peak)" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
         print(f"{r['model']} ({r['params'] / 1e6:,.0f} M params), {r['dtype']}, remat {r['remat']}, "

@@ -22,6 +22,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 from holmes_jax import build, cli, configure, data, optimizer  # noqa: E402
+from holmes_jax.config import ConfigError  # noqa: E402
 from holmes_jax.mesh.devices import ordered_devices  # noqa: E402
 from holmes_jax.models import gpt  # noqa: E402
 
@@ -49,8 +50,13 @@ def main(argv):
     parser.add_argument("--steps", type=cli.positive_int, default=20)
     parser.add_argument("--rounds", type=cli.positive_int, default=5)
     args, gin_args = parser.parse_known_args(argv)
-    cfgs = configure.load_configs(["--gin.ParallelConfig.pp=1", "--gin.ParallelConfig.dp=8", "--gin.ParallelConfig.microbatches=1",
-                               *gin_args])
+    try:
+        cfgs = configure.load_configs(["--gin.ParallelConfig.pp=1", "--gin.ParallelConfig.dp=8",
+                                       "--gin.ParallelConfig.microbatches=1", *gin_args])
+    except ConfigError as e:  # what is left over goes to gin, whose list of flags leaves out this bench's own
+        if str(e).startswith("unknown argument"):
+            raise ConfigError(f"{e}, --steps N, --rounds N") from None
+        raise
     tokens = data.load(cfgs.data)
     devices = ordered_devices()
     d, seed = cfgs.data, cfgs.train.seed

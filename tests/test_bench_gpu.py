@@ -83,3 +83,57 @@ def test_a_bench_rejects_bad_flags_with_one_error_line(script, args, names):
     assert out.stdout == ""
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and names in lines[0], out.stderr[-2000:]
+
+
+def _fake_run(model, seq_len, batch_per_device, dtype, remat, steps, rounds):
+    """What `measure` returns, without measuring."""
+    return {"model": model, "params": 1e6, "devices": 8, "device_kind": "NVIDIA H100 80GB HBM3", "dtype": dtype,
+            "remat": remat, "seq_len": seq_len, "global_batch": 8 * batch_per_device, "step_s": 0.5,
+            "minimal_step_s": 0.5, "tokens_per_s": 1.0, "tflops_per_device": 1.0, "minimal_tflops_per_device": 1.0,
+            "mfu": 0.001, "minimal_ratio": 1.0}
+
+
+def test_gpu_bench_out_of_memory_is_one_error_line(monkeypatch, capsys):
+    """A model that does not fit ended the bench with XLA's long traceback; now one line that names
+    the model and what to change, exit status 1 (a failure during the run)."""
+    from holmes_jax import cli
+
+    bench = _bench("gpu")
+
+    def out_of_memory(*args):
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 123 bytes.\nmore")
+
+    monkeypatch.setattr(bench, "measure", out_of_memory)
+    with pytest.raises(SystemExit) as stop:
+        cli.run(bench.main, ["--cpu-setting"])
+    assert stop.value.code == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: tiny ") and "--remat" in lines[0], lines
+    assert "Out of memory while trying to allocate 123 bytes" in lines[0]
+
+
+def test_gpu_bench_cpu_setting_on_a_gpu_says_why_no_gpu_was_measured(monkeypatch, capsys):
+    """--cpu-setting on a GPU host said 'gpu devices only', which is false there."""
+    from holmes_jax import cli
+
+    bench = _bench("gpu")
+    gpu = type("FakeGpu", (), {"platform": "gpu", "device_kind": "NVIDIA H100 80GB HBM3"})()
+    monkeypatch.setattr(jax, "devices", lambda *args, **kwargs: [gpu] * 8)
+    monkeypatch.setattr(bench, "measure", _fake_run)
+    with pytest.raises(SystemExit) as stop:
+        cli.run(bench.main, ["--cpu-setting"])
+    assert stop.value.code == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].startswith("no GPU measured: --cpu-setting;") and "devices only" not in lines[0], lines[0]
+    assert json.loads(lines[-1])["gpu_measured"] is False
+
+
+def test_overhead_bench_names_its_own_flags_when_one_is_unknown():
+    """A mistyped --steps was answered with gin's list of flags, which leaves out --steps and --rounds."""
+    out = subprocess.run([sys.executable, "bench/overhead.py", "--setps", "5"], capture_output=True, text=True,
+                         timeout=120, cwd=REPO,
+                         env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu"})
+    assert out.returncode == 2 and out.stdout == ""
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: unknown argument '--setps'"), out.stderr[-2000:]
+    assert "--steps" in lines[0] and "--rounds" in lines[0]
