@@ -153,6 +153,13 @@ def run(cfgs: Configs, devices=None, quiet: bool = False) -> dict:
         raise
     except OSError as e:  # metrics.jsonl, config.gin; checkpoint writes report their own
         raise cli.RunError(f"cannot write {e.filename or workdir}: {e.strerror}") from None
+    except jax.errors.JaxRuntimeError as e:  # XLA's out-of-memory is a page of traceback: say what to change
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        predicted = max(setup.plan.prediction.stage_memory_bytes)
+        raise cli.RunError(f"out of device memory ({str(e).splitlines()[0][:300]}); the plan predicted "
+                           f"{predicted / 1e9:.3g} GB per device: try ModelConfig.remat = 'dots' or 'full', more "
+                           "ParallelConfig.microbatches, or a smaller DataConfig.global_batch") from None
     finally:
         if ckpt:
             with guard.Signals():  # a signal while the last writes are waited for must not cut them short

@@ -335,6 +335,24 @@ def test_a_checkpoint_this_run_cannot_read_is_left_as_it_is(tmp_path, monkeypatc
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["1", "2"]
 
 
+def test_out_of_device_memory_is_one_run_error_and_keeps_the_checkpoints(tmp_path, monkeypatch):
+    steps = train.train_steps
+
+    def out_of_memory_at_step_3(compiled, setup, state, start, last, token_data):
+        for step, state, out in steps(compiled, setup, state, start, last, token_data):
+            if step == 3:  # as XLA's allocator raises it on a GPU
+                raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate "
+                                                 "1073741824 bytes.\nBufferAssignment OOM Debugging.\n...")
+            yield step, state, out
+    monkeypatch.setattr(train, "train_steps", out_of_memory_at_step_3)
+    with pytest.raises(cli.RunError, match=r"^out of device memory \(RESOURCE_EXHAUSTED: Out of memory while trying "
+                                           r"to allocate 1073741824 bytes.\); the plan predicted [\d.]+ GB per device: "
+                                           r"try ModelConfig.remat") as e:
+        _run(tmp_path, "--gin.TrainConfig.steps=4", "--gin.CheckpointConfig.every=1")
+    assert "\n" not in str(e.value)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["1", "2"]
+
+
 def test_no_readable_checkpoint_is_a_run_error(tmp_path):
     _run(tmp_path, "--gin.TrainConfig.steps=1")
     _damage_metadata(tmp_path / "checkpoints" / "1")
