@@ -293,3 +293,6 @@ def test_a_dp_that_does_not_divide_the_devices_is_named():
     code, _, err = _cli("--topology", IB4_ROCE4, "--model", "7.5b", "--dp", "3")
     assert code == 2 and "dp = 3 is not allowed with tp = 1: dp * tp must divide the 64 devices" in err
     assert "allowed dp: 1, 2, 4, 8, 16, 32, 64" in err and "pp = 21" not in err
+    # a model shallower than that pp: its check of pp = 21 came first
+    code, _, err = _cli("--topology", IB4_ROCE4, "--model", "125m", "--dp", "3")
+    assert code == 2 and "first: dp = 3 is not allowed with tp = 1: dp * tp must divide the 64 devices" in err, err

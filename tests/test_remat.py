@@ -38,15 +38,17 @@ def test_megatron_formula_counts_only_full_recompute():
     assert megatron_flops(*args, "dots") == megatron_flops(*args, "none") == without
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("mlp", ["gelu", "swiglu"])
-def test_planned_stash_is_what_the_runtime_keeps(dtype, mlp):
+@pytest.mark.parametrize("dtype, mlp, kv_heads", [("float32", "gelu", None), ("float32", "swiglu", None),
+                                                 ("bfloat16", "gelu", None), ("bfloat16", "swiglu", 1)])
+def test_planned_stash_is_what_the_runtime_keeps(dtype, mlp, kv_heads):
     """'full' and 'dots': the planner's bytes per layer and microbatch are the residuals the
-    pipeline's forward keeps; 'none' (an estimate) keeps the most."""
+    pipeline's forward keeps (also with fewer kv heads: narrower k and v); 'none' (an estimate)
+    keeps the most."""
     micro_batch, seq = 2, 64
     stash = {}
     for remat in ("none", "dots", "full"):
-        cfg = presets.resolve(ModelConfig(preset="tiny", num_layers=2, mlp=mlp, compute_dtype=dtype, remat=remat))
+        cfg = presets.resolve(ModelConfig(preset="tiny", num_layers=2, mlp=mlp, compute_dtype=dtype, remat=remat,
+                                          num_kv_heads=kv_heads))
         model = gpt.GPT(cfg)
         blocks = jax.eval_shape(lambda: model.init(0))["blocks"]
         act = jnp.zeros((micro_batch, seq, cfg.hidden), jnp.dtype(dtype))

@@ -85,6 +85,12 @@ def route(topology: Topology, src, dst) -> Link:
     return Link(float(rate[worst] / share[worst]), float(latency.max()), via, int(share[worst]))
 
 
+def check_dp(devices: int, tp: int, dp: int) -> None:
+    """A ConfigError naming dp where dp * tp does not divide the devices (no pp then fills them)."""
+    if devices % (dp * tp):
+        raise ConfigError(f"dp = {dp} is not allowed with tp = {tp}: dp * tp must divide the {devices} devices; "
+                          f"allowed dp: {', '.join(map(str, divisors(devices // tp)))}")
+
 def place(topology: Topology, tp: int, pp: int, dp: int | None = None, method: str = "holmes",
           allow_mixed: bool = False) -> Placement:
     """The (pp, dp, tp) device grid; ConfigError when the sizes do not fit the topology."""
@@ -101,9 +107,8 @@ def place(topology: Topology, tp: int, pp: int, dp: int | None = None, method: s
                 f"{c.devices_per_node} devices per node; allowed: tp dividing {node}")
     n = topology.num_devices
     if n % (pp * tp):
-        if dp is not None and n % (dp * tp):  # the search derives pp from a given dp: name the dp
-            raise ConfigError(f"dp = {dp} is not allowed with tp = {tp}: dp * tp must divide the {n} devices; "
-                              f"allowed dp: {', '.join(map(str, divisors(n // tp)))}")
+        if dp is not None:  # the search derives pp from a given dp: name the dp
+            check_dp(n, tp, dp)
         allowed = divisors(n // tp)
         # say which of them fit the clusters: the others are refused next as mixed stages
         fitting = _fitting_pp(topology, tp) if method == "holmes" and not allow_mixed else allowed

@@ -285,11 +285,11 @@ def _stash_bytes(cfg: ModelConfig, costs: workload.ModelCosts, tp: int, seq_len:
     al.'s s*b*h*(10 + 24/t + 5*a*s/(h*t)) bytes (16-bit activations, tensor parallel without
     sequence parallelism), scaled to the compute dtype: an estimate, the runtime keeps what JAX's
     autodiff saves."""
-    h, f = cfg.hidden, cfg.ffn_hidden
+    h, f, kv = cfg.hidden, cfg.ffn_hidden, cfg.num_kv_heads * cfg.head_dim
     if cfg.remat == "full":
         return costs.activation_bytes
     if cfg.remat == "dots":
-        return costs.activation_bytes * (2 + (3 * h + (2 if cfg.mlp == "swiglu" else 1) * f) / (h * tp))
+        return costs.activation_bytes * (2 + (h + 2 * kv + (2 if cfg.mlp == "swiglu" else 1) * f) / (h * tp))
     a = cfg.num_heads
     return costs.activation_bytes / 2 * (10 + 24 / tp + 5 * a * seq_len / (h * tp))
 
@@ -472,6 +472,8 @@ def _candidates(topo: Topology, cfg: ModelConfig, par: ParallelConfig, free: set
     remat_hint = "" if cfg.remat == "full" else ", or ModelConfig.remat = 'full', the plan CLI's --remat"
     for tp, pp, dp in _layouts(topo, cfg, par, free):
         try:
+            if dp is not None:  # before the model's check of the pp derived from it
+                placement.check_dp(topo.num_devices, tp, dp)
             _check_model(cfg, tp, pp)
             pl = placement.place(topo, tp, pp, dp, par.placement, allow_mixed)
         except ConfigError as e:
