@@ -106,9 +106,9 @@ def injected_fault() -> tuple[int, str, int] | None:
         return None
     kind, name, point, step = (text.split(":") + [""] * 4)[:4]
     if (kind != "signal" or f"SIG{name}" not in {s.name for s in STOP_SIGNALS} or point not in FAULT_POINTS
-            or not step.isdecimal() or text.count(":") != 3):
-        raise ConfigError(f"{FAULT_ENV} = {text!r} is not allowed; allowed: signal:INT|TERM|HUP:batch|step:STEP, "
-                          f"e.g. signal:TERM:batch:3")
+            or not step.isdecimal() or int(step) < 1 or text.count(":") != 3):  # steps count from 1: 0 never comes
+        raise ConfigError(f"{FAULT_ENV} = {text!r} is not allowed; allowed: signal:INT|TERM|HUP:batch|step:STEP "
+                          f"with STEP >= 1, e.g. signal:TERM:batch:3")
     return signal.Signals[f"SIG{name}"], point, int(step)
 
 

@@ -251,6 +251,7 @@ def test_a_hangup_ignored_when_the_run_starts_stays_ignored():
 
 
 @pytest.mark.parametrize("value", ["signal:KILL:step:3", "signal:TERM:loop:3", "signal:TERM:step:x", "nan:3",
+                                   "signal:TERM:step:0",
                                    "signal:TERM:step:3:4", "signal:TERM:step:\u00b3"])
 def test_a_malformed_fault_is_bad_input(monkeypatch, value):
     monkeypatch.setenv(guard.FAULT_ENV, value)

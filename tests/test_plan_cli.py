@@ -64,6 +64,12 @@ def test_table_output():
     assert "predicted step" in out and "Megatron with recompute" in out
 
 
+def test_one_microbatch_is_singular():
+    code, out, _ = _cli("--topology", IB4_ROCE4, "--model", "125m", "--pp", "2", "--microbatches", "1",
+                        "--global-batch", "32", "--schedule", "gpipe")
+    assert code == 0 and "schedule gpipe, 1 microbatch of 1 " in out, out
+
+
 def test_module_is_callable_and_the_function_importable():
     p = holmes_jax.plan(IB4_ROCE4, "7.5b", ParallelConfig(tp=8, pp=2, microbatches=64, schedule="1f1b"))
     assert isinstance(p, Plan) and p.mesh == {"stage": 2, "data": 4, "tensor": 8}

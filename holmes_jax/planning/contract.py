@@ -110,7 +110,7 @@ class Plan:
             f"{'' if m.remat == 'none' else f', remat {m.remat}'}) on topology {self.topology.name!r}: "
             f"{self.grid.size} device{'' if self.grid.size == 1 else 's'}, {len(self.topology.clusters)} cluster(s)",
             f"mesh stage={self.pp} data={self.dp} tensor={self.tp} | placement {pl.method} | schedule {self.schedule}, "
-            f"{self.microbatches} microbatches of {self.micro_batch} "
+            f"{self.microbatches} microbatch{'es' * (self.microbatches > 1)} of {self.micro_batch} "
             f"(global batch {self.global_batch}, seq {self.seq_len})"
             f" | partition {self.partition}",
             "",
