@@ -354,7 +354,8 @@ class EmulatedCluster:
             _sh("ip", "-n", sw, "link", "set", f"up{i}", "master", f"br{i}", "up")
             _sh("ip", "-n", sw, "link", "set", f"dn{i}", "master", "core", "up")
             _sh("ip", "-n", sw, "link", "set", f"br{i}", "up")
-            self._shape_uplink(f"up{i}")
+            if len(self.clusters) > 1:  # one cluster's traffic never leaves its bridge
+                self._shape_uplink(f"up{i}")
         hosts_file = "127.0.0.1 localhost\n" + "".join(f"{h.address} {h.hostname}\n" for h in self.hosts)
         for k, h in enumerate(self.hosts):
             cluster = next(i for i, c in enumerate(self.clusters) if c[0] == h.cluster)
@@ -527,7 +528,9 @@ def main(argv: list[str]) -> int:
     with ec:
         for h in ec.hosts:
             print(f"emulate: {h.hostname:>10} {h.address:<13} {h.nic_class:<10} {h.mbit:g} Mbit/s  (netns {h.netns})")
-        print(f"emulate: inter-cluster uplinks {ec.inter_mbit:g} Mbit/s, latency {ec.latency_ms:g} ms", flush=True)
+        print(f"emulate: inter-cluster uplinks {ec.inter_mbit:g} Mbit/s, latency {ec.latency_ms:g} ms"
+              if len(ec.clusters) > 1 else "emulate: one cluster, no uplink between clusters "
+              "(--inter-mbit and --latency-ms shape nothing)", flush=True)
         if args.bandwidth:
             pairs = [(a, b) for a in ec.hosts for b in ec.hosts if a is not b]
             for kind, same in (("intra", True), ("inter", False)):
