@@ -127,12 +127,12 @@ def run(cfgs: Configs, devices=None, quiet: bool = False) -> dict:
     lead = jax.process_index() == 0
     say = (lambda *a: None) if quiet or not lead else (lambda *a: print(*a, flush=True))
     guard.injected_fault()  # a malformed HOLMES_FAULT is bad input: found before anything runs
-    token_data = data.load(cfgs.data)
-    token_data.check_model_vocab(cfgs.model.vocab_size)
     checkpoints = Path(cfgs.train.workdir) / "checkpoints"
     if cfgs.model.init_from and not checkpoints.is_dir():  # a resumed run ignores it
         export.check_hf_folder(cfgs.model.init_from, cfgs.model)
-    setup = build(cfgs, devices)
+    setup = build(cfgs, devices)  # before the data: a layout that cannot work must not wait for a long prepare
+    token_data = data.load(cfgs.data)
+    token_data.check_model_vocab(cfgs.model.vocab_size)
     tcfg = cfgs.train
     say(f"holmes_jax: {cfgs.model.preset} model, "
         f"{gpt.count_params(jax.eval_shape(lambda: setup.model.init(0))):,} parameters; "

@@ -267,3 +267,12 @@ def test_a_resumed_run_keeps_no_copy_of_the_checkpoint_on_the_devices(tmp_path, 
     live.clear()
     train.run(small_configs(tmp_path / "resumed", *one), jax.devices()[:1], quiet=True)
     assert live[-1] == fresh  # the restored canonical state was held beside the staged one
+
+
+def test_a_layout_that_cannot_work_is_refused_before_the_data_is_read(tmp_path, monkeypatch):
+    """A bad plan used to be reported only after the data was loaded (a large text folder prepared)."""
+    read = []
+    monkeypatch.setattr(train.data, "load", lambda cfg: read.append(cfg))
+    with pytest.raises(ConfigError, match="pp = 3"):
+        train.run(small_configs(tmp_path, "--gin.ParallelConfig.pp=3"), devices=jax.devices()[:2], quiet=True)
+    assert read == []
