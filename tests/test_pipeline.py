@@ -55,6 +55,14 @@ def test_three_stages_with_fewer_microbatches_than_stages_match_one_stage(tmp_pa
     _assert_matches(reference, *_loss_and_canonical_grads(tmp_path, *bindings, devices=jax.devices()[:6]))
 
 
+def test_tensor_parallel_stages_match_one_stage(tmp_path, reference):
+    # mesh (stage, data, tensor) = (2, 2, 2): `tensor` stays automatic inside the manual region,
+    # with uneven stages (padding skipped) and 1F1B's two-stage swap
+    bindings = ["--gin.ParallelConfig.pp=2", "--gin.ParallelConfig.tp=2", "--gin.ParallelConfig.stage_layers=(5,1)",
+                "--gin.ParallelConfig.schedule=1f1b"]
+    _assert_matches(reference, *_loss_and_canonical_grads(tmp_path, *bindings))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("remat", ["full", "dots"])
 @pytest.mark.parametrize("pp, layers, schedule", [(1, None, "gpipe"), (2, "(4,2)", "1f1b"), (4, "(2,1,2,1)", "gpipe")])
