@@ -95,3 +95,28 @@ def test_the_links_between_the_docs_resolve():
             if not linked.is_file() or (anchor and anchor not in map(_anchor, headings)):
                 broken.append(f"{page.name}: {target}")
     assert broken == []
+
+
+def test_uneven_counts_of_runs_match_its_table_of_runs():
+    """docs/uneven.md's "in N of the M runs" sentences count the runs its table lists (they were
+    left at 11 when runs 12-15 were added)."""
+    text = (REPO / "docs" / "uneven.md").read_text()
+    table = text.split("### Every run at roce 200 Mbit/s", 1)[1].split("\n- ", 1)[0]
+    runs = len(re.findall(r"^\| \d+ \|", table, re.M))
+    totals = [int(m) for m in re.findall(r"in \d+ of\s+(?:the\s+)?(\d+)\s+runs", text)]
+    assert totals and runs
+    assert set(totals) == {runs}
+
+
+def test_data_prepare_example_prints_what_docs_data_shows(tmp_path, monkeypatch, capsys):
+    """docs/data.md's stdlib-bpe example, run as the page shows it: prepare prints its first output line."""
+    import sysconfig
+
+    from holmes_jax import data
+
+    text = (REPO / "docs" / "data.md").read_text()
+    command = re.search(r"^python -m holmes_jax\.data (prepare \$STDLIB.*)$", text, re.M).group(1)
+    shown = re.search(r"^data/stdlib-bpe: .*$", text, re.M).group()
+    monkeypatch.chdir(tmp_path)
+    assert data.main(command.replace("$STDLIB", sysconfig.get_paths()["stdlib"]).split()) == 0
+    assert capsys.readouterr().out.strip() == shown
