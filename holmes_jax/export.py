@@ -205,25 +205,28 @@ def _full_names(found: dict, cfg: ModelConfig) -> dict:
 _FLOATS = ("float32", "float16", "bfloat16", "float64")
 
 
-def _check_tensors(found: dict[str, tuple[str, tuple]], cfg: ModelConfig, read) -> None:
+def _check_tensors(found: dict[str, tuple[str, tuple, str, Path]], cfg: ModelConfig, read, files: str) -> None:
     """ConfigError when a tensor `cfg` needs is missing, not floating point or of another shape, or
-    a GPT-2 bias is nonzero while `cfg` has none. `found`: name -> (dtype name, shape) of every
-    tensor there; `read(name)` reads one (only those biases are read)."""
+    a GPT-2 bias is nonzero while `cfg` has none; each names the tensor as its file does and that
+    file. `found`: our name -> (dtype name, shape, name in the file, file) of every tensor there;
+    `read(name)` reads one (only those biases are read); `files`: where a missing one was looked for."""
     for name, shape in _expected_shapes(cfg).items():
         if name not in found:
-            raise ConfigError(f"ModelConfig.init_from: the model has no tensor {name!r}")
-        dtype, have = found[name]
+            raise ConfigError(f"ModelConfig.init_from: no tensor {name!r} in {files}")
+        dtype, have, stored, path = found[name]
         if dtype not in _FLOATS:
-            raise ConfigError(f"ModelConfig.init_from: tensor {name!r} is {dtype}; allowed: float32, float16, bfloat16")
+            raise ConfigError(f"ModelConfig.init_from: tensor {stored!r} in {str(path)!r} is {dtype}; allowed: "
+                              f"{', '.join(_FLOATS)}")
         if tuple(have) != tuple(shape):
-            raise ConfigError(f"ModelConfig.init_from: tensor {name!r} is {tuple(have)}, the ModelConfig needs "
-                              f"{tuple(shape)}")
+            raise ConfigError(f"ModelConfig.init_from: tensor {stored!r} in {str(path)!r} is {tuple(have)}, the "
+                              f"ModelConfig needs {tuple(shape)}")
     if architecture(cfg) == GPT2 and not cfg.bias:
         for i in range(cfg.num_layers):
-            if any(f"transformer.h.{i}.{b}" in found and np.any(read(f"transformer.h.{i}.{b}") != 0)
-                   for b in _GPT2_BIASES):
-                raise ConfigError(f"ModelConfig.bias = False but the GPT-2 model's layer {i} has nonzero biases; "
-                                  f"set ModelConfig.bias = True")
+            for bias in (f"transformer.h.{i}.{b}" for b in _GPT2_BIASES):
+                if bias in found and np.any(read(bias) != 0):
+                    _, _, stored, path = found[bias]
+                    raise ConfigError(f"ModelConfig.bias = False but tensor {stored!r} in {str(path)!r} (GPT-2 "
+                                      f"layer {i}) is nonzero; set ModelConfig.bias = True")
 
 
 def _from_hf(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict:
@@ -257,8 +260,10 @@ def _tensor_files(folder: Path) -> list[Path]:
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         weight_map = _read_json(index).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise ConfigError(f"ModelConfig.init_from: {str(index)!r} has no weight_map")
+        if not isinstance(weight_map, dict) or not weight_map or not all(
+                isinstance(name, str) and name for name in weight_map.values()):
+            raise ConfigError(f"ModelConfig.init_from: {str(index)!r} has no weight_map of tensor names to "
+                              f"shard file names")
         names = sorted(set(weight_map.values()))
     else:
         names = ["model.safetensors"]
@@ -280,23 +285,25 @@ def check_hf_folder(folder: str | Path, cfg: ModelConfig) -> Path:
         raise ConfigError(f"ModelConfig.init_from = {str(folder)!r} is not allowed; allowed: a Hugging Face model "
                           f"folder with config.json and model.safetensors")
     check_fits(_read_json(folder / "config.json"), cfg)
-    found, where = {}, {}
-    for path in _tensor_files(folder):
+    found, files = {}, _tensor_files(folder)
+    for path in files:
         try:
             with safetensors.safe_open(path, framework="numpy") as f:
                 for name in f.keys():
                     tensor = f.get_slice(name)
-                    found[name] = (_HEADER_DTYPES.get(tensor.get_dtype(), tensor.get_dtype()), tuple(tensor.get_shape()))
-                    where[name] = path
+                    dtype = _HEADER_DTYPES.get(tensor.get_dtype(), tensor.get_dtype())
+                    found[name] = (dtype, tuple(tensor.get_shape()), name, path)
         except (OSError, safetensors.SafetensorError) as e:
             raise ConfigError(f"ModelConfig.init_from: {str(path)!r} cannot be read as safetensors ({e})") from None
-
-    names = _full_names({name: name for name in found}, cfg)  # our name -> the name in the file
+    found = _full_names(found, cfg)  # our name -> (..., the name in the file, the file)
 
     def read(name: str) -> np.ndarray:
-        with safetensors.safe_open(where[names[name]], framework="numpy") as f:
-            return f.get_tensor(names[name])
-    _check_tensors(_full_names(found, cfg), cfg, read)
+        *_, stored, path = found[name]
+        with safetensors.safe_open(path, framework="numpy") as f:
+            return f.get_tensor(stored)
+    where = (repr(str(files[0])) if len(files) == 1 else
+             f"the {len(files)} shards model.safetensors.index.json lists in {str(folder)!r}")
+    _check_tensors(found, cfg, read, where)
     return folder
 
 

@@ -16,6 +16,7 @@ forward is the model's own (no pipeline), so any device count can load any run.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,10 @@ def read_configs(workdir: str | Path) -> tuple[ModelConfig, DataConfig]:
 def restore_params(workdir: str | Path, cfg: ModelConfig, step: int | None = None, device=None) -> tuple[dict, int]:
     """(canonical parameters of checkpoint `step`, default the newest, on `device`; that step).
     Only the parameters are read: the optimizer state stays on disk."""
+    # True == 1 and 2.0 == 2 would pass the membership test below and then fail in orbax, blamed
+    # on a damaged checkpoint; "2" would be refused while the message lists 2.
+    if step is not None and (isinstance(step, bool) or not isinstance(step, numbers.Integral)):
+        raise ConfigError(f"step = {step!r} is not allowed; allowed: None (the newest checkpoint) or an int")
     directory = (Path(workdir) / "checkpoints").absolute()
     steps = []
     if directory.is_dir():
@@ -50,7 +55,7 @@ def restore_params(workdir: str | Path, cfg: ModelConfig, step: int | None = Non
         steps = list(manager.all_steps())
     if not steps:
         raise ConfigError(f"--workdir {str(workdir)!r} has no checkpoint under {directory}")
-    step = max(steps) if step is None else step
+    step = max(steps) if step is None else int(step)
     if step not in steps:
         raise ConfigError(f"--step {step} is not allowed; the checkpoints of {str(workdir)!r} are at steps "
                           f"{', '.join(map(str, sorted(steps)))}")

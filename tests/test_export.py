@@ -4,6 +4,7 @@ the run-level tests; the GPT-2 / LLaMA layouts are checked on freshly initialise
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 
@@ -168,6 +169,10 @@ DAMAGED_FOLDERS = {  # case: (what is written over the saved folder, what the er
     "a field null": (lambda f, c, t: (f / "config.json").write_text(json.dumps(c | {"head_dim": None})), "wrong type"),
     "an index without weight_map": (lambda f, c, t: (f / "model.safetensors.index.json").write_text("{}"),
                                     "has no weight_map"),
+    "a weight_map of numbers": (lambda f, c, t: (f / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"model.norm.weight": 1}})), "has no weight_map"),
+    "an empty weight_map": (lambda f, c, t: (f / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {}})), "has no weight_map"),
     "integer tensors": (lambda f, c, t: safetensors.numpy.save_file({k: v.astype(np.int32) for k, v in t.items()},
                                                                      f / "model.safetensors"),
                         "allowed: float32, float16, bfloat16"),
@@ -393,3 +398,59 @@ def test_prompts_get_no_special_tokens_and_only_the_tokenizers_ids_come_out(tmp_
     assert unk not in generate.encode(m, "abc")
     n = max(tok.get_vocab(with_added_tokens=True).values()) + 1
     assert all(i < n for i in generate.generate(m, generate.encode(m, "abc"), 3, greedy=True))
+
+
+def _shard(folder, tensors: dict, shards: int = 2) -> list[str]:
+    """Rewrites `folder`'s model.safetensors as `shards` files named by an index, as transformers saves."""
+    (folder / "model.safetensors").unlink()
+    names, files = sorted(tensors), [f"model-{i + 1:05d}-of-{shards:05d}.safetensors" for i in range(shards)]
+    weight_map = {name: files[i * shards // len(names)] for i, name in enumerate(names)}
+    for file in files:
+        safetensors.numpy.save_file({k: tensors[k] for k, v in weight_map.items() if v == file}, folder / file)
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return files
+
+
+def test_a_tensor_error_names_the_tensor_and_the_file_it_is_in(tmp_path):
+    def shard_of(folder, name):  # the file the index puts `name` in, as a pattern
+        file = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"][name]
+        return folder / file, re.escape(str(folder / file))
+
+    cfg = presets.resolve(ModelConfig(preset="llama-tiny", num_layers=2, hidden=64, ffn_hidden=96))
+    folder, _ = _saved(tmp_path, cfg)
+    _shard(folder, safetensors.numpy.load_file(folder / "model.safetensors"))
+    name = "model.norm.weight"
+    file, pattern = shard_of(folder, name)
+    tensors = safetensors.numpy.load_file(file)
+    safetensors.numpy.save_file(tensors | {name: np.ones(65, np.float32)}, file)
+    with pytest.raises(ConfigError, match=rf"tensor '{name}' in '{pattern}' is \(65,\), the ModelConfig needs \(64,\)"):
+        export.import_hf(folder, cfg)
+    safetensors.numpy.save_file(_drop(tensors, name), file)
+    with pytest.raises(ConfigError, match=rf"no tensor '{name}' in the 2 shards model.safetensors.index.json lists in "
+                                          rf"'{re.escape(str(folder))}'"):
+        export.import_hf(folder, cfg)
+    # The original GPT-2 files name tensors without GPT2LMHeadModel's 'transformer.' prefix.
+    gpt2 = presets.resolve(ModelConfig(preset="tiny", num_layers=2, hidden=64, ffn_hidden=96))
+    folder, _ = _saved(tmp_path / "gpt2", gpt2)
+    tensors = {k.removeprefix("transformer."): v for k, v in safetensors.numpy.load_file(folder / "model.safetensors").items()}
+    tensors["h.1.mlp.c_fc.bias"][3] = 0.5
+    shards = _shard(folder, tensors)
+    with pytest.raises(ConfigError, match=rf"ModelConfig.bias = False but tensor 'h.1.mlp.c_fc.bias' in "
+                                          rf"'{shard_of(folder, 'h.1.mlp.c_fc.bias')[1]}'"):
+        export.import_hf(folder, gpt2)
+    for file in shards + ["model.safetensors.index.json"]:
+        (folder / file).unlink()
+    safetensors.numpy.save_file(tensors | {"h.0.ln_1.weight": tensors["h.0.ln_1.weight"].astype(np.int32)},
+                                folder / "model.safetensors")
+    with pytest.raises(ConfigError, match=rf"tensor 'h.0.ln_1.weight' in '{re.escape(str(folder / 'model.safetensors'))}' "
+                                          rf"is I32; allowed: float32"):
+        export.import_hf(folder, gpt2)
+
+
+@pytest.mark.slow
+def test_load_refuses_a_step_that_is_not_an_int(run):
+    # True == 1 and 2.0 == 2: once taken for steps 1 and 2, then blamed on a damaged checkpoint.
+    for bad in (True, 2.0, "2"):
+        with pytest.raises(ConfigError, match=f"step = {bad!r} is not allowed; allowed: None"):
+            inference.load(run, step=bad)
+    assert inference.load(run, step=np.int64(1)).step == 1
