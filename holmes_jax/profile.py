@@ -40,6 +40,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
+import json
+import os
 import time
 from pathlib import Path
 
@@ -342,35 +344,83 @@ def profile(setup, repeats: int = 5, splits: int = 0, say=print) -> Profile:
     result = Profile(mesh.local_devices[0].device_kind, micro_batch, cfgs.data.seq_len, flops, t_fwd, t_bwd,
                      data_links, stage_links, update, scale, probes, compute_dtype=cfgs.model.compute_dtype,
                      remat=cfgs.model.remat)
-    if splits > 0 and stages > 1:
-        timed = profile_steps(setup, ranked_splits(setup, result, splits), token_data, say=say)
-        result = dataclasses.replace(result, split_probes=tuple(timed))
+    if splits > 0:
+        ranked = ranked_splits(setup, result, splits) if stages > 1 else []
+        if len(ranked) > 1:
+            timed = profile_steps(setup, ranked, token_data, say=say)
+            result = dataclasses.replace(result, split_probes=tuple(timed))
+        else:  # planning's auto takes the fastest of two or more timed splits: one would cost a compile for nothing
+            say(f"profile: --splits {splits} skipped: {list(setup.pipeline.stage_layers)} is this layout's only split")
     return result
 
 
 def main(argv: list[str]) -> int:
     parser = cli.Parser(prog="python -m holmes_jax.profile", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", required=True, help="where to write the profile JSON")
-    parser.add_argument("--repeats", type=cli.positive_int, default=5)  # 0 would write a profile of NaNs
+                        formatter_class=argparse.RawDescriptionHelpFormatter,
+                        epilog="The run to profile is configured as train's is (python -m holmes_jax.train --help):\n"
+                               "--gin_file FILE, --gin.NAME=VALUE, --no_default_gin.")
+    parser.add_argument("--out", required=True,
+                        help="where to write the profile JSON (an earlier profile there is replaced)")
+    parser.add_argument("--repeats", type=cli.positive_int, default=5,  # 0 would write a profile of NaNs
+                        help="timed repeats of each measurement, the median kept (default 5)")
     parser.add_argument("--splits", type=int, default=0,
                         help="also time the model's own step at this many splits the plan ranks fastest (each "
-                             "compiles the whole model); planning's `auto` then takes the fastest of them")
+                             "compiles the whole model); planning's `auto` then takes the fastest of them "
+                             "(default 0: none; else 2 or more)")
     args, gin_args = parser.parse_known_args(argv)
-    if args.splits < 0:
-        parser.error(f"--splits {args.splits} is not allowed; allowed: 0 or more")
+    if args.splits < 0 or args.splits == 1:  # one timed split has nothing to be faster than: planning ignores it
+        parser.error(f"--splits {args.splits} is not allowed; allowed: 0 (none), or 2 or more (auto takes the "
+                     f"fastest of them)")
     out = Path(args.out)
     if not args.out or out.is_dir() or not out.parent.is_dir():  # before minutes of profiling, not after
         parser.error(f"--out {args.out!r} is not allowed; allowed: a file in an existing folder")
+    if not os.access(out.parent, os.W_OK):
+        parser.error(f"--out {args.out!r} is not allowed: its folder is not writable; allowed: a file in a "
+                     f"folder you may write")
+    if not _replaceable(out):  # a slip of the command line (--out my_run.gin) would lose that file
+        parser.error(f"--out {args.out!r} exists and is not a profile; remove it or choose another")
     cfgs = configure.load_configs(gin_args)
     # Before any backend starts: jax.distributed for several processes (as train does), the CPU device count.
     distributed.initialize(cfgs.parallel.cpu_devices)
     say = print if jax.process_index() == 0 else (lambda *a: None)
     result = profile(build.build(cfgs), args.repeats, args.splits, say)
     if jax.process_index() == 0:
-        Path(args.out).write_text(result.to_json())
+        try:
+            _write(out, result.to_json())
+        except OSError as e:  # minutes of measurement: print them rather than lose them
+            print(result.to_json())
+            raise cli.RunError(f"--out {args.out!r} cannot be written: {e.strerror or e}; the profile is "
+                               f"on stdout") from None
         print(result.to_json())
     return 0
+
+
+def _replaceable(out: Path) -> bool:
+    """Whether `--out` may be overwritten: new, empty, not a plain file (/dev/null) or an earlier profile."""
+    if not out.is_file() or out.stat().st_size == 0:
+        return True
+    if out.stat().st_size > 1 << 24:  # a profile is kilobytes: no need to read a data file to know
+        return False
+    try:
+        raw = json.loads(out.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(raw, dict) and "layer_fwd_s" in raw
+
+
+def _write(out: Path, text: str) -> None:
+    """`text` into `out` whole or not at all: written beside it, then renamed over it, so that a full disk
+    or a kill mid-write leaves the earlier file as it was, never half a profile."""
+    if out.exists() and not out.is_file():  # /dev/null, a pipe: nothing to rename over
+        out.write_text(text)
+        return
+    out = out.resolve() if out.is_symlink() else out  # the file it points to, the link kept
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 if __name__ == "__main__":

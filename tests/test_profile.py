@@ -1,4 +1,6 @@
 import dataclasses
+import errno
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -6,7 +8,7 @@ import pytest
 from jax.sharding import Mesh
 
 from holmes_jax.planning import workload
-from holmes_jax import build, data, planning
+from holmes_jax import build, cli, data, planning
 from holmes_jax.config import ConfigError
 from holmes_jax import profile
 from helpers import small_configs
@@ -14,7 +16,9 @@ from helpers import small_configs
 
 @pytest.mark.parametrize("zero1", [True, False])  # data groups timed with the sync the step runs
 def test_profile_measures_layers_and_links_and_round_trips(tmp_path, zero1):
-    cfgs = small_configs(tmp_path, "--gin.ParallelConfig.pp=2", f"--gin.ParallelConfig.zero1={zero1}")
+    # 4 layers where splits are timed: at one layer a stage there is no other split
+    cfgs = small_configs(tmp_path, "--gin.ParallelConfig.pp=2", f"--gin.ParallelConfig.zero1={zero1}",
+                         f"--gin.ModelConfig.num_layers={2 if zero1 else 4}")
     setup = build.build(cfgs)
     result = profile.profile(setup, repeats=2, splits=0 if zero1 else 2)
     analytic = workload.model_costs(cfgs.model, result.micro_batch, result.seq_len).layers[0].fwd_flops
@@ -117,3 +121,105 @@ def test_the_update_is_per_parameter_of_the_deepest_stage(tmp_path, monkeypatch)
                                           f"--gin.ParallelConfig.stage_layers={split}"))
         per_param.append(profile.profile_update(setup))
     assert per_param[0] == pytest.approx(per_param[1])  # was 2x apart: device 0 updates 1 layer or 3
+
+
+def _fake_profiling(monkeypatch, after=lambda: None):
+    """main() without the minutes of profiling: a fixed Profile, `after` run when it is measured."""
+    measured = profile.Profile("cpu", 1, 32, 1.3e7, 1e-3, 2e-3, (None,), ())
+
+    def fake(setup, repeats, splits, say):
+        after()
+        return measured
+
+    monkeypatch.setattr(profile.distributed, "initialize", lambda *args: None)
+    monkeypatch.setattr(profile.build, "build", lambda cfgs: None)
+    monkeypatch.setattr(profile, "profile", fake)
+    return measured
+
+
+def test_an_out_that_is_not_a_profile_is_refused_before_profiling_and_a_profile_is_replaced(tmp_path, monkeypatch):
+    measured = _fake_profiling(monkeypatch, after=lambda: pytest.fail("profiled before --out was checked"))
+    gin = tmp_path / "my_run.gin"
+    gin.write_text("ModelConfig.preset = 'tiny'\n")
+    with pytest.raises(ConfigError, match="exists and is not a profile"):  # was overwritten after profiling
+        profile.main(["--out", str(gin)])
+    assert gin.read_text() == "ModelConfig.preset = 'tiny'\n"
+    earlier = tmp_path / "p.json"
+    earlier.write_text(dataclasses.replace(measured, layer_fwd_s=5.0).to_json())
+    _fake_profiling(monkeypatch)
+    assert profile.main(["--out", str(earlier)]) == 0
+    assert profile.Profile.load(earlier) == measured
+
+
+def test_a_failed_write_is_one_error_and_the_profile_is_not_lost(tmp_path, monkeypatch, capsys):
+    folder = tmp_path / "out"
+    folder.mkdir()
+    measured = _fake_profiling(monkeypatch, after=folder.rmdir)  # the folder went while it profiled
+    with pytest.raises(cli.RunError, match="cannot be written"):  # was a FileNotFoundError traceback
+        profile.main(["--out", str(folder / "p.json")])
+    assert measured.to_json() in capsys.readouterr().out  # minutes of measurement, still there
+
+
+def test_a_write_cut_short_keeps_the_earlier_profile_whole(tmp_path, monkeypatch):
+    earlier = tmp_path / "p.json"
+    earlier.write_text(profile.Profile("cpu", 1, 32, 1.3e7, 5.0, 2e-3, (), ()).to_json())
+    before = earlier.read_text()
+    _fake_profiling(monkeypatch)
+
+    def disk_full(self, text):
+        with open(self, "w") as f:
+            f.write(text[:20])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", disk_full)
+    with pytest.raises(cli.RunError, match="No space left on device"):
+        profile.main(["--out", str(earlier)])
+    assert earlier.read_text() == before and [p.name for p in tmp_path.iterdir()] == ["p.json"]  # was half a file
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+def test_splits_of_a_layout_with_one_split_say_why_none_were_timed(tmp_path, monkeypatch, stages):
+    # one stage, or one layer a stage: planning takes the fastest of two or more timed splits
+    setup = build.build(small_configs(tmp_path, f"--gin.ParallelConfig.pp={stages}"))
+    monkeypatch.setattr(profile, "profile_layer", lambda *args: (1.3e7, 1e-3, 2e-3))
+    monkeypatch.setattr(profile, "profile_stage_scale", lambda *args: ())
+    monkeypatch.setattr(profile, "profile_update", lambda *args: 1e-9)
+    monkeypatch.setattr(profile, "profile_data_groups", lambda *args, **kwargs: [None])
+    monkeypatch.setattr(profile, "profile_steps", lambda *args, **kwargs: [])
+    monkeypatch.setattr(profile.data, "load", lambda cfg: None)
+    said = []
+    assert profile.profile(setup, repeats=1, splits=2, say=said.append).split_probes == ()
+    only = [2] if stages == 1 else [1, 1]
+    assert said == [f"profile: --splits 2 skipped: {only} is this layout's only split"]  # was silent, or timed one
+
+
+def test_help_names_the_run_config_flags_and_every_flag_has_help(capsys):
+    with pytest.raises(SystemExit):
+        profile.main(["--help"])
+    text = capsys.readouterr().out
+    assert "--gin_file FILE" in text and "the median kept" in text  # --gin_file was not mentioned
+
+
+def test_one_split_is_refused_before_profiling(tmp_path, monkeypatch):
+    # planning's auto takes the fastest of two or more timed splits; one was timed, then noted as
+    # "not of this layout"
+    _fake_profiling(monkeypatch, after=lambda: pytest.fail("profiled before --splits was checked"))
+    with pytest.raises(ConfigError, match="--splits 1 is not allowed; allowed: 0 .none., or 2 or more"):
+        profile.main(["--out", str(tmp_path / "p.json"), "--splits", "1"])
+
+
+def test_an_unwritable_folder_is_refused_before_profiling(tmp_path, monkeypatch):
+    _fake_profiling(monkeypatch, after=lambda: pytest.fail("profiled before --out was checked"))
+    monkeypatch.setattr(profile.os, "access", lambda path, mode: False)  # as a user without write permission sees it
+    with pytest.raises(ConfigError, match="its folder is not writable"):  # was a PermissionError after profiling
+        profile.main(["--out", str(tmp_path / "p.json")])
+
+
+def test_a_profile_written_through_a_link_keeps_the_link(tmp_path, monkeypatch):
+    measured = _fake_profiling(monkeypatch)
+    (tmp_path / "shared").mkdir()
+    target, link = tmp_path / "shared" / "p.json", tmp_path / "p.json"
+    target.write_text("")
+    link.symlink_to(target)
+    assert profile.main(["--out", str(link)]) == 0
+    assert link.is_symlink() and profile.Profile.load(target) == measured

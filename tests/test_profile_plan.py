@@ -337,3 +337,13 @@ def test_cli_profile_changes_the_json(tmp_path):
     slow_sync = with_profile["predicted"]["stage_sync_s"]
     assert slow_sync[1] > 10 * slow_sync[0]  # the slow data group
     assert with_profile["notes"] and without["notes"] == []
+
+
+@pytest.mark.parametrize("link", [0, "", False, {}])
+def test_a_damaged_link_is_refused_not_read_as_unmeasured(tmp_path, link):
+    path = tmp_path / "p.json"
+    path.write_text(_with(data_links=[link, None]))  # was read as null: the topology's link, silently
+    with pytest.raises(ConfigError, match=r"data_links\[0\] = .* is not allowed; allowed: a table"):
+        _plan(str(path))
+    path.write_text(_with(data_links=[None, None]))  # null: not measured there
+    assert _plan(str(path)).stage_layers

@@ -19,7 +19,7 @@ def _link_json(link: Link | None) -> dict | None:
 
 
 def _json_link(raw: dict | None) -> Link | None:
-    if not raw:
+    if raw is None:  # null only: a 0 or "" is a damaged link, not an unmeasured one
         return None
     return Link(raw["bytes_per_s"] if "bytes_per_s" in raw else raw["gbps"] * 1e9 / 8, raw["latency_s"])
 
