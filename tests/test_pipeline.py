@@ -153,6 +153,24 @@ def test_gradients_are_reduced_over_data_once_per_step_not_per_microbatch(tmp_pa
     assert any("{0,1,2,3},{4,5,6,7}" in l.replace(" ", "") for l in outside), outside[:3]
 
 
+def test_each_tensor_rank_sends_its_slice_across_a_stage_boundary(tmp_path):
+    # mesh (stage, data, tensor) = (2, 2, 2): the activations are replicated over `tensor`, so each
+    # rank sends 1/tp of them and the receiving stage gathers them over its tensor groups; whole,
+    # every boundary carried tp copies
+    cfgs = small_configs(tmp_path, "--gin.ModelConfig.num_layers=4", "--gin.ParallelConfig.pp=2",
+                         "--gin.ParallelConfig.tp=2", "--gin.ParallelConfig.schedule=1f1b",
+                         "--gin.ParallelConfig.microbatches=2")
+    setup = build.build(cfgs)
+    batch = setup.batch("train", 0, data.load(cfgs.data))
+    hlo = build.make_train_step(setup).lower(setup.init_state(), batch).compile().as_text()
+    whole = [setup.plan.micro_batch, cfgs.data.seq_len, cfgs.model.hidden]
+    sent = [list(map(int, m.group(1).split(","))) for m in re.finditer(r"= f32\[([\d,]+)\]\S* collective-permute\(", hlo)]
+    assert sent and all(shape == whole[:2] + [whole[2] // 2] for shape in sent), (sent, whole)
+    gathers = {groups for line in hlo.splitlines() if re.search(rf"= f32\[{','.join(map(str, whole))}\]\S* all-gather\(", line)
+               for _, groups in warmup.collectives(line)}
+    assert gathers == {((0, 1), (2, 3), (4, 5), (6, 7))}, gathers  # tensor groups: inside a node
+
+
 def test_two_stages_swap_activations_and_gradients_in_one_ppermute(tmp_path):
     # 1F1B, pp 2 x data 4: ticks that move both (the steady ones) swap them in one collective-
     # permute; the first tick moves activations alone, the last transfer gradients alone

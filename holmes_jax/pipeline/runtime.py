@@ -18,7 +18,9 @@ ring (GPipe: m of them, 1F1B: at most 2p - 1). The layer scans run in every tick
 real slot: the ring and the gradient accumulators (sized by the longest stage) are carried
 through them and written in place, where a `cond` around the whole scan made XLA copy them whole
 every tick. Activations then move one stage down and gradients one stage up with
-`lax.ppermute` (with two stages, a tick that moves both swaps them in one). Gradients accumulate locally and are reduced over `data` once, after the scan
+`lax.ppermute` (with two stages, a tick that moves both swaps them in one). They are replicated
+over `tensor`, so each tensor rank sends only its 1/tp slice of the hidden axis and the receiving
+stage gathers the slices over `tensor`, inside its node (as Megatron's scatter-gather does). Gradients accumulate locally and are reduced over `data` once, after the scan
 (reduce-scattered where ZeRO-1 shards them): one reduction per step, not per microbatch, in
 float32 or, where `ParallelConfig.grad_reduce_dtype` asks, bfloat16. Each stage reduces as soon
 as it leaves the ticks: every reduction over `data` comes before the step's first collective
@@ -255,9 +257,27 @@ class Pipeline:
         pairs = [((s, s + 1) if down else (s + 1, s), s in self.boundary_hops) for s in range(self.stages - 1)]
         return [p for p, crossing in pairs if crossing], [p for p, crossing in pairs if not crossing]
 
+    def _split_over_tensor(self, send, x):
+        """`send(x)` with each tensor rank sending only its 1/tp slice of the hidden axis, the slices
+        gathered back over `tensor` (inside a node) on arrival: the activations are replicated over
+        `tensor`, so whole they would cross the boundary tp times."""
+        if self.mesh.shape["tensor"] == 1:
+            return send(x)
+        # `tensor` manual around the send and the gather (sharding constraints alone left XLA
+        # sending whole buffers, or gathering again at every consumer)
+        def split_send_gather(part):
+            return lax.all_gather(send(part), "tensor", axis=part.ndim - 1, tiled=True)
+
+        mesh = jax.sharding.get_abstract_mesh()
+        x = lax.with_sharding_constraint(x, NamedSharding(mesh, P()))  # the split must not reach back into x's maker
+        return jax.shard_map(split_send_gather, mesh=mesh, in_specs=P(*[None] * (x.ndim - 1), "tensor"),
+                             out_specs=P(), axis_names={"tensor"}, check_vma=False)(x)
+
     def _transfer(self, x, down: bool):
-        moved = [lax.ppermute(x, "stage", pairs) for pairs in self.hop_pairs(down) if pairs]
-        return moved[0] if len(moved) == 1 else moved[0] + moved[1]  # each stage receives from one of them
+        def send(x):
+            moved = [lax.ppermute(x, "stage", pairs) for pairs in self.hop_pairs(down) if pairs]
+            return moved[0] if len(moved) == 1 else moved[0] + moved[1]  # each stage receives from one of them
+        return self._split_over_tensor(send, x)
 
     def _transfers(self, x_out, g_out, x_moves, g_moves, idle):
         """(what arrives from the stage above, from the stage below) at the end of a tick:
@@ -271,7 +291,8 @@ class Pipeline:
             return lax.cond(x_moves, down, lambda: idle), lax.cond(g_moves, up, lambda: idle)
 
         def swap():
-            sent = lax.ppermute(jnp.where(lax.axis_index("stage") == 0, x_out, g_out), "stage", [(0, 1), (1, 0)])
+            sent = self._split_over_tensor(lambda x: lax.ppermute(x, "stage", [(0, 1), (1, 0)]),
+                                           jnp.where(lax.axis_index("stage") == 0, x_out, g_out))
             return sent, sent
 
         return lax.switch(x_moves.astype(jnp.int32) + 2 * g_moves.astype(jnp.int32),
@@ -287,7 +308,8 @@ class Pipeline:
         spec = P("stage", "data")
 
         def program(x):
-            down, up = (lax.ppermute(x[0], "stage", self.hop_pairs(d)[0]) for d in (True, False))
+            down, up = (self._split_over_tensor(lambda y: lax.ppermute(y, "stage", self.hop_pairs(d)[0]), x[0])
+                        for d in (True, False))
             return (down + up)[None]
 
         fn = jax.shard_map(program, mesh=self.mesh, axis_names={"stage", "data"}, in_specs=spec, out_specs=spec,
