@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from holmes_jax.planning import cost
+from holmes_jax.planning import schedule as schedules
 
 LINK = cost.Link(bytes_per_s=1e9, latency_s=1e-5)
 
@@ -98,8 +99,9 @@ def test_prediction_by_hand():
     assert pr.step_time_s == max(pr.stage_finish_s)
     assert pr.samples_per_s == pytest.approx(64 / pr.step_time_s)
     assert pr.tflops_per_device == pytest.approx(1e15 / pr.step_time_s / 4 / 1e12)
-    # memory: (4 + 4 + 8) bytes per parameter, and 4 microbatches x 2 layers x 1 GB stashed
-    assert pr.stage_memory_bytes == pytest.approx((2e9 * 16 + 8e9,) * 2) and pr.fits
+    # memory: (4 + 4 + 8) bytes per parameter, 4 microbatches x 2 layers x 1 GB stashed, and the
+    # scan's boundary-sized buffers: 4 stashed inputs, 1 gradient, 2 arriving (0.1 GB each)
+    assert pr.stage_memory_bytes == pytest.approx((2e9 * 16 + 8e9 + 7e8,) * 2) and pr.fits
 
 
 def test_uneven_stages_sync_and_update_their_real_layers_and_hold_their_padding():
@@ -109,8 +111,8 @@ def test_uneven_stages_sync_and_update_their_real_layers_and_hold_their_padding(
     assert even.stage_sync_s[0] == pytest.approx(float(cost.allreduce_s(2e9 * 4, 2, LINK)))
     assert uneven.stage_update_s == pytest.approx((3.0, 1.0))
     # but every stage holds 3 layer slots: weights, gradients, Adam (16 B each) and the ring of
-    # stashed residuals (4 microbatches x 3 layer slots x 1 GB)
-    assert uneven.stage_memory_bytes == pytest.approx((3e9 * 16 + 12e9,) * 2)
+    # stashed residuals (4 microbatches x 3 layer slots x 1 GB), and the scan's 7 boundary buffers
+    assert uneven.stage_memory_bytes == pytest.approx((3e9 * 16 + 12e9 + 7e8,) * 2)
 
 
 def test_every_stage_waits_for_the_slowest_reduction_before_its_update():
@@ -221,9 +223,10 @@ def test_zero1_shards_only_what_it_splits():
     assert pr.stage_update_s[1] == pytest.approx((split / 3 + whole) * 1e-9)
     held_split, held_whole = split + 2 * 0.5e9, whole + 2 * 0.5e9
     # float32 weights and gradients of every slot; moments (8 B) and the pending update (4 B) of
-    # a 1/3 share of the split, the whole's moments in full
+    # a 1/3 share of the split, the whole's moments in full; no residuals stashed (layer_stash_bytes
+    # 0), the scan's 4 + 3 boundary buffers of 0.1 GB
     assert pr.stage_memory_bytes[1] == pytest.approx(
-        (held_split + held_whole) * 8 + held_split * 12 / 3 + held_whole * 8)
+        (held_split + held_whole) * 8 + held_split * 12 / 3 + held_whole * 8 + 7e8)
 
 
 def test_tensor_parallel_splits_work_and_adds_its_all_reduces():
@@ -260,8 +263,9 @@ def test_bfloat16_reduction_halves_the_gradient_bytes_not_the_memory(zero1):
 
 def test_1f1b_stashes_fewer_microbatches():
     gpipe, one = _model(m=8).predict([2, 2]), _model(m=8, schedule="1f1b").predict([2, 2])
-    # every stage holds 8 (GPipe) vs 2p - 1 = 3 (1F1B) microbatches of 2 layers x 1 GB
-    assert np.subtract(gpipe.stage_memory_bytes, one.stage_memory_bytes) == pytest.approx([5 * 2 * 1e9] * 2)
+    # every stage holds 8 (GPipe) vs 2p - 1 = 3 (1F1B) microbatches of 2 layers x 1 GB, and of
+    # their inputs (0.1 GB)
+    assert np.subtract(gpipe.stage_memory_bytes, one.stage_memory_bytes) == pytest.approx([5 * (2e9 + 1e8)] * 2)
 
 
 def test_over_memory_is_infinitely_slow():
@@ -285,3 +289,41 @@ def test_step_times_match_predict_and_respect_the_lower_bound(schedule):
 def test_slower_devices_take_longer_per_layer():
     pr = _model(stage_flops=(1e12, 5e11)).predict([2, 2])
     assert pr.stage_fwd_s == (2.0, 4.0)
+
+
+def test_each_tensor_rank_sends_its_slice_of_the_activations_and_the_stage_gathers_them():
+    # the runtime's ppermute moves each tp rank's 1/tp of the (micro_batch, seq, hidden) buffer,
+    # then the receiving stage all-gathers it over `tensor` on the node's link
+    one, two = _model(tp=1).predict([2, 2]), _model(tp=2).predict([2, 2])
+    assert one.p2p_s == pytest.approx((LINK.time(1e8),))
+    assert two.p2p_s == pytest.approx((LINK.time(0.5e8) + float(cost.reduce_scatter_s(1e8, 2, LINK)),))
+
+
+def test_embedding_and_head_run_whole_on_every_tensor_rank():
+    # their weights are replicated over `tensor`: each tp rank runs the head's FLOPs in full
+    layer, head = cost.Part(params=1e9, fwd_flops=1e12, bwd_flops=2e12), cost.Part(0, 3e12, 6e12)
+    work = cost.Work(cost.Part(0, 0, 0), (layer,) * 4, head, boundary_bytes=1e8)
+    for tp in (1, 2):
+        stages = [cost.Stage(1e12, tp, LINK, 2, LINK) for _ in range(2)]
+        model = cost.CostModel(work, stages, [LINK], 4)
+        pr = model.predict([2, 2])
+        tp_allreduces = 2 * 2 * float(cost.allreduce_s(1e8, tp, LINK))
+        assert pr.stage_fwd_s[1] == pytest.approx(2e12 / tp / 1e12 + 3.0 + tp_allreduces)
+        assert pr.stage_bwd_s[1] == pytest.approx(4e12 / tp / 1e12 + 6.0 + tp_allreduces)
+        assert model.end_seconds() == pytest.approx([0.0, 9.0])
+
+
+@pytest.mark.parametrize("schedule, p, m", [("gpipe", 2, 4), ("1f1b", 3, 8), ("1f1b", 2, 1)])
+def test_memory_counts_the_scans_boundary_buffers(schedule, p, m):
+    # the runtime's scan carries a stash of received inputs (x_slots), of output gradients
+    # (g_slots) and the activation and gradient that arrive each tick, each boundary-sized and
+    # whole on every tp rank; one stage runs a plain vjp without them
+    layer = cost.Part(params=0, fwd_flops=1e12, bwd_flops=2e12)
+    work = cost.Work(cost.Part(0, 0, 0), (layer,) * 6, cost.Part(0, 0, 0), boundary_bytes=1e8)
+    table = schedules.build(schedule, p, m)
+    for tp in (1, 2):
+        stages = [cost.Stage(1e12, tp, LINK, 1, LINK) for _ in range(p)]
+        pr = cost.CostModel(work, stages, [LINK] * (p - 1), m, schedule).predict([6 // p] * p)
+        assert pr.stage_memory_bytes == pytest.approx([(table.x_slots + table.g_slots + 2) * 1e8] * p)
+    one = cost.CostModel(work, [cost.Stage(1e12, 1, LINK, 1, LINK)], [], m, schedule).predict([6])
+    assert one.stage_memory_bytes == (0.0,)

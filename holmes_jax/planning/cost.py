@@ -10,12 +10,15 @@ One training step as the pipeline runtime runs it (holmes_jax.pipeline.runtime):
 1. The schedule's tick table (GPipe or 1F1B) is walked in lockstep. In a tick each stage runs its
    forward of one microbatch (if the table says so), keeping what the backward needs, then its
    backward from that. The last stage runs its forward inside its backward's tick. A forward
-   takes its layers' FLOPs (the embedding on the first stage, head and loss on the last) divided
-   by tensor parallelism, at the device's achievable FLOP/s, plus its tensor-parallel
-   all-reduces over the node's link; a backward's FLOPs include what the remat policy
+   takes its layers' FLOPs divided by tensor parallelism, at the device's achievable FLOP/s,
+   plus its tensor-parallel all-reduces over the node's link, and the embedding's (first stage)
+   and head's and loss's (last stage) FLOPs whole: their weights are replicated over `tensor`,
+   so every tp rank runs them in full. A backward's FLOPs include what the remat policy
    recomputes (the layer costs carry them).
 2. A tick ends with up to two ppermutes, activations one stage down and then gradients one stage
-   up (micro_batch * seq * hidden * bytes, split over the tp ranks), over each boundary's link,
+   up (micro_batch * seq * hidden * bytes, replicated over `tensor`: each tp rank sends its 1/tp
+   slice, which the receiving stage all-gathers over `tensor` inside its node), over each
+   boundary's link,
    each only in ticks where some stage sends one (GPipe: activations in its forward ticks,
    gradients in its backward ticks). With two stages a tick that moves both swaps them in one
    ppermute, both directions at once (links are full duplex): one transfer's time. They are
@@ -42,8 +45,10 @@ One training step as the pipeline runtime runs it (holmes_jax.pipeline.runtime):
    and keeps the update of its shard until the next step's gather, in the gather's dtype),
    plus the ring of stashed residuals (what the remat policy keeps, per layer and microbatch):
    room for the schedule's microbatches in flight (GPipe: all m; 1F1B: min(2p - 1, m)) of the
-   longest stage's layers, on every stage (the runtime's arrays have equal shards); with one
-   stage, one microbatch's.
+   longest stage's layers, on every stage (the runtime's arrays have equal shards), and the
+   scan's boundary-sized buffers (whole on every tp rank): a stashed input per ring slot, the one
+   stashed output gradient, and the two a tick's transfers arrive in. With one stage, one
+   microbatch's residuals.
    A split over some device's memory is infinitely slow.
 6. The runtime pads every stage to the longest stage's layer count, but the padding's
    reduction, update and gather are skipped (pipeline.update): sync and update cover a stage's
@@ -225,14 +230,20 @@ class CostModel:
         self._shared_params = work.embed.params + work.head.params  # on every stage, whole
         self._ends = {a: ends(a) for a in ("fwd_flops", "bwd_flops", "params")}
         self._tp = np.array([s.tp for s in stages], dtype=float)
-        self._flops = np.array([s.device_flops for s in stages]) * self._tp  # a stage's tp devices together
+        self._device_flops = np.array([s.device_flops for s in stages], dtype=float)
+        self._flops = self._device_flops * self._tp  # a stage's tp devices together, on its layers
         self._dp = np.array([s.dp for s in stages])
         self._dp_link = Link(np.array([s.dp_link.bytes_per_s for s in stages]),
                              np.array([s.dp_link.latency_s for s in stages]))
         tp_allreduce = np.array([float(allreduce_s(work.boundary_bytes, s.tp, s.tp_link)) for s in stages])
         self._tp_fwd, self._tp_bwd = work.tp_allreduces_fwd * tp_allreduce, work.tp_allreduces_bwd * tp_allreduce
-        # each of a stage's tp ranks sends its share of the activations (every stage has the same tp)
-        self._p2p = np.array([link.time(work.boundary_bytes / stages[0].tp) for link in boundaries])
+        # each tp rank sends its 1/tp slice of the activations (the route's rate is already its
+        # share of the NIC), and the receiving stage all-gathers the slices over `tensor` inside
+        # its node (a ring all-gather takes a reduce-scatter's time)
+        tp = stages[0].tp  # every stage has the same tp
+        gather = [max(float(reduce_scatter_s(work.boundary_bytes, tp, stages[b + k].tp_link)) for k in (0, 1))
+                  for b in range(len(boundaries))]
+        self._p2p = np.array([link.time(work.boundary_bytes / tp) + g for link, g in zip(boundaries, gather)])
         # the embedding's and head's float32 gradients (ZeRO-1: each device's shard, after the
         # reduction over `data`) summed over `stage`: a ring through every boundary, the slowest
         self._shared_sum = 0.0
@@ -245,6 +256,9 @@ class CostModel:
         # the runtime's residual ring: x_slots microbatches of the longest stage's layers, on every
         # stage; one stage runs a plain vjp, a microbatch at a time
         self._ring_slots = schedules.ring_slots(schedule, p, microbatches) if p > 1 else 1
+        # plus the scan's boundary-sized carries: an input stash of as many slots, one output
+        # gradient slot (schedule.Table.g_slots) and the activation and gradient that arrive
+        self._inputs_bytes = (self._ring_slots + 3) * work.boundary_bytes if p > 1 else 0.0
         self._memory = np.array([s.memory_bytes for s in stages])
         self._update_rate = np.array([s.update_s_per_param for s in stages])
         self._fixed = np.array([s.fixed_s for s in stages])
@@ -275,8 +289,9 @@ class CostModel:
         return np.diff(flops)[None, :] / self._flops[:, None] + (self._tp_fwd + self._tp_bwd)[:, None]
 
     def end_seconds(self) -> np.ndarray:
-        """(stages,): one microbatch's embedding (first stage) and head (last stage), forward + backward."""
-        return (self._ends["fwd_flops"] + self._ends["bwd_flops"]) / self._flops
+        """(stages,): one microbatch's embedding (first stage) and head (last stage), forward + backward,
+        on one device: their weights are replicated over `tensor`, so every tp rank runs them whole."""
+        return (self._ends["fwd_flops"] + self._ends["bwd_flops"]) / self._device_flops
 
     def stage_terms(self, splits) -> dict[str, np.ndarray]:
         """What each stage of each split (batch, stages) costs, before the schedule: one
@@ -288,11 +303,12 @@ class CostModel:
         stop = np.cumsum(n, axis=1)
         start = stop - n
 
-        def total(attr):
-            return self._prefix[attr][stop] - self._prefix[attr][start] + self._ends[attr]
+        def seconds(attr):  # layers split over tp; embedding and head run whole on each tp rank
+            layers = self._prefix[attr][stop] - self._prefix[attr][start]
+            return layers / self._flops + self._ends[attr] / self._device_flops
 
-        fwd = total("fwd_flops") / self._flops + n * self._tp_fwd
-        bwd = total("bwd_flops") / self._flops + n * self._tp_bwd
+        fwd = seconds("fwd_flops") + n * self._tp_fwd
+        bwd = seconds("bwd_flops") + n * self._tp_bwd
         layers = self._prefix["params"][stop] - self._prefix["params"][start]
         params = layers / self._tp + self._shared_params  # per device; embedding and head unsplit
         padding = n.max(axis=1, keepdims=True) - n
@@ -314,7 +330,7 @@ class CostModel:
             reduce, gather = allreduce_s(params * w.reduce_bytes_per_param, self._dp, self._dp_link, k), 0.0 * params
             state, update = held * w.optimizer_bytes_per_param, self._update_rate * params
         memory = (held * (w.param_bytes_per_param + w.grad_bytes_per_param) + state
-                  + self._ring_slots * n.max(axis=1, keepdims=True) * w.layer_stash_bytes)
+                  + self._ring_slots * n.max(axis=1, keepdims=True) * w.layer_stash_bytes + self._inputs_bytes)
         shared_sum = np.full((n.shape[0], 1), self._shared_sum)
         fixed = np.broadcast_to(self._fixed, n.shape)
         return {"fwd": fwd, "bwd": bwd, "reduce": reduce, "gather": gather, "sync": reduce + gather,
