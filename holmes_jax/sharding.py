@@ -22,12 +22,12 @@ def _zero1_spec(spec: P, shape: tuple, dp: int, skip: int = 0) -> P:
     return spec
 
 
-def gradient_specs(params_shapes: dict, stage_axis: str | None, dp: int, zero1: bool) -> dict:
+def gradient_specs(params_shapes: dict, stage_axis: str | None, dp: int, zero1: bool, tp: int = 1) -> dict:
     """Where gradients and optimizer moments live: the parameter's spec, split over `data` too
     with ZeRO-1 (so the gradient is reduce-scattered and each replica updates its shard). Block
     leaves are split inside a layer, never along their layer axes, so each layer has its share
     on every replica (the pipeline reduces and updates a stage's real layers only)."""
-    pspecs = gpt.param_specs(params_shapes, stage_axis)
+    pspecs = gpt.param_specs(params_shapes, stage_axis, tp)
     if not zero1:
         return pspecs
     layer_axes = 1 if stage_axis is None else 2
@@ -74,8 +74,8 @@ def optimizer_specs(opt_shapes, moment_specs: dict):
 
 
 def state_shardings(mesh: Mesh, tx, params_shapes: dict, stage_axis: str | None, zero1: bool) -> dict:
-    pspecs = gpt.param_specs(params_shapes, stage_axis)
-    moments = gradient_specs(params_shapes, stage_axis, mesh.shape["data"], zero1)
+    pspecs = gpt.param_specs(params_shapes, stage_axis, mesh.shape["tensor"])
+    moments = gradient_specs(params_shapes, stage_axis, mesh.shape["data"], zero1, mesh.shape["tensor"])
     ospecs = optimizer_specs(jax.eval_shape(tx.init, params_shapes), moments)
     specs = {"params": pspecs, "opt_state": ospecs, "step": P()}
     return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))

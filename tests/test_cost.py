@@ -299,18 +299,25 @@ def test_each_tensor_rank_sends_its_slice_of_the_activations_and_the_stage_gathe
     assert two.p2p_s == pytest.approx((LINK.time(0.5e8) + float(cost.reduce_scatter_s(1e8, 2, LINK)),))
 
 
-def test_embedding_and_head_run_whole_on_every_tensor_rank():
-    # their weights are replicated over `tensor`: each tp rank runs the head's FLOPs in full
-    layer, head = cost.Part(params=1e9, fwd_flops=1e12, bwd_flops=2e12), cost.Part(0, 3e12, 6e12)
-    work = cost.Work(cost.Part(0, 0, 0), (layer,) * 4, head, boundary_bytes=1e8)
+@pytest.mark.parametrize("vocab_split", [0.0, 4e9])
+def test_the_head_runs_whole_on_every_tensor_rank_unless_tp_splits_the_vocabulary(vocab_split):
+    # replicated over `tensor`, each tp rank runs the head's FLOPs in full and holds it whole;
+    # split over the vocabulary, each runs and holds 1/tp of it
+    layer, head = cost.Part(params=1e9, fwd_flops=1e12, bwd_flops=2e12), cost.Part(4e9, 3e12, 6e12)
+    work = cost.Work(cost.Part(0, 0, 0), (layer,) * 4, head, boundary_bytes=1e8, vocab_split_params=vocab_split)
     for tp in (1, 2):
         stages = [cost.Stage(1e12, tp, LINK, 2, LINK) for _ in range(2)]
         model = cost.CostModel(work, stages, [LINK], 4)
         pr = model.predict([2, 2])
         tp_allreduces = 2 * 2 * float(cost.allreduce_s(1e8, tp, LINK))
-        assert pr.stage_fwd_s[1] == pytest.approx(2e12 / tp / 1e12 + 3.0 + tp_allreduces)
-        assert pr.stage_bwd_s[1] == pytest.approx(4e12 / tp / 1e12 + 6.0 + tp_allreduces)
-        assert model.end_seconds() == pytest.approx([0.0, 9.0])
+        head_tp = tp if vocab_split else 1
+        assert pr.stage_fwd_s[1] == pytest.approx(2e12 / tp / 1e12 + 3.0 / head_tp + tp_allreduces)
+        assert pr.stage_bwd_s[1] == pytest.approx(4e12 / tp / 1e12 + 6.0 / head_tp + tp_allreduces)
+        assert model.end_seconds() == pytest.approx([0.0, 9.0 / head_tp])
+        # weights, gradients and Adam's moments (4 + 4 + 8 bytes a parameter) of 2 layers and the
+        # head, and the scan's boundary buffers (GPipe's 4 input slots and 3 more)
+        memory = 16 * (2e9 / tp + 4e9 / head_tp) + 7 * 1e8
+        assert model.stage_terms([[2, 2]])["memory"][0, 0] == pytest.approx(memory)
 
 
 @pytest.mark.parametrize("schedule, p, m", [("gpipe", 2, 4), ("1f1b", 3, 8), ("1f1b", 2, 1)])

@@ -89,6 +89,20 @@ def test_tensor_parallel_specs():
     assert specs["embed"]["tokens"]["embedding"] == jax.sharding.PartitionSpec()
 
 
+def test_tensor_parallelism_splits_the_vocabulary_where_it_divides_it():
+    P = jax.sharding.PartitionSpec
+    for tied in (True, False):
+        params = _abstract_params(presets.resolve(ModelConfig(preset="tiny", tie_embeddings=tied)))
+        specs = gpt.param_specs(params, tensor=2)
+        assert specs["embed"]["tokens"]["embedding"] == P("tensor", None)
+        assert specs["embed"]["positions"] == P()
+        assert tied or specs["head"]["out"]["kernel"] == P(None, "tensor")
+        assert gpt.param_specs(params, tensor=1)["embed"]["tokens"]["embedding"] == P()
+    odd = _abstract_params(presets.resolve(ModelConfig(preset="tiny", vocab_size=255, tie_embeddings=False)))
+    specs = gpt.param_specs(odd, tensor=2)  # 255 tokens do not split in two: replicated
+    assert specs["embed"]["tokens"]["embedding"] == P() and specs["head"]["out"]["kernel"] == P()
+
+
 @pytest.mark.parametrize("field, value", [("preset", "13b"), ("preset", ["tiny"]), ("norm", "batchnorm"),
                                           ("num_heads", 3)])
 def test_bad_model_configs_name_the_field(field, value):
@@ -211,17 +225,17 @@ def test_bias_and_grouped_query_attention_train_alike_under_tensor_parallelism(t
     dict(bias=True, num_kv_heads=2, vocab_size=255),
     dict(positions="rotary", norm="rmsnorm", mlp="swiglu", bias=True, num_kv_heads=1, hidden=96),
 ])
-@pytest.mark.parametrize("dp", [1, 2, 3, 5])
-def test_the_planners_zero1_rule_keeps_whole_what_the_runtime_keeps_whole(options, dp):
+@pytest.mark.parametrize("dp, tp", [(1, 1), (2, 1), (3, 1), (5, 1), (2, 2), (3, 4)])
+def test_the_planners_zero1_rule_keeps_whole_what_the_runtime_keeps_whole(options, dp, tp):
     from holmes_jax.sharding import gradient_specs
 
     cfg = presets.resolve(ModelConfig(preset="tiny", **options))
     params = _abstract_params(cfg)
-    specs = gradient_specs(params, None, dp, zero1=True)
+    specs = gradient_specs(params, None, dp, zero1=True, tp=tp)
     whole = {part: [x for x, spec in zip(jax.tree.leaves(params[part]),
                                          jax.tree.leaves(specs[part], is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec)))
                     if "data" not in spec] for part in params}
-    expected = workload.zero1_whole(cfg, dp)
+    expected = workload.zero1_whole(cfg, dp, tp)
     layer = gpt.count_params(params["blocks"])
     assert expected.layer_share == pytest.approx(sum(x.size for x in whole["blocks"]) / layer)
     shared = gpt.count_params(params["embed"]) + gpt.count_params(params["head"])

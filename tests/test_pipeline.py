@@ -153,22 +153,30 @@ def test_gradients_are_reduced_over_data_once_per_step_not_per_microbatch(tmp_pa
     assert any("{0,1,2,3},{4,5,6,7}" in l.replace(" ", "") for l in outside), outside[:3]
 
 
-def test_each_tensor_rank_sends_its_slice_across_a_stage_boundary(tmp_path):
-    # mesh (stage, data, tensor) = (2, 2, 2): the activations are replicated over `tensor`, so each
-    # rank sends 1/tp of them and the receiving stage gathers them over its tensor groups; whole,
-    # every boundary carried tp copies
+def test_tensor_parallel_steps_keep_split_what_tensor_splits(tmp_path):
+    # mesh (stage, data, tensor) = (2, 2, 2), untied head: the activations are replicated over
+    # `tensor`, so each rank sends 1/tp of them and the receiving stage gathers them over its
+    # tensor groups (whole, every boundary carried tp copies)
     cfgs = small_configs(tmp_path, "--gin.ModelConfig.num_layers=4", "--gin.ParallelConfig.pp=2",
                          "--gin.ParallelConfig.tp=2", "--gin.ParallelConfig.schedule=1f1b",
-                         "--gin.ParallelConfig.microbatches=2")
+                         "--gin.ParallelConfig.microbatches=2", "--gin.ModelConfig.tie_embeddings=False")
     setup = build.build(cfgs)
     batch = setup.batch("train", 0, data.load(cfgs.data))
     hlo = build.make_train_step(setup).lower(setup.init_state(), batch).compile().as_text()
     whole = [setup.plan.micro_batch, cfgs.data.seq_len, cfgs.model.hidden]
     sent = [list(map(int, m.group(1).split(","))) for m in re.finditer(r"= f32\[([\d,]+)\]\S* collective-permute\(", hlo)]
     assert sent and all(shape == whole[:2] + [whole[2] // 2] for shape in sent), (sent, whole)
-    gathers = {groups for line in hlo.splitlines() if re.search(rf"= f32\[{','.join(map(str, whole))}\]\S* all-gather\(", line)
-               for _, groups in warmup.collectives(line)}
-    assert gathers == {((0, 1), (2, 3), (4, 5), (6, 7))}, gathers  # tensor groups: inside a node
+    # Over `tensor` (pairs inside a node) only the activations are gathered. Weights and
+    # gradients split over `tensor` stay split: the ZeRO-1 gather over `data` moved tp copies of
+    # each when XLA gathered it over `tensor` first, and the reduction's ordering read whole ones.
+    tensor_groups = ((0, 1), (2, 3), (4, 5), (6, 7))
+    over_tensor = [re.search(r"= \w+\[([\d,]*)\]", line).group(1) for line in hlo.splitlines()
+                   if " all-gather(" in line and warmup.collectives(line)[0][1] == tensor_groups]
+    assert over_tensor and set(over_tensor) == {",".join(map(str, whole))}, over_tensor
+    # the vocabulary is split over `tensor` too: each rank holds half the table and the head
+    params = setup.init_state()["params"]
+    table, head = params["embed"]["tokens"]["embedding"], params["head"]["out"]["kernel"]
+    assert table.sharding.shard_shape(table.shape)[0] == head.sharding.shard_shape(head.shape)[1] == cfgs.model.vocab_size // 2
 
 
 def test_two_stages_swap_activations_and_gradients_in_one_ppermute(tmp_path):

@@ -66,7 +66,7 @@ def test_table_output():
 
 def test_one_microbatch_is_singular():
     code, out, _ = _cli("--topology", IB4_ROCE4, "--model", "125m", "--pp", "2", "--microbatches", "1",
-                        "--global-batch", "32", "--schedule", "gpipe")
+                        "--global-batch", "32", "--schedule", "gpipe", "--tp", "1")
     assert code == 0 and "schedule gpipe, 1 microbatch of 1 " in out, out
 
 

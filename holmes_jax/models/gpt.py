@@ -221,13 +221,18 @@ _COLUMN = {"q", "k", "v", "up", "gate"}
 _ROW = {"o", "down"}
 
 
-def param_specs(params: dict, stage_axis: str | None = None) -> dict:
-    """PartitionSpecs for `params`: tensor parallelism inside blocks, everything else replicated.
-    Block leaves lead with the layer axis, or with (stage, layer) when `stage_axis` names the mesh
-    axis the pipeline splits stages over."""
+def param_specs(params: dict, stage_axis: str | None = None, tensor: int = 1) -> dict:
+    """PartitionSpecs for `params`: tensor parallelism inside blocks; with `tensor` > 1 ranks, the
+    token embedding and the output projection split over the vocabulary (where `tensor` divides
+    it), so each rank computes its share of the logits; everything else replicated. Block leaves
+    lead with the layer axis, or with (stage, layer) when `stage_axis` names the mesh axis the
+    pipeline splits stages over."""
 
     def spec(path, leaf):
         names = [getattr(k, "key", None) for k in path]
+        vocab_axis = {("embed", "tokens"): 0, ("head", "out"): leaf.ndim - 1}.get(tuple(names[:2]))
+        if vocab_axis is not None and tensor > 1 and leaf.shape[vocab_axis] % tensor == 0:
+            return P(*["tensor" if i == vocab_axis else None for i in range(leaf.ndim)])
         if names[0] != "blocks":
             return P()
         dims = [None] * leaf.ndim

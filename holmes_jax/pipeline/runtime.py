@@ -29,7 +29,8 @@ reduce while stage 0 still runs its last backward.
 
 The embedding runs on the first stage and the head and loss on the last, each under `lax.cond`:
 other stages skip that work (and bubble ticks skip theirs), so they idle rather than compute
-garbage. What it costs: embedding and head parameters are replicated on every stage (memory), the
+garbage. What it costs: embedding and head parameters are on every stage (memory; split over the
+vocabulary on `tensor` where tp divides it), the
 tied embedding's gradient is summed over `stage` once per step (after the reduction over
 `data`: ZeRO-1's shards of it, 1/dp of its bytes across the boundary), and a tick in which some stage
 sends moves a buffer across every boundary (idle ones send what they last held, which no
@@ -435,8 +436,15 @@ class Pipeline:
         # first, done once the last transfer is (one stage-0 backward before the end), reduce
         # while stage 0 still computes, rather than waiting for them at the sum over `stage`. XLA drops optimization
         # barriers before it schedules, so the order is a data dependency: a zero it cannot see
-        # through, taken from every reduced gradient.
-        after = sum(jnp.minimum(jnp.abs(x.ravel()[0]), 0.0) for x in jax.tree.leaves((g_blocks, g_shared)))
+        # through, taken from every reduced gradient (from its first element on each tensor rank:
+        # read from a tensor-split leaf as a whole, XLA gathered the leaf over `tensor` first).
+        def zero_from(x, tensor_spec):
+            return jax.shard_map(lambda y: jnp.minimum(jnp.abs(y.ravel()[0]), 0.0),
+                                 mesh=jax.sharding.get_abstract_mesh(), in_specs=tensor_spec, out_specs=P(),
+                                 axis_names={"tensor"}, check_vma=False)(x)
+
+        after = sum(jax.tree.leaves(jax.tree.map(zero_from, (g_blocks, g_shared),
+                                                 (tensor_specs["blocks"], shared_specs))))
         g_shared = lax.psum(jax.tree.map(lambda x: x + after.astype(x.dtype), g_shared), "stage")
         loss = lax.psum(loss_sum, ("stage", "data"))
         return loss, jax.tree.map(lambda x: x[None], g_blocks), g_shared

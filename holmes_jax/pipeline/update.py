@@ -145,18 +145,29 @@ def make_settle(pipeline: Pipeline, state_specs: dict, grad_specs: dict):
     inside `jit`; padding slots are skipped, so a stage gathers its real layers only."""
     param_specs, pending_specs, _, grad_specs = _manual_specs(state_specs, grad_specs)
     dims = data_split_dims(grad_specs)
+    tensor_specs = jax.tree.map(lambda spec: P(*(n if n == "tensor" else None for n in spec)), state_specs["params"],
+                                is_leaf=lambda x: isinstance(x, P))
 
-    def add(p, u, d):
-        return p + lax.all_gather(u, "data", axis=d, tiled=True).astype(p.dtype)
+    def add(p, u, d, t):
+        # With `tensor` manual too: left automatic, XLA gathered a tensor-split leaf over `tensor`
+        # first, so the gather over `data` (across nodes) moved tp times the bytes.
+        def gather(p, u):
+            return p + lax.all_gather(u, "data", axis=d, tiled=True).astype(p.dtype)
+
+        return jax.shard_map(gather, mesh=jax.sharding.get_abstract_mesh(), in_specs=(t, t), out_specs=t,
+                             axis_names={"tensor"}, check_vma=False)(p, u)
 
     def body(params, pending):
-        new = {k: jax.tree.map(lambda p, u, d: add(p, u, d) if d >= 0 else p, params[k], pending[k], dims[k])
+        new = {k: jax.tree.map(lambda p, u, d, t: add(p, u, d, t) if d >= 0 else p, params[k], pending[k], dims[k],
+                               tensor_specs[k], is_leaf=lambda x: isinstance(x, P))
                for k in _SHARED}
         block_dims = _split_leaves(dims["blocks"], dims["blocks"])
+        block_tensor = _split_leaves(tensor_specs["blocks"], dims["blocks"])
         blocks = _split_leaves(params["blocks"], dims["blocks"])
         settled = pipeline.by_slot_group(
             pipeline.stage_n_layers(), (blocks, _split_leaves(pending["blocks"], dims["blocks"])),
-            lambda part: [add(p, u, d) for p, u, d in zip(*part, block_dims)], axis=1, into=blocks)
+            lambda part: [add(p, u, d, t) for p, u, d, t in zip(*part, block_dims, block_tensor)], axis=1,
+            into=blocks)
         return dict(new, blocks=_with_split_leaves(params["blocks"], dims["blocks"], settled))
 
     return jax.shard_map(body, mesh=pipeline.mesh, axis_names={"stage", "data"},

@@ -11,9 +11,9 @@ One training step as the pipeline runtime runs it (holmes_jax.pipeline.runtime):
    forward of one microbatch (if the table says so), keeping what the backward needs, then its
    backward from that. The last stage runs its forward inside its backward's tick. A forward
    takes its layers' FLOPs divided by tensor parallelism, at the device's achievable FLOP/s,
-   plus its tensor-parallel all-reduces over the node's link, and the embedding's (first stage)
-   and head's and loss's (last stage) FLOPs whole: their weights are replicated over `tensor`,
-   so every tp rank runs them in full. A backward's FLOPs include what the remat policy
+   plus its tensor-parallel all-reduces over the node's link, and the head's and loss's (last
+   stage) FLOPs divided by tp too where tp splits the vocabulary (the embedding's lookup has no
+   matmul), else whole on each tp rank. A backward's FLOPs include what the remat policy
    recomputes (the layer costs carry them).
 2. A tick ends with up to two ppermutes, activations one stage down and then gradients one stage
    up (micro_batch * seq * hidden * bytes, replicated over `tensor`: each tp rank sends its 1/tp
@@ -111,6 +111,9 @@ class Work:
     zero1_whole_layer_share: float = 0.0  # of each layer's parameters
     zero1_whole_shared_share: float = 0.0  # of the embedding's and head's
     zero1_whole_leaves: int = 0  # of the sync_collectives
+    # the token embedding's and output projection's parameters tp splits over the vocabulary
+    # (workload.vocab_split_params; 0: replicated over `tensor`, every rank runs the head whole)
+    vocab_split_params: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,11 +230,14 @@ class CostModel:
 
         self._prefix = {a: prefix(a) for a in ("fwd_flops", "bwd_flops", "params")}
         self._mean_layer_params = self._prefix["params"][-1] / max(len(work.layers), 1)
-        self._shared_params = work.embed.params + work.head.params  # on every stage, whole
+        tp = stages[0].tp  # every stage has the same tp
+        # on every stage, per device: whole, but for the vocabulary's share where tp splits it
+        self._shared_params = work.embed.params + work.head.params - work.vocab_split_params * (1 - 1 / tp)
         self._ends = {a: ends(a) for a in ("fwd_flops", "bwd_flops", "params")}
         self._tp = np.array([s.tp for s in stages], dtype=float)
-        self._device_flops = np.array([s.device_flops for s in stages], dtype=float)
-        self._flops = self._device_flops * self._tp  # a stage's tp devices together, on its layers
+        self._flops = np.array([s.device_flops for s in stages], dtype=float) * self._tp  # a stage's tp devices
+        # the head's logits: split over the vocabulary on the tp devices, or whole on each
+        self._end_flops = self._flops / (1 if work.vocab_split_params else self._tp)
         self._dp = np.array([s.dp for s in stages])
         self._dp_link = Link(np.array([s.dp_link.bytes_per_s for s in stages]),
                              np.array([s.dp_link.latency_s for s in stages]))
@@ -240,7 +246,6 @@ class CostModel:
         # each tp rank sends its 1/tp slice of the activations (the route's rate is already its
         # share of the NIC), and the receiving stage all-gathers the slices over `tensor` inside
         # its node (a ring all-gather takes a reduce-scatter's time)
-        tp = stages[0].tp  # every stage has the same tp
         gather = [max(float(reduce_scatter_s(work.boundary_bytes, tp, stages[b + k].tp_link)) for k in (0, 1))
                   for b in range(len(boundaries))]
         self._p2p = np.array([link.time(work.boundary_bytes / tp) + g for link, g in zip(boundaries, gather)])
@@ -289,9 +294,9 @@ class CostModel:
         return np.diff(flops)[None, :] / self._flops[:, None] + (self._tp_fwd + self._tp_bwd)[:, None]
 
     def end_seconds(self) -> np.ndarray:
-        """(stages,): one microbatch's embedding (first stage) and head (last stage), forward + backward,
-        on one device: their weights are replicated over `tensor`, so every tp rank runs them whole."""
-        return (self._ends["fwd_flops"] + self._ends["bwd_flops"]) / self._device_flops
+        """(stages,): one microbatch's embedding (first stage) and head (last stage), forward + backward:
+        over the tp devices where tp splits the vocabulary, else whole on each."""
+        return (self._ends["fwd_flops"] + self._ends["bwd_flops"]) / self._end_flops
 
     def stage_terms(self, splits) -> dict[str, np.ndarray]:
         """What each stage of each split (batch, stages) costs, before the schedule: one
@@ -303,14 +308,14 @@ class CostModel:
         stop = np.cumsum(n, axis=1)
         start = stop - n
 
-        def seconds(attr):  # layers split over tp; embedding and head run whole on each tp rank
+        def seconds(attr):  # layers split over tp; embedding and head as `end_seconds` says
             layers = self._prefix[attr][stop] - self._prefix[attr][start]
-            return layers / self._flops + self._ends[attr] / self._device_flops
+            return layers / self._flops + self._ends[attr] / self._end_flops
 
         fwd = seconds("fwd_flops") + n * self._tp_fwd
         bwd = seconds("bwd_flops") + n * self._tp_bwd
         layers = self._prefix["params"][stop] - self._prefix["params"][start]
-        params = layers / self._tp + self._shared_params  # per device; embedding and head unsplit
+        params = layers / self._tp + self._shared_params  # per device
         padding = n.max(axis=1, keepdims=True) - n
         held = params + padding * self._mean_layer_params / self._tp
         w = self.work

@@ -86,13 +86,13 @@ def _cost_model(cfg: ModelConfig, pl: Placement, global_batch: int, seq_len: int
     if prof is not None:
         layers, device_flops, update, dp_links, boundaries = _with_profile(
             prof, cfg, costs, micro_batch, seq_len, pl, topo, dp_links, boundaries, notes)
-    whole = workload.zero1_whole(cfg, dp)
+    whole = workload.zero1_whole(cfg, dp, tp)
     work = cost.Work(costs.embed, layers, costs.head, costs.activation_bytes,
                      tp_allreduces_bwd=4 if cfg.remat == "full" else 2, layer_stash_bytes=_stash_bytes(cfg, costs, tp, seq_len),
                      sync_collectives=costs.param_leaves, reduce_bytes_per_param=WIRE_BYTES[par.grad_reduce_dtype],
                      gather_bytes_per_param=WIRE_BYTES[par.update_gather_dtype],
                      zero1_whole_layer_share=whole.layer_share, zero1_whole_shared_share=whole.shared_share,
-                     zero1_whole_leaves=whole.leaves)
+                     zero1_whole_leaves=whole.leaves, vocab_split_params=workload.vocab_split_params(cfg, tp))
     stages = [cost.Stage(device_flops[s], tp, pl.tensor_routes[s], dp, dp_links[s],
                          pl.device_memory[s], update[s]) for s in range(pp)]
     flops = workload.megatron_flops(global_batch, seq_len, cfg.num_layers, cfg.hidden, cfg.vocab_size, cfg.remat)

@@ -92,19 +92,28 @@ class Zero1Whole:
     leaves: int  # such parameter arrays (a stage's layers are stacked: one array per block leaf)
 
 
-def zero1_whole(cfg: ModelConfig, dp: int) -> Zero1Whole:
+def vocab_split_params(cfg: ModelConfig, tp: int) -> int:
+    """The token embedding's and output projection's parameters where tensor parallelism splits
+    them over the vocabulary (models.gpt.param_specs: tp > 1 dividing it), else 0."""
+    if tp == 1 or cfg.vocab_size % tp:
+        return 0
+    return cfg.vocab_size * cfg.hidden * (1 if cfg.tie_embeddings else 2)
+
+
+def zero1_whole(cfg: ModelConfig, dp: int, tp: int = 1) -> Zero1Whole:
     """The runtime's ZeRO-1 rule (holmes_jax.sharding) from the config alone: a parameter array is
     split over `data` along its first axis that tensor parallelism leaves alone and `dp` divides;
     one with no such axis stays whole. Power-of-two models keep nearly everything whole with a dp
     of 3 or 6, for instance. Arrays: (shape, the axis tensor parallelism splits or None)."""
     h, f, v, kv = cfg.hidden, cfg.ffn_hidden, cfg.vocab_size, cfg.num_kv_heads * cfg.head_dim
+    vocab = vocab_split_params(cfg, tp) > 0
     mlp_in = 2 if cfg.mlp == "swiglu" else 1  # up (and gate)
     norms = [((h,), None)] * (2 if cfg.norm == "layernorm" else 1)  # scale (and bias)
     layer = 2 * norms + [((h, h), 1), ((h, kv), 1), ((h, kv), 1), ((h, h), 0)] + [((h, f), 1)] * mlp_in + [((f, h), 0)]
     if cfg.bias:  # column-parallel biases are split over `tensor` along their only axis
         layer += [((h,), 0), ((kv,), 0), ((kv,), 0), ((h,), None)] + [((f,), 0)] * mlp_in + [((h,), None)]
-    shared = [((v, h), None)] + ([((cfg.max_seq_len, h), None)] if cfg.positions == "learned" else [])
-    shared += norms + ([] if cfg.tie_embeddings else [((h, v), None)])
+    shared = [((v, h), 0 if vocab else None)] + ([((cfg.max_seq_len, h), None)] if cfg.positions == "learned" else [])
+    shared += norms + ([] if cfg.tie_embeddings else [((h, v), 1 if vocab else None)])
 
     def whole(arrays):
         kept = [shape for shape, tensor in arrays
