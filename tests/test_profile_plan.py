@@ -230,6 +230,12 @@ def test_timed_splits_of_another_layout_or_model_are_not_used():
         assert any("timed splits are not of this layout" in n for n in p.notes)
     with pytest.raises(ConfigError, match="split_probes"):
         _plan(_timed({(4, 4): 0.1, (6, 2): -1.0}))
+    # one split of this layout (and one of another): nothing to take the fastest of, and the note says so
+    one = dataclasses.replace(_profile(), split_probes=(StepProbe((6, 2), 4, 1, 4, "gpipe", 0.05),
+                                                        StepProbe((4, 4), 2, 1, 4, "gpipe", 0.01)))
+    p = _plan(one)
+    assert p.stage_layers == own.stage_layers
+    assert "profile: it timed one split of this layout, [6, 2]: nothing to compare; not used" in p.notes
 
 
 def test_timed_splits_of_another_shape_or_remat_are_not_used():

@@ -444,7 +444,9 @@ def _timed_split(prof: Profile, cfg: ModelConfig, c: "_Candidate", micro_batch: 
     mine = [p for p in prof.split_probes
             if (len(p.stage_layers), p.dp, p.tp) == tuple(c.placement.grid.shape) and sum(p.stage_layers) == cfg.num_layers
             and (p.microbatches, p.schedule) == (c.model.microbatches, c.model.schedule)] if same_work else []
-    if len(mine) < 2:
+    if len(mine) == 1:  # auto takes the fastest of two or more
+        return None, f"profile: it timed one split of this layout, {list(mine[0].stage_layers)}: nothing to compare; not used"
+    if not mine:
         return None, (f"profile: its timed splits are not of this layout (mesh {tuple(c.placement.grid.shape)}, "
                       f"{cfg.num_layers} layers, {c.model.microbatches} microbatches, {c.model.schedule}, micro batch "
                       f"{micro_batch} x seq {seq_len}, remat {cfg.remat!r}); not used")
