@@ -439,8 +439,12 @@ class Pipeline:
         # through, taken from every reduced gradient (from its first element on each tensor rank:
         # read from a tensor-split leaf as a whole, XLA gathered the leaf over `tensor` first).
         def zero_from(x, tensor_spec):
-            return jax.shard_map(lambda y: jnp.minimum(jnp.abs(y.ravel()[0]), 0.0),
-                                 mesh=jax.sharding.get_abstract_mesh(), in_specs=tensor_spec, out_specs=P(),
+            def zero(y):
+                return jnp.minimum(jnp.abs(y.ravel()[0]), 0.0)
+
+            if "tensor" not in tensor_spec or self.mesh.shape["tensor"] == 1:
+                return zero(x)
+            return jax.shard_map(zero, mesh=jax.sharding.get_abstract_mesh(), in_specs=tensor_spec, out_specs=P(),
                                  axis_names={"tensor"}, check_vma=False)(x)
 
         after = sum(jax.tree.leaves(jax.tree.map(zero_from, (g_blocks, g_shared),

@@ -154,6 +154,8 @@ def make_settle(pipeline: Pipeline, state_specs: dict, grad_specs: dict):
         def gather(p, u):
             return p + lax.all_gather(u, "data", axis=d, tiled=True).astype(p.dtype)
 
+        if "tensor" not in t or pipeline.mesh.shape["tensor"] == 1:
+            return gather(p, u)
         return jax.shard_map(gather, mesh=jax.sharding.get_abstract_mesh(), in_specs=(t, t), out_specs=t,
                              axis_names={"tensor"}, check_vma=False)(p, u)
 
