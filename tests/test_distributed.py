@@ -144,8 +144,10 @@ import json
 from holmes_jax import distributed
 info = distributed.initialize()
 import jax
+# flushed at once, not at exit: CI once saw three lines of four with every process exiting 0
+# (not reproduced); a line left in the pipe's buffer is lost if the exit is cut short
 print("FACTS", json.dumps({"me": info.process_index, "count": info.process_count, "devices": jax.device_count(),
-                           "method": info.method, "all": distributed.exchange_process_facts(info)}))
+                           "method": info.method, "all": distributed.exchange_process_facts(info)}), flush=True)
 """
 
 
