@@ -39,6 +39,21 @@ def gradient_specs(params_shapes: dict, stage_axis: str | None, dp: int, zero1: 
     return jax.tree_util.tree_map_with_path(spec, pspecs, params_shapes, is_leaf=lambda x: isinstance(x, P))
 
 
+def keep_axes(specs, axes: tuple[str, ...]):
+    """Each PartitionSpec of the tree `specs` with only the mesh axes in `axes` kept (the rest None):
+    the part a shard_map over those axes handles by hand."""
+    return jax.tree.map(lambda spec: P(*(n if n in axes else None for n in spec)), specs,
+                        is_leaf=lambda x: isinstance(x, P))
+
+
+def on_tensor_ranks(fn, in_specs, out_specs):
+    """`fn` inside a shard_map that is already manual over `stage` and `data`, run on each tensor
+    rank's own shard (`tensor` manual too). Left automatic, XLA may gather a tensor-split operand
+    of a collective or of an element read over `tensor` first."""
+    return jax.shard_map(fn, mesh=jax.sharding.get_abstract_mesh(), in_specs=in_specs, out_specs=out_specs,
+                         axis_names={"tensor"}, check_vma=False)
+
+
 def data_split_dims(specs: dict) -> dict:
     """Per leaf, the axis its spec splits over `data` (ZeRO-1), -1 where it is not split."""
     return jax.tree.map(lambda spec: list(spec).index("data") if "data" in spec else -1, specs,

@@ -60,7 +60,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from holmes_jax.models.gpt import GPT
 from holmes_jax.planning import schedule as schedules
-from holmes_jax.sharding import data_split_dims
+from holmes_jax.sharding import data_split_dims, keep_axes, on_tensor_ranks
 
 
 def _is_block_leaf(path) -> bool:
@@ -269,10 +269,9 @@ class Pipeline:
         def split_send_gather(part):
             return lax.all_gather(send(part), "tensor", axis=part.ndim - 1, tiled=True)
 
-        mesh = jax.sharding.get_abstract_mesh()
-        x = lax.with_sharding_constraint(x, NamedSharding(mesh, P()))  # the split must not reach back into x's maker
-        return jax.shard_map(split_send_gather, mesh=mesh, in_specs=P(*[None] * (x.ndim - 1), "tensor"),
-                             out_specs=P(), axis_names={"tensor"}, check_vma=False)(x)
+        # the split must not reach back into x's maker
+        x = lax.with_sharding_constraint(x, NamedSharding(jax.sharding.get_abstract_mesh(), P()))
+        return on_tensor_ranks(split_send_gather, P(*[None] * (x.ndim - 1), "tensor"), P())(x)
 
     def _transfer(self, x, down: bool):
         def send(x):
@@ -326,14 +325,12 @@ class Pipeline:
         (staged layout), laid out as `grad_specs` says. Call inside `jit`. A leaf whose spec names
         `data` (ZeRO-1) is reduce-scattered over `data` along that axis; the rest are all-reduced."""
         is_spec = lambda x: isinstance(x, P)  # noqa: E731
-        manual = jax.tree.map(lambda spec: P(*(n if n in ("stage", "data") else None for n in spec)), grad_specs,
-                              is_leaf=is_spec)
+        manual = keep_axes(grad_specs, ("stage", "data"))
         scatter_dims = data_split_dims(manual)
         shared = {"embed": params["embed"], "head": params["head"]}
         shared_out = {"embed": manual["embed"], "head": manual["head"]}
         shared_dims = {"embed": scatter_dims["embed"], "head": scatter_dims["head"]}
-        tensor = jax.tree.map(lambda spec: P(*(n if n == "tensor" else None for n in spec)), grad_specs,
-                              is_leaf=is_spec)
+        tensor = keep_axes(grad_specs, ("tensor",))
         tensor_specs = {"embed": tensor["embed"], "head": tensor["head"],
                         "blocks": jax.tree.map(lambda spec: P(*spec[1:]), tensor["blocks"], is_leaf=is_spec)}
         block_specs = jax.tree.map(lambda _: P("stage"), params["blocks"])
@@ -425,8 +422,7 @@ class Pipeline:
                     return lax.psum(wire, "data").astype(y.dtype)
                 return lax.psum_scatter(wire, "data", scatter_dimension=dim - offset, tiled=True).astype(y.dtype)
 
-            return jax.shard_map(reduce, mesh=jax.sharding.get_abstract_mesh(), in_specs=tensor_spec,
-                                 out_specs=tensor_spec, axis_names={"tensor"}, check_vma=False)(x)
+            return on_tensor_ranks(reduce, tensor_spec, tensor_spec)(x)
 
         g_blocks = self.by_slot_group(n_layers, g_blocks, lambda g: jax.tree.map(
             lambda x, d, t: over_data(x, d, t, offset=1), g, block_dims, tensor_specs["blocks"]))
@@ -444,8 +440,7 @@ class Pipeline:
 
             if "tensor" not in tensor_spec or self.mesh.shape["tensor"] == 1:
                 return zero(x)
-            return jax.shard_map(zero, mesh=jax.sharding.get_abstract_mesh(), in_specs=tensor_spec, out_specs=P(),
-                                 axis_names={"tensor"}, check_vma=False)(x)
+            return on_tensor_ranks(zero, tensor_spec, P())(x)
 
         after = sum(jax.tree.leaves(jax.tree.map(zero_from, (g_blocks, g_shared),
                                                  (tensor_specs["blocks"], shared_specs))))

@@ -30,20 +30,15 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from holmes_jax.pipeline.runtime import Pipeline
-from holmes_jax.sharding import data_split_dims
+from holmes_jax.sharding import data_split_dims, keep_axes, on_tensor_ranks
 
 _SHARED = ("embed", "head")
 
 
-def _manual(specs):
-    """The part of each spec the shard_map handles by hand: `stage` and `data` (`tensor` stays automatic)."""
-    return jax.tree.map(lambda spec: P(*(n if n in ("stage", "data") else None for n in spec)), specs,
-                        is_leaf=lambda x: isinstance(x, P))
-
-
 def _manual_specs(state_specs: dict, grad_specs: dict):
-    return (_manual(state_specs["params"]), _manual(state_specs["pending"]), _manual(state_specs["opt_state"]),
-            _manual(grad_specs))
+    """The part of each spec the shard_map handles by hand: `stage` and `data` (`tensor` stays automatic)."""
+    return tuple(keep_axes(specs, ("stage", "data"))
+                 for specs in (state_specs["params"], state_specs["pending"], state_specs["opt_state"], grad_specs))
 
 
 def _split_leaves(tree, dims) -> list:
@@ -145,8 +140,7 @@ def make_settle(pipeline: Pipeline, state_specs: dict, grad_specs: dict):
     inside `jit`; padding slots are skipped, so a stage gathers its real layers only."""
     param_specs, pending_specs, _, grad_specs = _manual_specs(state_specs, grad_specs)
     dims = data_split_dims(grad_specs)
-    tensor_specs = jax.tree.map(lambda spec: P(*(n if n == "tensor" else None for n in spec)), state_specs["params"],
-                                is_leaf=lambda x: isinstance(x, P))
+    tensor_specs = keep_axes(state_specs["params"], ("tensor",))
 
     def add(p, u, d, t):
         # With `tensor` manual too: left automatic, XLA gathered a tensor-split leaf over `tensor`
@@ -156,8 +150,7 @@ def make_settle(pipeline: Pipeline, state_specs: dict, grad_specs: dict):
 
         if "tensor" not in t or pipeline.mesh.shape["tensor"] == 1:
             return gather(p, u)
-        return jax.shard_map(gather, mesh=jax.sharding.get_abstract_mesh(), in_specs=(t, t), out_specs=t,
-                             axis_names={"tensor"}, check_vma=False)(p, u)
+        return on_tensor_ranks(gather, (t, t), t)(p, u)
 
     def body(params, pending):
         new = {k: jax.tree.map(lambda p, u, d, t: add(p, u, d, t) if d >= 0 else p, params[k], pending[k], dims[k],
