@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import json
 import logging
+import math
 import os
 import time
 from pathlib import Path
@@ -83,7 +84,7 @@ class MetricsLog:
 
     def write(self, row: dict) -> None:
         with open(self.path, "a") as f:
-            f.write(json.dumps(row) + "\n")
+            f.write(json.dumps(strict_json(row), allow_nan=False) + "\n")
         values = [scalar(key, value).value[0] for key, value in row.items() if key != "step" and value is not None]
         if self._last_step is None:
             # This run's first row is where it took over: a resumed run logs again the steps a stopped
@@ -116,6 +117,13 @@ class MetricsLog:
 
     def close(self) -> None:
         self.tensorboard.close()
+
+
+def strict_json(row: dict) -> dict:
+    """`row` with each number that is not finite (a skipped step's loss) as None: JSON has no NaN, and
+    strict readers (jq, JavaScript's JSON.parse) refuse Python's `NaN`."""
+    return {key: None if isinstance(value, float) and not math.isfinite(value) else value
+            for key, value in row.items()}
 
 
 def duration(seconds: float) -> str:

@@ -23,9 +23,13 @@ def _row(line: str) -> dict | None:
         row = json.loads(line)
     except ValueError:
         return None
-    if (isinstance(row, dict) and isinstance(row.get("step"), int)
-            and all(isinstance(row.get(key), (int, float)) for key in NUMBERS)
-            and math.isfinite(row["step_time_s"])):  # a loss may be nan (a skipped step); a step's time not
+    if not isinstance(row, dict):
+        return None
+    for key in ("loss", "val_loss"):  # a skipped step's loss is written null (older runs wrote NaN)
+        if key in row and row[key] is None:
+            row[key] = math.nan
+    if (isinstance(row.get("step"), int) and all(isinstance(row.get(key), (int, float)) for key in NUMBERS)
+            and math.isfinite(row["step_time_s"])):  # a loss may be not finite; a step's time not
         return row
     return None
 

@@ -27,8 +27,15 @@ def small_configs(tmp_path, *bindings: str) -> configure.Configs:
     return configure.load_configs(base + list(bindings))
 
 
+def strict_json(line: str):
+    """`line` read as JSON proper: NaN and Infinity, which Python writes and jq refuses, raise."""
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+    return json.loads(line, parse_constant=refuse)
+
+
 def read_metrics(workdir) -> list[dict]:
-    return [json.loads(line) for line in (Path(workdir) / "metrics.jsonl").read_text().splitlines()]
+    return [strict_json(line) for line in (Path(workdir) / "metrics.jsonl").read_text().splitlines()]
 
 
 def run_module(module: str, *args: str, timeout: int = 120) -> subprocess.CompletedProcess:

@@ -4,6 +4,7 @@ ETA, plan.json, and the report drawn from them."""
 import contextlib
 import io
 import json
+import math
 import os
 import struct
 import subprocess
@@ -125,6 +126,21 @@ def test_the_report_keeps_a_resumed_runs_later_rows(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert [r["loss"] for r in report.read_rows(tmp_path)] == [3.0, 2.4, 2.0]
     assert report.predicted_step_s(tmp_path) is None
+
+
+def test_a_skipped_steps_loss_is_null_in_metrics_jsonl_and_drawn_as_not_finite(tmp_path, capsys):
+    log = metrics.MetricsLog(tmp_path / "metrics.jsonl", total_steps=3)
+    row = {"step_time_s": 0.1, "tokens_per_s": 1.0, "tflops_per_device": 1.0, "mfu": None}
+    for step, loss in ((1, 3.0), (2, float("nan")), (3, float("inf"))):
+        log.write(dict(row, step=step, loss=loss, val_loss=loss, grad_norm=loss, skipped=step > 1))
+    log.close()
+    rows = read_metrics(tmp_path)  # NaN and Infinity would raise here
+    assert [(r["loss"], r["val_loss"], r["grad_norm"]) for r in rows] == [(3.0, 3.0, 3.0)] + [(None, None, None)] * 2
+    assert "loss nan" in capsys.readouterr().out  # the console says what happened
+    read = report.read_rows(tmp_path)
+    assert read[0]["loss"] == 3.0 and all(math.isnan(r["loss"]) and math.isnan(r["val_loss"]) for r in read[1:])
+    code, out, err = _report(tmp_path, "--out", tmp_path / "r.png")
+    assert code == 0 and "steps 1-3, loss 3 -> nan" in out, err
 
 
 @pytest.mark.parametrize("files, message", [
