@@ -12,6 +12,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from holmes_jax import data, export, metrics, planning
+from holmes_jax.config import ConfigError
 from holmes_jax.configure import Configs
 from holmes_jax.mesh.devices import build_mesh, local_topology, ordered_devices
 from holmes_jax.models import gpt
@@ -20,6 +21,7 @@ from holmes_jax.pipeline.runtime import Pipeline
 from holmes_jax.pipeline.update import make_settle, make_update
 from holmes_jax.planning import Plan
 from holmes_jax.planning.communicators import cross_cluster_hops
+from holmes_jax.planning.measured import Profile
 from holmes_jax.sharding import gradient_specs, pending_shapes, pending_specs, state_shardings
 
 
@@ -41,11 +43,23 @@ def _measured_peak(devices: tuple) -> float:
 def make_plan(cfgs: Configs, devices) -> Plan:
     """The Plan for this run: the topology file's, or one emulated from the devices present."""
     par = cfgs.parallel
+    if par.profile:
+        _check_profile_device(par.profile, sorted({d.device_kind for d in devices}))
     if par.topology:
         topo = planning.load_topology(par.topology)
     else:
         topo = local_topology(devices, device_tflops=peak_tflops(devices)[0])
     return planning.plan(topo, cfgs.model, par, global_batch=cfgs.data.global_batch, seq_len=cfgs.data.seq_len)
+
+
+def _check_profile_device(path: str, kinds: list[str]) -> None:
+    """A profile's layer times are its device's: another kind's would size every stage wrongly."""
+    measured = Profile.load(path, "ParallelConfig.profile").device_kind
+    if measured not in kinds:
+        named = " and ".join(map(repr, kinds))
+        raise ConfigError(f"ParallelConfig.profile {path!r} was measured on {measured!r}, but this run's devices "
+                          f"are {named}; allowed: a profile measured on them (python -m holmes_jax.profile on this "
+                          f"run's devices), or no profile (ParallelConfig.profile = None)")
 
 
 @dataclasses.dataclass

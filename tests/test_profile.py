@@ -223,3 +223,18 @@ def test_a_profile_written_through_a_link_keeps_the_link(tmp_path, monkeypatch):
     link.symlink_to(target)
     assert profile.main(["--out", str(link)]) == 0
     assert link.is_symlink() and profile.Profile.load(target) == measured
+
+
+def test_a_profile_of_another_device_kind_is_refused_by_the_run(tmp_path):
+    cfgs = small_configs(tmp_path)
+    flops = workload.model_costs(cfgs.model, 16, 32).layers[0].fwd_flops  # one stage, dp 1: micro batch 16
+    path = tmp_path / "p.json"
+    for kind in ("NVIDIA H100 80GB HBM3", "cpu"):
+        path.write_text(profile.Profile(kind, 16, 32, flops, 1e-3, 2e-3, (None,), ()).to_json())
+        cfgs = small_configs(tmp_path, f"--gin.ParallelConfig.profile='{path}'")
+        if kind != "cpu":  # was planned with an H100's layer times on CPU devices, silently
+            with pytest.raises(ConfigError, match=r"measured on 'NVIDIA H100 80GB HBM3', but this run's devices "
+                                                  r"are 'cpu'; allowed: a profile measured on them"):
+                build.build(cfgs, jax.devices()[:1])
+    notes = build.build(cfgs, jax.devices()[:1]).plan.notes
+    assert any("layer times measured at micro batch 16 x seq 32" in note for note in notes), notes
