@@ -120,3 +120,30 @@ def test_data_prepare_example_prints_what_docs_data_shows(tmp_path, monkeypatch,
     monkeypatch.chdir(tmp_path)
     assert data.main(command.replace("$STDLIB", sysconfig.get_paths()["stdlib"]).split()) == 0
     assert capsys.readouterr().out.strip() == shown
+
+
+def _without_times(lines: list[str]) -> list[str]:
+    """Plan lines with the figures that follow the device speed masked and the columns closed up."""
+    timed = r"\d[\d.e+]*\s?(?:ms|us|s|samples/s|TFLOPS/device)(?![\w/])"
+    return [" ".join(re.sub(timed, "T", line).split()) for line in lines]
+
+
+def test_the_default_runs_plan_in_the_readme_is_what_the_planner_gives():
+    """train-default is a slow example (docs/readme_examples.py refreshes it): its plan, but for the
+    times, which follow the CPU peak measured at start-up, is checked here (its memory column went
+    stale once when the cost model started counting the scan's buffers)."""
+    import jax
+
+    from holmes_jax import configure, planning
+    from holmes_jax.mesh.devices import local_topology
+
+    shown = examples.readme_blocks(examples.README.read_text())["train-default"].splitlines()
+    peak = float(re.search(r"matmul peak of cpu \(([\d.]+) TFLOPS/device\)", "\n".join(shown)).group(1))
+    cfgs = configure.load_configs([])
+    topology = local_topology(jax.devices("cpu"), nic_class="ethernet", device_tflops=peak)
+    plan = planning.plan(topology, cfgs.model, cfgs.parallel, global_batch=cfgs.data.global_batch,
+                         seq_len=cfgs.data.seq_len)
+    start = next(i for i, line in enumerate(shown) if line.startswith("plan:"))
+    end = next(i for i, line in enumerate(shown) if line.startswith("partitions on this layout:"))
+    assert _without_times(shown[start:end + 1]) == _without_times(plan.explain().splitlines()), (
+        "README.md's example 'train-default' is stale: run python docs/readme_examples.py train-default")
