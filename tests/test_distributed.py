@@ -192,15 +192,11 @@ def _train(tmp_path, n: int, devices: int, *args: str) -> list[float]:
     return [row["loss"] for row in read_metrics(tmp_path)]
 
 
-def test_two_processes_pp2_match_one_process(tmp_path, one_process_losses):
-    losses = _train(tmp_path, 2, 2)  # stage 0 on process 0, stage 1 on process 1, dp = 2 in each
-    assert losses == pytest.approx(one_process_losses, abs=1e-5)
-
-
 def test_two_processes_1f1b_match_one_process(tmp_path, one_process_losses):
-    # 1F1B over 4 microbatches has ticks that move activations, gradients, both or neither
-    # between the processes (a tick skips a transfer no stage sends); the mean over the global
-    # batch is the reference's.
+    # Stage 0 on process 0, stage 1 on process 1, dp = 2 in each. 1F1B over 4 microbatches has
+    # ticks that move activations, gradients, both or neither between the processes (a tick skips
+    # a transfer no stage sends); the mean over the global batch is the reference's. GPipe across
+    # processes: the four-process test below.
     losses = _train(tmp_path, 2, 2, "--gin.ParallelConfig.schedule=1f1b", "--gin.ParallelConfig.microbatches=4")
     assert losses == pytest.approx(one_process_losses, abs=1e-5)
 
