@@ -102,7 +102,7 @@ class MetricsLog:
         parts = [f"step {row['step']:>{len(str(self.total_steps))}}/{self.total_steps}", f"loss {row['loss']:.4f}"]
         if "val_loss" in row:
             parts.append(f"val {row['val_loss']:.4f}")
-        parts += [f"{row['step_time_s'] * 1e3:.0f} ms/step", f"{row['tokens_per_s']:,.0f} tok/s",
+        parts += [f"{milliseconds(row['step_time_s'])} ms/step", f"{row['tokens_per_s']:,.0f} tok/s",
                   f"{row['tflops_per_device']:.3g} TFLOPS/dev"]
         if row.get("mfu") is not None:
             parts.append(f"MFU {100 * row['mfu']:.1f}%")
@@ -124,6 +124,13 @@ def strict_json(row: dict) -> dict:
     strict readers (jq, JavaScript's JSON.parse) refuse Python's `NaN`."""
     return {key: None if isinstance(value, float) and not math.isfinite(value) else value
             for key, value in row.items()}
+
+
+def milliseconds(seconds: float) -> str:
+    """'172', '4.27', '0.613': whole milliseconds from 100 ms up, three significant figures below, so
+    that a fast step (a small model on a GPU) reads as what tok/s says, not as '0'."""
+    ms = seconds * 1e3
+    return f"{ms:.0f}" if ms >= 100 else f"{ms:.3g}"
 
 
 def duration(seconds: float) -> str:

@@ -164,8 +164,9 @@ def _draw_timeline(ax, plan: Plan) -> None:
     unit, scale = ("s", 1.0) if step >= 1 else ("ms", 1e3)
     ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x * scale:g}"))
     ax.set_xlabel(f"time in the step ({unit}), as the cost model predicts it")
+    microbatches = f"{plan.microbatches} microbatch{'es' * (plan.microbatches > 1)} of {plan.micro_batch}"
     ax.set_title(f"(a) one step of {m.preset} ({m.num_layers} layers, {m.compute_dtype}) on "
-                 f"'{plan.topology.name}': {plan.schedule}, {plan.microbatches} microbatches of {plan.micro_batch}, "
+                 f"'{plan.topology.name}': {plan.schedule}, {microbatches}, "
                  f"mesh stage={plan.pp} data={plan.dp} tensor={plan.tp}", loc="left", fontsize=11, pad=16)
     shown = {g.kind for g in segments if g.seconds > 0}
     handles = [Patch(facecolor=c, label=KIND_LABELS[k]) for k, c in KIND_COLOURS.items() if k in shown]

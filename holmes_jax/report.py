@@ -38,6 +38,9 @@ def read_rows(workdir: Path) -> list[dict]:
     """metrics.jsonl's rows by step; where a resumed run logged a step again, its later row."""
     path = workdir / "metrics.jsonl"
     if not path.is_file():
+        if any((workdir / name).is_file() for name in ("config.gin", "plan.json")):
+            # a run writes these before it compiles, metrics.jsonl with its first logged step
+            raise ConfigError(f"WORKDIR {str(workdir)!r} holds no metrics.jsonl yet: the run logged no step yet")
         raise ConfigError(f"WORKDIR {str(workdir)!r} holds no metrics.jsonl; allowed: the workdir of a run "
                           f"(TrainConfig.workdir)")
     try:
@@ -86,9 +89,10 @@ def main(argv: list[str]) -> int:
                           f"{', '.join(PICTURE_SUFFIXES)} in an existing folder")
     pictures.draw_report(rows, predicted, str(out), title=str(workdir))
     measured = float(np.median([r["step_time_s"] for r in rows[1:] or rows]))  # the first pays for warm-up
+    scale, unit = (1.0, "s") if measured >= 1 else (1e3, "ms")  # not '1.085e+04 ms' for a 10.85 s step
     print(f"wrote {out}: steps {rows[0]['step']}-{rows[-1]['step']}, loss {rows[0]['loss']:.4g} -> "
-          f"{rows[-1]['loss']:.4g}; step time {measured * 1e3:.4g} ms (median)"
-          + (f", predicted {predicted * 1e3:.4g} ms" if predicted is not None else ", no plan.json to compare"))
+          f"{rows[-1]['loss']:.4g}; step time {measured * scale:.4g} {unit} (median)"
+          + (f", predicted {predicted * scale:.4g} {unit}" if predicted is not None else ", no plan.json to compare"))
     return 0
 
 

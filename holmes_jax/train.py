@@ -262,9 +262,9 @@ def summarize(rows: list[dict], start: int, predicted_step_s: float, say) -> dic
     summary["tflops_per_device"] = float(np.median([r["tflops_per_device"] for r in timed]))
     say(f"done: step {summary['steps']}, loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f}"
         + (f", val {summary['val_loss']:.3f}" if summary["val_loss"] is not None else "")
-        + f"; {summary['step_time_s'] * 1e3:.0f} ms/step, {summary['tokens_per_s']:,.0f} tokens/s, "
+        + f"; {metrics.milliseconds(summary['step_time_s'])} ms/step, {summary['tokens_per_s']:,.0f} tokens/s, "
         f"{summary['tflops_per_device']:.3g} TFLOPS/device (Megatron formula); "
-        f"the plan predicted {predicted_step_s * 1e3:.0f} ms/step")
+        f"the plan predicted {metrics.milliseconds(predicted_step_s)} ms/step")
     return summary
 
 

@@ -99,6 +99,28 @@ def test_eta_is_the_recent_mean_step_time_times_the_steps_left(tmp_path, capsys)
     assert "ETA" not in lines[2]  # the run's last step
 
 
+def test_the_step_line_gives_a_fast_steps_milliseconds_to_three_figures(tmp_path, capsys):
+    # 2,048 tokens in 0.43 ms: the line must not read '0 ms/step' beside its 4.8 M tok/s
+    log = metrics.MetricsLog(tmp_path / "metrics.jsonl", total_steps=2)
+    for step, seconds in ((1, 0.172), (2, 0.00043)):
+        log.write({"step": step, "loss": 1.0, "step_time_s": seconds, "tokens_per_s": 2048 / seconds,
+                   "tflops_per_device": 1.0})
+    log.close()
+    slow, fast = capsys.readouterr().out.splitlines()
+    assert "| 172 ms/step | 11,907 tok/s |" in slow
+    assert "| 0.43 ms/step | 4,762,791 tok/s |" in fast
+
+
+def test_the_runs_last_line_gives_fast_measured_and_predicted_steps_to_three_figures():
+    from holmes_jax.train import summarize
+
+    rows = [{"step": step, "loss": 2.0, "step_time_s": 0.00043, "tokens_per_s": 2048 / 0.00043,
+             "tflops_per_device": 1.0} for step in (1, 2, 3)]
+    said = []
+    summarize(rows, start=0, predicted_step_s=0.00286, say=said.append)
+    assert "; 0.43 ms/step, 4,762,791 tokens/s, " in said[0] and said[0].endswith("the plan predicted 2.86 ms/step")
+
+
 def test_durations_read_as_seconds_minutes_hours():
     assert [metrics.duration(s) for s in (4.4, 59.6, 187, 7500)] == ["4s", "1m00s", "3m07s", "2h05m"]
 
@@ -164,6 +186,22 @@ def test_the_report_refuses_what_is_not_a_run(tmp_path, files, message):
 def test_the_report_names_a_missing_workdir_not_its_default_out(tmp_path):
     code, _, err = _report(tmp_path / "absent")
     assert code == 2 and err.startswith("error: WORKDIR") and "holds no metrics.jsonl" in err, err
+
+
+def test_the_report_gives_steps_of_a_second_and_more_in_seconds(tmp_path):
+    rows = [{"step": step, "loss": 3.0, "step_time_s": seconds} for step, seconds in ((1, 12.0), (2, 10.8), (3, 10.9))]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "plan.json").write_text(json.dumps({"predicted": {"step_time_s": 10.84}}))
+    code, out, err = _report(tmp_path)
+    assert code == 0 and "step time 10.85 s (median), predicted 10.84 s" in out, out + err
+
+
+def test_the_report_of_a_run_that_logged_no_step_yet_says_so(tmp_path):
+    # a run writes config.gin and plan.json before it compiles; metrics.jsonl comes with its first row
+    (tmp_path / "config.gin").write_text("TrainConfig.steps = 10\n")
+    code, _, err = _report(tmp_path)
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith("error: WORKDIR") and "the run logged no step yet" in err, err
 
 
 def test_a_last_row_cut_short_is_skipped_by_the_report_and_dropped_on_resume(tmp_path):

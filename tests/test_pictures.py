@@ -78,6 +78,16 @@ def test_draw_needs_the_callback():
         planning_cli.main(["--topology", str(TOPOLOGIES / "cpu_2x4.toml"), "--model", "tiny", "--draw", "x.png"])
 
 
+@pytest.mark.parametrize("microbatches, said", [(1, "gpipe, 1 microbatch of 8,"), (2, "gpipe, 2 microbatches of 4,")])
+def test_the_timelines_title_counts_its_microbatches(tmp_path, monkeypatch, microbatches, said):
+    figures = []
+    monkeypatch.setattr(pictures.Figure, "savefig", lambda fig, *a, **k: figures.append(fig))
+    parallel = ParallelConfig(tp=4, pp=1, microbatches=microbatches, schedule="gpipe")
+    p = plan(str(TOPOLOGIES / "cpu_2x4.toml"), "tiny", parallel, global_batch=16, allow_mixed=True)
+    pictures.draw_plan(p, str(tmp_path / "plan.png"))
+    assert said in figures[0].axes[0].get_title(loc="left")
+
+
 def test_a_report_of_one_row_marks_whole_steps_only(tmp_path, monkeypatch):
     figures = []
     monkeypatch.setattr(pictures.Figure, "savefig", lambda fig, *a, **k: figures.append(fig))
