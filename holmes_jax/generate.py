@@ -4,9 +4,11 @@ run's newest checkpoint (or that of step N).
 
 Text becomes tokens with the run's tokenizer.json (no special tokens added: training added none),
 or as UTF-8 bytes when the run read bytes; bytes that are not valid UTF-8 print as U+FFFD. A run
-on a .bin token file has no way from text to its ids: an error. Only ids the tokenizer (or bytes)
-knows are generated, not the padding rows of the embedding. Generation stops early at the
-end-of-text id the data put after each document; an empty prompt starts a new document after one.
+on a .bin token file has no way from text to its ids: an error. A special token's name in the
+prompt is text, as in the training text; a character the tokenizer has no token for is refused.
+Only ids the tokenizer (or bytes) knows are generated, not the padding rows of the embedding.
+Generation stops early at the end-of-text id the data put after each document; an empty prompt
+starts a new document after one.
 There is no KV cache: every new token reruns the model over its context, padded to one fixed
 length so the forward compiles once. The context is the last `max_seq_len` tokens.
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import math
 
 import jax
@@ -38,7 +41,24 @@ def encode(m: Model, text: str) -> list[int]:
     if m.tokenizer is None:
         return list(text.encode("utf-8"))
     # A template's special tokens (a leading <s>, say) were not in the training data either.
-    return m.tokenizer.encode(text, add_special_tokens=False).ids
+    encoding = m.tokenizer.encode(text, add_special_tokens=False)
+    unknown = _unknown_characters(m.tokenizer, text, encoding)
+    if unknown:  # they would become the unknown token or vanish, and the printed prompt lose them
+        raise ConfigError(f"--prompt {text!r} is not allowed: the run's tokenizer has no token for "
+                          f"{', '.join(map(repr, unknown))}; allowed: text of characters its tokens spell")
+    return encoding.ids
+
+
+def _unknown_characters(tokenizer, text: str, encoding) -> list[str]:
+    """The characters of `text` (each once, in order) that `encoding` spells with the tokenizer's
+    unknown token or drops. Dropped whitespace is fine: many pre-tokenizers split on it."""
+    model = json.loads(tokenizer.to_str())["model"]  # the unknown token: unk_id (Unigram) or unk_token
+    unk = model["unk_id"] if "unk_id" in model else tokenizer.token_to_id(model.get("unk_token") or "")
+    spans = [(token == unk, range(start, end)) for token, (start, end) in zip(encoding.ids, encoding.offsets)]
+    covered = {i for _, span in spans for i in span}
+    as_unknown = {i for is_unk, span in spans if is_unk for i in span}
+    unknown = [c for i, c in enumerate(text) if i in as_unknown or (i not in covered and not c.isspace())]
+    return list(dict.fromkeys(unknown))
 
 
 def decode(m: Model, ids: list[int]) -> str:

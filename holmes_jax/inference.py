@@ -121,6 +121,9 @@ def run_tokens(workdir: str | Path, data: DataConfig) -> tuple[Any, int | None, 
         except Exception as e:  # a damaged copy: the tokenizers library raises a bare Exception
             raise ConfigError(f"{str(path)!r} cannot be read as a tokenizer.json ({reason(e)}); copy the run's "
                               f"data folder's tokenizer.json there again") from None
+        # As holmes-data prepare tokenized the training text: a special token's name written in the
+        # text ('<|endoftext|>' in a prompt) is plain text, not that token's id.
+        tokenizer.encode_special_tokens = True
         vocab = tokenizer.get_vocab(with_added_tokens=True)  # holmes-data prepare's end-of-text rule
         return tokenizer, next((vocab[name] for name in prepare.EOT_NAMES if name in vocab), None), None
     if data_sources.prepared_folder(data.source):  # prepared as bytes: ids 0-255 and end-of-text 256

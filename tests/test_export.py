@@ -15,7 +15,7 @@ import safetensors.numpy
 
 from helpers import REPO, run_module, small_configs
 from holmes_jax import build, export, generate, inference, prepare, train
-from holmes_jax.config import ConfigError, ModelConfig
+from holmes_jax.config import ConfigError, DataConfig, ModelConfig
 from holmes_jax.models import gpt, presets
 
 RUN = ["--gin.ModelConfig.preset=llama-tiny", "--gin.ModelConfig.num_kv_heads=2", "--gin.ModelConfig.bias=True",
@@ -454,3 +454,37 @@ def test_load_refuses_a_step_that_is_not_an_int(run):
         with pytest.raises(ConfigError, match=f"step = {bad!r} is not allowed; allowed: None"):
             inference.load(run, step=bad)
     assert inference.load(run, step=np.int64(1)).step == 1
+
+
+def test_a_prompt_becomes_the_ids_the_training_text_did(tmp_path):
+    import tokenizers
+
+    # A special token's name written in the text was text to holmes-data prepare, not its id.
+    text = "abc <|endoftext|> abd"
+    _tokenizer_json("abc abd abe <|endoftext|> " * 20, tmp_path / "bpe.json")
+    prepared = prepare.HFTokenizer(tokenizers.Tokenizer.from_file(str(tmp_path / "bpe.json")))
+    prepared.save(tmp_path)  # as a run keeps its data folder's tokenizer.json
+    tokenizer, eot, _ = inference.run_tokens(tmp_path, DataConfig())
+    assert eot == prepared.eot_id
+    m = _model_favouring(300, tokenizer=tokenizer, end_of_text=eot)
+    prompt = generate.encode(m, text)
+    assert prompt == prepared.encode([text.encode()])[0].tolist() and eot not in prompt
+    assert "<|endoftext|>" in generate.decode(m, prompt)  # printed as given, not dropped as a special token
+
+
+@pytest.mark.parametrize("unk_token", ["<unk>", None])
+def test_a_prompt_the_tokenizer_cannot_spell_is_refused(tmp_path, unk_token):
+    import tokenizers
+
+    # A tokenizer without all bytes in its alphabet: an unknown character becomes its unknown
+    # token, or (without one) vanishes; either way the model and the printout lose it.
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token=unk_token))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    tok.train_from_iterator(["abc abd abe " * 20],
+                            tokenizers.trainers.BpeTrainer(vocab_size=100, special_tokens=[unk_token] if unk_token else []))
+    m = _model_favouring(300, tokenizer=tok)
+    assert generate.decode(m, generate.encode(m, "abe  abc")) == "abe  abc"
+    with pytest.raises(ConfigError, match=r"--prompt 'ab z中 az' is not allowed: the run's tokenizer has no token "
+                                          r"for 'z', '中'; allowed:"):
+        generate.encode(m, "ab z中 az")
