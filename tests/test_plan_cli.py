@@ -2,6 +2,7 @@ import contextlib
 import dataclasses
 import io
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -302,3 +303,62 @@ def test_a_dp_that_does_not_divide_the_devices_is_named():
     # a model shallower than that pp: its check of pp = 21 came first
     code, _, err = _cli("--topology", IB4_ROCE4, "--model", "125m", "--dp", "3")
     assert code == 2 and "first: dp = 3 is not allowed with tp = 1: dp * tp must divide the 64 devices" in err, err
+
+
+def _answered_within(seconds, call):
+    """call()'s result; a TimeoutError if it runs past `seconds` (a plan that would hang)."""
+    def too_slow(*_):
+        raise TimeoutError(f"the plan took over {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, too_slow)
+    signal.alarm(seconds)
+    try:
+        return call()
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def test_a_topology_of_a_trillion_devices_is_refused_at_once(tmp_path):
+    """The search listed every divisor of the device count one by one: 10**12 devices never finished."""
+    huge = tmp_path / "huge.toml"
+    huge.write_text('[[cluster]]\nname = "x"\nnic = "infiniband"\nnodes = 125000000000\ndevices_per_node = 8\n')
+    code, out, err = _answered_within(20, lambda: _cli("--topology", str(huge), "--model", "tiny"))
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert "topology devices = 1000000000000" in err and "allowed: at most" in err
+
+
+def test_a_million_layer_model_is_refused_at_once():
+    """Every layer priced on every stage of every layout: over a minute and gigabytes."""
+    with pytest.raises(ConfigError, match=r"^ModelConfig.num_layers = 1000000 is not allowed in a plan; "
+                                          r"allowed: at most \d+$"):
+        _answered_within(20, lambda: plan(IB4_ROCE4, ModelConfig(preset="tiny", num_layers=10 ** 6)))
+
+
+def test_a_million_given_microbatches_are_refused_at_once():
+    """The cost model walks every tick of the schedule: a million microbatches took minutes."""
+    code, out, err = _answered_within(20, lambda: _cli(
+        "--topology", IB4_ROCE4, "--model", "7.5b", "--tp", "8", "--pp", "2",
+        "--global-batch", str(4 * 10 ** 6), "--microbatches", str(10 ** 6)))
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert err.startswith("error: microbatches = 1000000 is not allowed in a plan; allowed: at most ")
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    # each was a traceback (AttributeError, TypeError) or, allow_mixed, silently true
+    (dict(parallel={"tp": 8}), "parallel = {'tp': 8} is not allowed; allowed: a ParallelConfig or None"),
+    (dict(auto=3), "auto = 3 is not allowed; allowed: names among tp, pp, dp, microbatches, schedule"),
+    (dict(auto=[["tp"]]), "auto = [['tp']] is not allowed; allowed: names among"),
+    (dict(allow_mixed="no"), "allow_mixed = 'no' is not allowed; allowed: True or False"),
+])
+def test_api_arguments_of_the_wrong_type_are_config_errors(kwargs, message):
+    with pytest.raises(ConfigError, match="^" + re.escape(message)):
+        plan(IB4_ROCE4, "7.5b", **kwargs)
+
+
+def test_a_huge_predicted_time_prints_three_digits_and_an_exponent():
+    """Seconds past 1000 were printed whole: a NIC typed a billion times too slow gave rows of digits."""
+    slow = Topology((Cluster("slow", "ethernet", 2, 8, nic_gbps=1e-9),))
+    text = plan(slow, "tiny", ParallelConfig(dp=16), global_batch=16).explain()
+    assert re.search(r"\d{10}", text) is None
+    assert re.search(r"predicted step \d\.?\d*e\+\d+ s ", text)

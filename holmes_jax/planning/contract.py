@@ -161,7 +161,7 @@ def _route_text(r: Link) -> str:
 
 def _seconds(s: float) -> str:
     s = float(f"{s:.3g}")  # the unit of the rounded figure: 0.9996 s is 1 s, not "1e+03 ms"
-    if s >= 1000:
+    if 1000 <= s < 1e6:  # whole seconds; past a million, 3 digits and an exponent, not a row of digits
         return f"{s:.0f} s"
     return f"{s:.3g} s" if s >= 1 or s == 0 else f"{s * 1e3:.3g} ms" if s >= 1e-3 else f"{s * 1e6:.3g} us"
 

@@ -71,6 +71,9 @@ FULL_SEARCH = 3  # screened layouts that get the full partition search
 # latencies), at most 512 (keeps the schedule simulation quick). A layout that fits memory with none of
 # these tries more, up to 512: smaller micro batches are then what makes it fit.
 MAX_MICROBATCHES_PER_STAGE, MAX_MICROBATCHES = 32, 512
+# Past these the search takes minutes or all memory (it prices every layer on every stage, and
+# walks every tick of the schedule); far above real models (about 100 layers) and runs.
+MAX_LAYERS, MAX_GIVEN_MICROBATCHES = 1024, 4096
 
 def _cost_model(cfg: ModelConfig, pl: Placement, global_batch: int, seq_len: int, microbatches: int,
                 schedule: str, par: ParallelConfig, prof=None, topo: Topology | None = None) -> tuple[CostModel, tuple[str, ...]]:
@@ -379,14 +382,29 @@ def plan(topology, model, parallel: ParallelConfig | None = None, *, global_batc
     """
     topo = _topology(topology)
     cfg = presets.resolve(model if isinstance(model, ModelConfig) else ModelConfig(preset=model))
+    if cfg.num_layers > MAX_LAYERS:
+        raise ConfigError(f"ModelConfig.num_layers = {cfg.num_layers} is not allowed in a plan; "
+                          f"allowed: at most {MAX_LAYERS}")
     par = ParallelConfig() if parallel is None else parallel
+    if not isinstance(par, ParallelConfig):
+        raise ConfigError(f"parallel = {parallel!r} is not allowed; allowed: a ParallelConfig or None")
     par.validate()
+    if not isinstance(allow_mixed, bool):  # allow_mixed="no" would allow them
+        raise ConfigError(f"allow_mixed = {allow_mixed!r} is not allowed; allowed: True or False")
     auto = (auto,) if isinstance(auto, str) else auto  # auto="pp": one name, not its letters
+    if auto is not None:
+        names = tuple(auto) if isinstance(auto, Iterable) else None
+        if names is None or not all(isinstance(name, str) for name in names):
+            raise ConfigError(f"auto = {auto!r} is not allowed; allowed: names among {', '.join(SEARCHABLE)}")
+        auto = names
     free = set(SEARCHABLE if parallel is None else ()) if auto is None else set(auto)
     if free - set(SEARCHABLE):
         raise ConfigError(f"auto = {sorted(free)} is not allowed; allowed: any of {', '.join(SEARCHABLE)}")
     if par.stage_layers is not None:
         free.discard("pp")
+    if "microbatches" not in free and par.microbatches > MAX_GIVEN_MICROBATCHES:
+        raise ConfigError(f"microbatches = {par.microbatches} is not allowed in a plan; "
+                          f"allowed: at most {MAX_GIVEN_MICROBATCHES}")
     seq_len = cfg.max_seq_len if seq_len is None else seq_len
     for name, value in (("global_batch", global_batch), ("seq_len", seq_len)):
         check_positive(name, value)

@@ -81,6 +81,9 @@ INTRA_NODE_DEFAULT = Fabric("intra-node", 2400.0, 2.0, 0.80)
 DEVICE_TFLOPS_DEFAULT = 312.0
 DEVICE_EFFICIENCY_DEFAULT = 0.75
 DEVICE_MEMORY_GB_DEFAULT = 80.0
+# The planner holds arrays over the devices and tries every divisor of their count: past this it
+# would take minutes or all memory. Far above the largest clusters built (about 100k GPUs).
+MAX_DEVICES = 2**20
 
 
 def _number(where: str, value, low: float, high: float | None = None, low_open: bool = True) -> None:
@@ -187,6 +190,9 @@ class Topology:
             raise ConfigError(f"topology inter_cluster = {self.inter_cluster!r} is not allowed; allowed: a Fabric "
                               f"(topology.nic_link('ethernet', gbps=...))")
         _check_link(self.inter_cluster, "inter_cluster.")
+        if self.num_devices > MAX_DEVICES:
+            raise ConfigError(f"topology devices = {self.num_devices} (nodes * devices_per_node over its clusters) is "
+                              f"not allowed; allowed: at most {MAX_DEVICES}")
 
     @property
     def num_devices(self) -> int:
