@@ -54,7 +54,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from holmes_jax import build, cli, configure, data, distributed, planning, train
 from holmes_jax.pipeline import warmup
 from holmes_jax.pipeline.update import make_update
-from holmes_jax.planning.measured import Profile, StepProbe
+from holmes_jax.planning.measured import Profile, StepProbe, block_shape
 from holmes_jax.planning.topology import Link
 
 
@@ -343,7 +343,7 @@ def profile(setup, repeats: int = 5, splits: int = 0, say=print) -> Profile:
                                  say=say))
     result = Profile(mesh.local_devices[0].device_kind, micro_batch, cfgs.data.seq_len, flops, t_fwd, t_bwd,
                      data_links, stage_links, update, scale, probes, compute_dtype=cfgs.model.compute_dtype,
-                     remat=cfgs.model.remat)
+                     remat=cfgs.model.remat, block=block_shape(setup.plan.model))
     if splits > 0:
         ranked = ranked_splits(setup, result, splits) if stages > 1 else []
         if len(ranked) > 1:

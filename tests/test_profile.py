@@ -8,6 +8,7 @@ import pytest
 from jax.sharding import Mesh
 
 from holmes_jax.planning import workload
+from holmes_jax.planning.measured import block_shape
 from holmes_jax import build, cli, data, planning
 from holmes_jax.config import ConfigError
 from holmes_jax import profile
@@ -26,6 +27,7 @@ def test_profile_measures_layers_and_links_and_round_trips(tmp_path, zero1):
     assert result.layer_fwd_s > 0 and result.layer_bwd_s > 0 and result.achieved_tflops > 0
     assert 0 < result.update_s_per_param < result.layer_fwd_s / 1000  # AdamW touches a parameter a few times
     assert (result.compute_dtype, result.remat) == ("float32", "none")  # what the layer times were measured with
+    assert result.block == block_shape(setup.plan.model)  # and on what blocks
     assert len(result.data_links) == 2 and all(l.gbps > 0 for l in result.data_links)
     assert len(result.stage_links) == 1 and result.stage_links[0].gbps > 0
     # whole steps of this layout (pp 2, dp 4 over 8 CPU devices) at 1 and 2 layers a stage

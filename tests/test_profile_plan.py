@@ -12,7 +12,7 @@ from holmes_jax.planning import workload
 from holmes_jax import cli
 from holmes_jax.config import ConfigError, ModelConfig, ParallelConfig
 from holmes_jax.models import presets
-from holmes_jax.planning.measured import Profile, StepProbe
+from holmes_jax.planning.measured import Profile, StepProbe, block_shape
 from holmes_jax.planning.topology import Link
 from holmes_jax.planning import plan
 from holmes_jax.planning.cli import main
@@ -274,6 +274,16 @@ def test_a_profile_of_another_model_or_bad_numbers_is_refused():
         _plan(dataclasses.replace(_profile(), layer_fwd_s=0.0))
     with pytest.raises(ConfigError, match=r"stage_links\[0\]"):
         _plan(_profile(stage_links=(Link(-1.0 * 1e9 / 8, 0.0),)))
+
+
+def test_a_profile_that_measured_other_blocks_is_refused_though_their_flops_match():
+    mine = block_shape(presets.resolve(MODEL))
+    assert sum(_plan(dataclasses.replace(_profile(), block=mine)).stage_layers) == 8  # its own blocks: planned from
+    other = dict(mine, num_heads=2 * mine["num_heads"])  # the same FLOPs a block: only the record tells them apart
+    with pytest.raises(ConfigError, match=rf"it measured blocks of hidden {mine['hidden']}, num_heads "
+                                          rf"{other['num_heads']}, .*, but model 'tiny' has hidden {mine['hidden']}, "
+                                          rf"num_heads {mine['num_heads']}, .*; allowed: a profile of this model$"):
+        _plan(dataclasses.replace(_profile(), block=other))
 
 
 def _cli(*args):

@@ -63,6 +63,13 @@ class StepProbe:
     step_s: float
 
 
+def block_shape(cfg) -> dict:
+    """What shapes one block's work, of a resolved ModelConfig: a profile's layer times hold for
+    models whose blocks have this shape (their depth may differ)."""
+    return {"hidden": cfg.hidden, "num_heads": cfg.num_heads, "num_kv_heads": cfg.num_kv_heads or cfg.num_heads,
+            "ffn_hidden": cfg.ffn_hidden, "mlp": cfg.mlp, "bias": bool(cfg.bias)}
+
+
 @dataclasses.dataclass(frozen=True)
 class Profile:
     device_kind: str
@@ -83,6 +90,8 @@ class Profile:
     # the profiled model's ModelConfig.compute_dtype and remat (older profiles: None, not recorded)
     compute_dtype: str | None = None
     remat: str | None = None
+    # the profiled model's block_shape (older profiles: None, not recorded)
+    block: dict | None = None
 
     @property
     def achieved_tflops(self) -> float:

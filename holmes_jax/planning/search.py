@@ -58,7 +58,7 @@ from holmes_jax.config import REMAT, WIRE_BYTES, ConfigError, ModelConfig, Paral
 from holmes_jax.models import presets
 from holmes_jax.planning import cost, partition, placement, workload
 from holmes_jax.planning.cost import SCHEDULES, CostModel
-from holmes_jax.planning.measured import Profile
+from holmes_jax.planning.measured import Profile, block_shape
 from holmes_jax.planning.placement import Placement
 from holmes_jax.planning.contract import Plan
 from holmes_jax.planning.topology import Link, Topology, load
@@ -198,7 +198,13 @@ def _load_profile(profile, cfg: ModelConfig, setting: str = "profile"):
         raise ConfigError(f"{where}: compute_dtype = {prof.compute_dtype!r} (its layer times) is not allowed with "
                           f"ModelConfig.compute_dtype = {cfg.compute_dtype!r} (the plan CLI's --dtype); allowed: a "
                           f"profile measured with {cfg.compute_dtype!r}")
-    # A profile of another model: XLA's count of its block is far from this model's analytic one.
+    # A profile of another model: its recorded block differs from this model's (older profiles
+    # record none), or XLA's count of its block is far from this model's analytic one.
+    if prof.block is not None and prof.block != block_shape(cfg):
+        def shape(block):
+            return ", ".join(f"{k} {v}" for k, v in block.items()) if isinstance(block, dict) else repr(block)
+        raise ConfigError(f"{where}: it measured blocks of {shape(prof.block)}, but model {cfg.preset!r} has "
+                          f"{shape(block_shape(cfg))}; allowed: a profile of this model")
     analytic = workload.model_costs(cfg, prof.micro_batch, prof.seq_len).layers[0].fwd_flops
     if not 0.5 <= prof.layer_fwd_flops / analytic <= 2.0:
         raise ConfigError(f"{where}: its layer has {prof.layer_fwd_flops:.4g} forward FLOPs at micro batch "
