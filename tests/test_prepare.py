@@ -170,6 +170,20 @@ def test_a_jsonl_file_may_start_with_a_byte_order_mark(tmp_path):
     assert meta["documents"] == 2 and [bytes(d[:-1].astype(np.uint8)) for d in docs] == [b"first", b"second"]
 
 
+def test_bpe_learns_from_a_very_long_line_in_pieces_and_tokenizes_it_whole(tmp_path):
+    # The trainer's time grows with the square of a word's length (a 3 MB line of one letter took
+    # over 12 minutes): it learns from runs cut to BPE_RUN_MAX characters, so no token is longer.
+    text = "x" * (20 * prepare.BPE_RUN_MAX) + " and some words after it\n"
+    (tmp_path / "long.txt").write_text(text)
+    prepare.prepare([str(tmp_path / "long.txt")], str(tmp_path / "out"), "bpe:300")
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(tmp_path / "out" / "tokenizer.json"))
+    assert max(len(token) for token in tokenizer.get_vocab()) <= prepare.BPE_RUN_MAX
+    _, docs = _documents(tmp_path / "out")
+    assert tokenizer.decode(docs[0][:-1].tolist()) == text  # the cuts are the training's only
+
+
 def test_out_may_be_the_empty_working_folder_and_a_folder_named_like_a_token_file(tmp_path, monkeypatch):
     (tmp_path / "text.txt").write_text("some text " * 50)
     (tmp_path / "here").mkdir()
