@@ -231,7 +231,7 @@ BAD_INPUTS = {  # case: (arguments after `prepare`, {d} the test's folder; what 
     "bpe a digit, not a number": ("{d}/text.txt --out {d}/out --tokenizer bpe:\u00b2", "bpe:N needs a whole N"),
     "bpe too large": ("{d}/text.txt --out {d}/out --tokenizer bpe:2000000", "at most 1,048,576"),  # larger aborts
     "broken tokenizer.json": ("{d}/text.txt --out {d}/out --tokenizer {d}/broken.json", "not a tokenizer.json"),
-    "unwritable DIR": ("{d}/text.txt --out {d}/text.txt/sub", "cannot be written"),
+    "unwritable DIR": ("{d}/text.txt --out {d}/text.txt/sub", "cannot be written: '{d}/text.txt' is a file, not a folder"),
     "DIR not empty": ("{d}/text.txt --out {d}/taken", "already exists"),
     "no SRC": ("--out {d}/out", "SRC"),
 }
@@ -251,5 +251,5 @@ def test_bad_input_is_one_error_line_and_leaves_nothing_behind(tmp_path, case):
     before = sorted(p.name for p in tmp_path.iterdir())
     code, out, err = _cli("prepare", *args.format(d=tmp_path).split())
     assert code == 2 and out == ""
-    assert len(err.splitlines()) == 1 and err.startswith("error: ") and names in err, err
+    assert len(err.splitlines()) == 1 and err.startswith("error: ") and names.format(d=tmp_path.resolve()) in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # no DIR, no temporary folder
