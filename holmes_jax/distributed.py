@@ -4,13 +4,17 @@
 
 1. `HOLMES_NUM_PROCESSES`, `HOLMES_PROCESS_ID`, `HOLMES_COORDINATOR` (host:port), as
    `holmes_jax.launch` and `holmes_jax.emulate` set them;
-2. SLURM (`SLURM_JOB_ID` with `SLURM_NTASKS` > 1, i.e. inside `srun`) and Open MPI
-   (`OMPI_COMM_WORLD_SIZE` > 1, i.e. under `mpirun`): JAX's own cluster detection finds the
-   coordinator and ranks, and makes each process see one GPU (its local rank; set
-   `JAX_LOCAL_DEVICE_IDS` to change that); `HOLMES_COORDINATOR` may name the coordinator instead
-   (needed for Open MPI 5, whose environment JAX does not parse);
+2. Open MPI (`OMPI_COMM_WORLD_SIZE` > 1, i.e. under `mpirun`), then SLURM (`SLURM_JOB_ID` with
+   `SLURM_NTASKS` > 1, i.e. inside `srun`): JAX's own cluster detection finds the coordinator
+   and ranks, and makes each process see one GPU (its local rank; set `JAX_LOCAL_DEVICE_IDS` to
+   change that); `HOLMES_COORDINATOR` may name the coordinator instead (needed for Open MPI 5,
+   whose environment JAX does not parse). Open MPI comes first, as in JAX: an `mpirun` inside a
+   SLURM allocation gives its ranks SLURM variables too, of the allocation or of the `srun` step
+   that started its daemons, one task per node;
 3. MPICH, Intel MPI, MVAPICH (`PMI_SIZE` > 1, Hydra's `mpiexec`): ranks from `PMI_RANK` and
-   `MPI_LOCALRANKID`, the coordinator from `HOLMES_COORDINATOR` (JAX does not detect these);
+   `MPI_LOCALRANKID`, the coordinator from `HOLMES_COORDINATOR` (JAX does not detect these).
+   Inside SLURM they win over SLURM's variables when `PMI_SIZE` is not `SLURM_NTASKS` (Hydra's
+   proxies run as an `srun` step of one task per node; `srun --mpi=pmi2` sets the same count);
 4. otherwise a single process, and `jax.distributed` is not started at all.
 
 Processes that have not all met within `INIT_TIMEOUT_S` end with one error line and status 1.
@@ -42,6 +46,7 @@ from holmes_jax.mesh import nic
 
 COORDINATOR, NUM_PROCESSES, PROCESS_ID, CPU_DEVICES = (
     "HOLMES_COORDINATOR", "HOLMES_NUM_PROCESSES", "HOLMES_PROCESS_ID", "HOLMES_CPU_DEVICES")
+LOCAL_DEVICE_IDS = "JAX_LOCAL_DEVICE_IDS"  # the devices each process uses (JAX reads it), e.g. 0,1,2,3
 INIT_TIMEOUT_S = 300  # how long processes wait for each other at start-up (JAX's own default)
 FACTS_BYTES = 1024  # one process's facts as JSON; hostnames are at most 253 characters
 # A collective-permute's clique spans only the devices it connects (not every device), and no
@@ -163,9 +168,19 @@ def _mpi_ranks(env, prefix: str, local: str) -> dict:
     if rank not in env:  # JAX would raise a KeyError
         raise ConfigError(f"{size} = {count} but {rank} unset: start one process per rank with mpirun")
     kwargs = {"num_processes": count, "process_id": _index(env, rank, size, count)}
-    if local in env:  # one device per process, as JAX's own detection does
+    # One device per process, as JAX's own detection does, unless JAX_LOCAL_DEVICE_IDS names them:
+    # JAX reads that only where no local_device_ids are given.
+    if local in env and not env.get(LOCAL_DEVICE_IDS):
         kwargs["local_device_ids"] = [_int(env, local, 0)]
     return kwargs
+
+
+def _local_device_ids(env) -> None:
+    """JAX reads JAX_LOCAL_DEVICE_IDS with int() inside `jax.distributed.initialize`: a traceback."""
+    ids = env.get(LOCAL_DEVICE_IDS)
+    if ids and not re.fullmatch(r"[0-9]+(,[0-9]+)*", ids):
+        raise ConfigError(f"{LOCAL_DEVICE_IDS} = {ids!r} is not allowed; allowed: device numbers separated by commas, "
+                          "e.g. 0,1,2,3")
 
 
 def _mpi_coordinator(coordinator: str | None, example: str) -> str:
@@ -179,6 +194,13 @@ def launch_method(env=None) -> tuple[str, dict]:
     """(method, keyword arguments for `jax.distributed.initialize`) from `env`; method 'single'
     means one process and no `jax.distributed` at all."""
     env = os.environ if env is None else env
+    method, kwargs = _launch_method(env)
+    if method != "single":
+        _local_device_ids(env)
+    return method, kwargs
+
+
+def _launch_method(env) -> tuple[str, dict]:
     coordinator = _coordinator(env)
     given = [name for name in (NUM_PROCESSES, PROCESS_ID) if name in env]
     if given:
@@ -193,14 +215,27 @@ def launch_method(env=None) -> tuple[str, dict]:
         if coordinator is None:
             raise ConfigError(f"{NUM_PROCESSES} = {count} needs {COORDINATOR}=HOST:PORT (process 0's host)")
         return "holmes", {"coordinator_address": coordinator, "num_processes": count, "process_id": index}
-    if "SLURM_JOB_ID" in env and "SLURM_NTASKS" in env and _int(env, "SLURM_NTASKS", 1) > 1:
+    # Open MPI before SLURM, as in JAX: mpirun's ranks inside an allocation carry SLURM's variables
+    # too, of the allocation or of the step that started Open MPI's daemons (one task per node).
+    if "OMPI_COMM_WORLD_SIZE" in env and _int(env, "OMPI_COMM_WORLD_SIZE", 1) > 1:
+        kwargs = _mpi_ranks(env, "OMPI_COMM_WORLD", "OMPI_COMM_WORLD_LOCAL_RANK")
+        if "OMPI_MCA_orte_hnp_uri" in env and coordinator is None:  # Open MPI 4: JAX finds it all
+            _jax_port(env)
+            return "ompi", {"cluster_detection_method": "ompi"}
+        address = _mpi_coordinator(coordinator, "mpirun -x HOLMES_COORDINATOR=$(hostname):29500")
+        return "ompi", {"coordinator_address": address, **kwargs}
+    pmi_size = _int(env, "PMI_SIZE", 1) if "PMI_SIZE" in env else 1
+    slurm_tasks = _int(env, "SLURM_NTASKS", 1) if "SLURM_JOB_ID" in env and "SLURM_NTASKS" in env else 1
+    # srun's own PMI (--mpi=pmi2) counts SLURM's tasks; Hydra's mpiexec inside an allocation runs
+    # its proxies as a step of one task per node, whose SLURM variables its ranks inherit.
+    if slurm_tasks > 1 and pmi_size in (1, slurm_tasks):
         needed = ("SLURM_STEP_NODELIST", "SLURM_PROCID", "SLURM_LOCALID")
         if any(name not in env for name in needed):
             raise ConfigError(f"SLURM_NTASKS = {env['SLURM_NTASKS']} but {', '.join(n for n in needed if n not in env)} "
                               "unset: start one process per task with srun")
         # JAX reads these with int() (a traceback) and checks none of them: a rank out of range or
         # an empty coordinator host ends only in its connection timeout, minutes later.
-        _index(env, "SLURM_PROCID", "SLURM_NTASKS", _int(env, "SLURM_NTASKS", 1))
+        _index(env, "SLURM_PROCID", "SLURM_NTASKS", slurm_tasks)
         _int(env, "SLURM_LOCALID", 0)
         if coordinator is None:
             host = slurm_first_host(env["SLURM_STEP_NODELIST"])
@@ -212,16 +247,9 @@ def launch_method(env=None) -> tuple[str, dict]:
             port = env.get("JAX_COORDINATOR_PORT") or str(_int(env, "SLURM_JOB_ID", 0) % 4096 + 61440)
             coordinator = f"{host}:{port}"
         return "slurm", {"coordinator_address": coordinator, "cluster_detection_method": "slurm"}
-    if "OMPI_COMM_WORLD_SIZE" in env and _int(env, "OMPI_COMM_WORLD_SIZE", 1) > 1:
-        kwargs = _mpi_ranks(env, "OMPI_COMM_WORLD", "OMPI_COMM_WORLD_LOCAL_RANK")
-        if "OMPI_MCA_orte_hnp_uri" in env and coordinator is None:  # Open MPI 4: JAX finds it all
-            _jax_port(env)
-            return "ompi", {"cluster_detection_method": "ompi"}
-        address = _mpi_coordinator(coordinator, "mpirun -x HOLMES_COORDINATOR=$(hostname):29500")
-        return "ompi", {"coordinator_address": address, **kwargs}
     # MPICH's, Intel MPI's and MVAPICH's mpiexec (Hydra's PMI), which JAX does not detect: left
     # alone, every rank would train the whole job on its own, all in one workdir.
-    if "PMI_SIZE" in env and _int(env, "PMI_SIZE", 1) > 1:
+    if pmi_size > 1:
         kwargs = _mpi_ranks(env, "PMI", "MPI_LOCALRANKID")
         address = _mpi_coordinator(coordinator, "mpiexec -genv HOLMES_COORDINATOR $(hostname):29500")
         return "pmi", {"coordinator_address": address, **kwargs}

@@ -298,7 +298,7 @@ def main(argv: list[str]) -> int:
     opts, cmd = split_command(argv)
     args = parser().parse_args(opts)
     return launch(cmd, args.n, args.devices_per_process, args.port, dict(map(_key_value, args.env)),
-                  args.nic_classes.split(",") if args.nic_classes else None,
+                  args.nic_classes.split(",") if args.nic_classes is not None else None,  # '' is no class
                   grace_s=args.grace, timeout_s=args.timeout)
 
 

@@ -43,6 +43,29 @@ from helpers import REPO, read_metrics
     ({"PMI_SIZE": "4", "PMI_RANK": "3", "MPI_LOCALRANKID": "1", "HOLMES_COORDINATOR": "head:29500"}, "pmi",
      {"coordinator_address": "head:29500", "num_processes": 4, "process_id": 3, "local_device_ids": [1]}),
     ({"PMI_SIZE": "1", "PMI_RANK": "0"}, "single", {}),
+    # zero-padded ranges and a single number in one bracket group
+    ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "8", "SLURM_STEP_NODELIST": "node[001-004,010]", "SLURM_PROCID": "0",
+      "SLURM_LOCALID": "0"}, "slurm", {"coordinator_address": "node001:61447", "cluster_detection_method": "slurm"}),
+    # mpirun inside a SLURM allocation: a rank also sees the SLURM variables of the srun step that
+    # started Open MPI's daemons (one task per node), so it took process 1 of 2 from SLURM
+    ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "2", "SLURM_STEP_NODELIST": "n[1-2]", "SLURM_PROCID": "1",
+      "SLURM_LOCALID": "0", "OMPI_COMM_WORLD_SIZE": "16", "OMPI_COMM_WORLD_RANK": "9", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+      "OMPI_MCA_orte_hnp_uri": "1.0;tcp://10.0.0.1:1"}, "ompi", {"cluster_detection_method": "ompi"}),
+    # Hydra's mpiexec inside a SLURM allocation (its proxies: one srun task per node) ...
+    ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "2", "SLURM_STEP_NODELIST": "n[1-2]", "SLURM_PROCID": "1",
+      "SLURM_LOCALID": "0", "PMI_SIZE": "16", "PMI_RANK": "9", "MPI_LOCALRANKID": "1", "HOLMES_COORDINATOR": "n1:29500"},
+     "pmi", {"coordinator_address": "n1:29500", "num_processes": 16, "process_id": 9, "local_device_ids": [1]}),
+    # ... but srun's own PMI (--mpi=pmi2) counts SLURM's tasks: SLURM's detection, no coordinator needed
+    ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "8", "SLURM_STEP_NODELIST": "n[1-2]", "SLURM_PROCID": "5",
+      "SLURM_LOCALID": "1", "PMI_SIZE": "8", "PMI_RANK": "5"}, "slurm",
+     {"coordinator_address": "n1:61447", "cluster_detection_method": "slurm"}),
+    # JAX_LOCAL_DEVICE_IDS (all of a node's GPUs in one process) is JAX's to read: a local rank
+    # passed as local_device_ids overrode it
+    ({"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+      "HOLMES_COORDINATOR": "head:29500", "JAX_LOCAL_DEVICE_IDS": "0,1,2,3"}, "ompi",
+     {"coordinator_address": "head:29500", "num_processes": 2, "process_id": 1}),
+    ({"PMI_SIZE": "2", "PMI_RANK": "1", "MPI_LOCALRANKID": "0", "HOLMES_COORDINATOR": "head:29500",
+      "JAX_LOCAL_DEVICE_IDS": "0,1"}, "pmi", {"coordinator_address": "head:29500", "num_processes": 2, "process_id": 1}),
     # our launcher's variables win over a scheduler's
     ({"HOLMES_COORDINATOR": "h:1", "HOLMES_NUM_PROCESSES": "2", "HOLMES_PROCESS_ID": "1", "OMPI_COMM_WORLD_SIZE": "4"},
      "holmes", {"coordinator_address": "h:1", "num_processes": 2, "process_id": 1}),
@@ -86,6 +109,10 @@ def test_launch_method(env, method, kwargs):
      "SLURM_STEP_NODELIST = '\\[1-4\\]'"),
     ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4", "SLURM_STEP_NODELIST": "n1", "SLURM_PROCID": "1", "SLURM_LOCALID": "1",
       "JAX_COORDINATOR_PORT": "99999"}, "JAX_COORDINATOR_PORT = '99999'"),
+    # JAX parses it with int() inside jax.distributed.initialize: a traceback
+    ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4", "SLURM_STEP_NODELIST": "n1", "SLURM_PROCID": "1", "SLURM_LOCALID": "1",
+      "JAX_LOCAL_DEVICE_IDS": "0-3"}, "JAX_LOCAL_DEVICE_IDS = '0-3' is not allowed; allowed: device numbers separated by "
+                                      "commas, e.g. 0,1,2,3"),
 ])
 def test_bad_environment_is_a_config_error(env, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):

@@ -227,6 +227,8 @@ def test_timeout_stops_everything(capsys):
     (["--", "true"], "-n"),
     (["-n", "2", "--nic-classes", "infiniband", "--", "true"], "one per process"),
     (["-n", "2", "--nic-classes", "infiniband,myrinet", "--", "true"], "'myrinet'"),
+    (["-n", "2", "--nic-classes", "", "--", "true"], "one per process"),  # an empty $VAR: was run without classes
+    (["-n", "1", "--nic-classes", "", "--", "true"], "--nic-classes: '' is not allowed"),
     (["-n", "2", "--env", "NOEQUALS", "--", "true"], "KEY=VALUE"),
     (["-n", "2", "--port", "70000", "--", "true"], "--port"),
     (["-n", "2", "--grace", "-1", "--", "true"], "--grace = -1"),  # would SIGKILL at once
