@@ -8,10 +8,17 @@ import functools
 import sys
 import types
 
-from holmes_jax import cli, pictures
+from holmes_jax import cli
 from holmes_jax.planning import cli as planning_cli
 
-main = functools.partial(planning_cli.main, draw=pictures.draw_plan)
+
+def _draw_plan(plan, path) -> None:
+    from holmes_jax import pictures  # matplotlib takes most of a second to import: only for --draw
+
+    pictures.draw_plan(plan, path)
+
+
+main = functools.partial(planning_cli.main, draw=_draw_plan)
 
 
 class _CallableModule(types.ModuleType):

@@ -362,3 +362,15 @@ def test_a_huge_predicted_time_prints_three_digits_and_an_exponent():
     text = plan(slow, "tiny", ParallelConfig(dp=16), global_batch=16).explain()
     assert re.search(r"\d{10}", text) is None
     assert re.search(r"predicted step \d\.?\d*e\+\d+ s ", text)
+
+
+def test_the_command_loads_matplotlib_only_to_draw(tmp_path):
+    # it took most of a second of every plan command's start
+    script = ("import importlib, sys\nimportlib.import_module('holmes_jax.plan').main(sys.argv[1:])\n"
+              "print('matplotlib' in sys.modules)")
+    args = ["--topology", IB4_ROCE4, "--model", "tiny"]
+    for extra, drawn in (([], "False"), (["--draw", str(tmp_path / "plan.png")], "True")):
+        r = subprocess.run([sys.executable, "-c", script, *args, *extra], capture_output=True, text=True, cwd=REPO,
+                           timeout=120)
+        assert r.returncode == 0 and r.stdout.splitlines()[-1] == drawn, r.stderr
+    assert (tmp_path / "plan.png").stat().st_size > 0
