@@ -53,7 +53,8 @@ def microbatch_counts(text: str) -> list[int]:
     if not all(m.isdigit() and int(m) in allowed for m in text.split(",")):
         raise argparse.ArgumentTypeError(f"{text!r} is not allowed; allowed: a comma-separated list of "
                                          + ", ".join(map(str, allowed)))
-    return [int(m) for m in text.split(",")]
+    # each once: a repeated count would be built, timed and printed twice
+    return list(dict.fromkeys(int(m) for m in text.split(",")))
 
 
 def _setup(pp: int, m: int, schedule: str, remat: str, *extra: str) -> build.Setup:

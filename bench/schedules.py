@@ -16,7 +16,9 @@ both.
 
 from __future__ import annotations
 
+import argparse
 import json
+import signal
 import statistics
 import sys
 import tempfile
@@ -51,6 +53,8 @@ def gin_args(workdir: Path, schedule: str, m: int) -> list[str]:
 def run(module_args: list[str]) -> None:
     pin = lambda rank: ["taskset", "-c", str(rank)]  # noqa: E731
     rc = launch.launch([sys.executable, "-m", *module_args], n=2, devices_per_process=1, wrap=pin, timeout_s=900)
+    if rc - 128 in launch.FORWARDED:  # Ctrl-C (or a TERM, HUP) passed on to the processes: we were stopped, not failed
+        raise cli.Stopped(rc - 128, f"schedules: stopped by {signal.Signals(rc - 128).name}")
     if rc:
         raise SystemExit(f"schedules: {module_args[0]} failed with status {rc}")
 
@@ -72,7 +76,7 @@ def predicted_s(profile: Path, schedule: str, m: int) -> float:
 
 
 def main(argv: list[str]) -> int:
-    ap = cli.Parser(description=__doc__.splitlines()[0])
+    ap = cli.Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=cli.positive_int, default=3)
     ap.add_argument("--microbatches", type=cli.positive_int, default=8)
     args = ap.parse_args(argv)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -42,3 +43,11 @@ def run_module(module: str, *args: str, timeout: int = 120) -> subprocess.Comple
     env = dict(os.environ, PYTHONPATH=str(REPO))
     return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
                           timeout=timeout, cwd=REPO, env=env)
+
+
+def load_bench(name: str):
+    """bench/<name>.py as a module (bench/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", REPO / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

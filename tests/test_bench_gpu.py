@@ -1,4 +1,3 @@
-import importlib.util
 import json
 import subprocess
 import sys
@@ -7,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import REPO, small_configs
+from helpers import REPO, load_bench, small_configs
 from holmes_jax.mesh.devices import ordered_devices
 
 
@@ -29,18 +28,11 @@ def test_gpu_bench_runs_its_cpu_setting_and_ends_with_its_figures():
         run["global_batch"] * run["seq_len"] / run["step_s"])
 
 
-def _bench(name: str):
-    """bench/<name>.py as a module (bench/ is not a package)."""
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", REPO / "bench" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
 
 def _minimal_steps(tmp_path, name: str, steps: int):
     """Runs `steps` of bench/<name>.py's minimal step; returns it and the state each call took."""
     cfgs = small_configs(tmp_path, "--gin.ParallelConfig.dp=8")
-    step, params, opt_state, batch_sharding = _bench(name).minimal_step(cfgs, ordered_devices())
+    step, params, opt_state, batch_sharding = load_bench(name).minimal_step(cfgs, ordered_devices())
     d = cfgs.data
     tokens = np.random.default_rng(0).integers(0, cfgs.model.vocab_size, (d.global_batch, d.seq_len + 1), np.int32)
     batch = jax.device_put(tokens, batch_sharding)
@@ -98,7 +90,7 @@ def test_gpu_bench_out_of_memory_is_one_error_line(monkeypatch, capsys):
     the model and what to change, exit status 1 (a failure during the run)."""
     from holmes_jax import cli
 
-    bench = _bench("gpu")
+    bench = load_bench("gpu")
 
     def out_of_memory(*args):
         raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 123 bytes.\nmore")
@@ -116,7 +108,7 @@ def test_gpu_bench_cpu_setting_on_a_gpu_says_why_no_gpu_was_measured(monkeypatch
     """--cpu-setting on a GPU host said 'gpu devices only', which is false there."""
     from holmes_jax import cli
 
-    bench = _bench("gpu")
+    bench = load_bench("gpu")
     gpu = type("FakeGpu", (), {"platform": "gpu", "device_kind": "NVIDIA H100 80GB HBM3"})()
     monkeypatch.setattr(jax, "devices", lambda *args, **kwargs: [gpu] * 8)
     monkeypatch.setattr(bench, "measure", _fake_run)
