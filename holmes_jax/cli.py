@@ -46,6 +46,9 @@ class Parser(argparse.ArgumentParser):
     not argparse's usage dump."""
 
     def error(self, message):
+        if message.startswith("unrecognized arguments"):  # argparse names the flag, not the ones there are
+            flags = [flag for action in self._actions for flag in action.option_strings if flag.startswith("--")]
+            message += f"; allowed: {', '.join(flags)}"
         raise ConfigError(message)
 
 

@@ -236,3 +236,11 @@ def test_a_killed_commands_temporary_output_is_removed_by_the_next(tmp_path):
         (tmp / "meta").write_text("{}")
     assert [p.name for p in tmp_path.iterdir()] == ["out"]  # the killed one's folder stayed forever
     assert [p.name for p in out.iterdir()] == ["meta"]
+
+
+def test_an_unknown_flag_is_one_line_naming_the_flags_there_are():
+    parser = cli.Parser()
+    parser.add_argument("--out")
+    parser.add_argument("--steps", type=int)
+    with pytest.raises(ConfigError, match=r"^unrecognized arguments: --bogus; allowed: --help, --out, --steps$"):
+        parser.parse_args(["--bogus"])
