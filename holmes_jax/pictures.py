@@ -130,6 +130,11 @@ def _seconds(s: float) -> str:
     return f"{s:.3g} s" if s >= 1 or s == 0 else f"{s * 1e3:.3g} ms" if s >= 1e-3 else f"{s * 1e6:.3g} us"
 
 
+def time_unit(seconds: float) -> tuple[float, str]:
+    """(scale, unit) to show times near `seconds`: s from a second up, else ms (not '1.085e+04 ms')."""
+    return (1.0, "s") if seconds >= 1 else (1e3, "ms")
+
+
 def _draw_timeline(ax, plan: Plan) -> None:
     pr, m = plan.prediction, plan.model
     segments = timeline(plan)
@@ -161,7 +166,7 @@ def _draw_timeline(ax, plan: Plan) -> None:
     else:  # too close for two labels
         ax.text(step, plan.pp - 0.4, f"pipeline ends {_seconds(pr.pipeline_s)}, step {_seconds(step)}",
                 ha="right", va="bottom", fontsize=9)
-    unit, scale = ("s", 1.0) if step >= 1 else ("ms", 1e3)
+    scale, unit = time_unit(step)
     ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x * scale:g}"))
     ax.set_xlabel(f"time in the step ({unit}), as the cost model predicts it")
     microbatches = f"{plan.microbatches} microbatch{'es' * (plan.microbatches > 1)} of {plan.micro_batch}"
@@ -301,7 +306,7 @@ def draw_report(rows: list[dict], predicted_step_s: float | None, path: str, tit
     loss_ax.legend(frameon=False, fontsize=9, loc="upper left", bbox_to_anchor=(0, -0.14))
 
     measured = np.array([r["step_time_s"] for r in rows])
-    scale, unit = (1.0, "s") if np.median(measured) >= 1 else (1e3, "ms")
+    scale, unit = time_unit(float(np.median(measured)))
     time_ax.plot(steps, measured * scale, marker=".", label="measured (mean over each logged window)")
     typical = float(np.median(measured[1:] if len(measured) > 1 else measured))  # the first pays for warm-up
     time_ax.axhline(typical * scale, color="C0", linewidth=0.8, linestyle=":",

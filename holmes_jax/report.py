@@ -89,7 +89,7 @@ def main(argv: list[str]) -> int:
                           f"{', '.join(PICTURE_SUFFIXES)} in an existing folder")
     pictures.draw_report(rows, predicted, str(out), title=str(workdir))
     measured = float(np.median([r["step_time_s"] for r in rows[1:] or rows]))  # the first pays for warm-up
-    scale, unit = (1.0, "s") if measured >= 1 else (1e3, "ms")  # not '1.085e+04 ms' for a 10.85 s step
+    scale, unit = pictures.time_unit(measured)
     print(f"wrote {out}: steps {rows[0]['step']}-{rows[-1]['step']}, loss {rows[0]['loss']:.4g} -> "
           f"{rows[-1]['loss']:.4g}; step time {measured * scale:.4g} {unit} (median)"
           + (f", predicted {predicted * scale:.4g} {unit}" if predicted is not None else ", no plan.json to compare"))

@@ -198,19 +198,24 @@ def test_the_plan_header_counts_one_device_in_the_singular():
     assert ": 64 devices, 2 cluster(s)" in plan(IB4_ROCE4, BF16, ParallelConfig(tp=8, pp=2, microbatches=16)).explain()
 
 
-def test_huge_global_batch_is_answered_at_once():
-    """The microbatch search listed every divisor of a replica's samples: 2**64 never finished."""
+def _answered_within(seconds, call):
+    """call()'s result; a TimeoutError if it runs past `seconds` (a plan that would hang)."""
     def too_slow(*_):
-        raise TimeoutError("the plan took over 60 s")
+        raise TimeoutError(f"the plan took over {seconds} s")
 
     previous = signal.signal(signal.SIGALRM, too_slow)
-    signal.alarm(60)
+    signal.alarm(seconds)
     try:
-        code, out, err = _cli("--topology", IB4_ROCE4, "--model", "7.5b", "--tp", "8", "--pp", "2",
-                              "--global-batch", str(2 ** 64))
+        return call()
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
+
+
+def test_huge_global_batch_is_answered_at_once():
+    """The microbatch search listed every divisor of a replica's samples: 2**64 never finished."""
+    code, out, err = _answered_within(60, lambda: _cli("--topology", IB4_ROCE4, "--model", "7.5b", "--tp", "8",
+                                                       "--pp", "2", "--global-batch", str(2 ** 64)))
     assert code == 2 and err.startswith("error: ") and "device memory" in err
 
 
@@ -303,20 +308,6 @@ def test_a_dp_that_does_not_divide_the_devices_is_named():
     # a model shallower than that pp: its check of pp = 21 came first
     code, _, err = _cli("--topology", IB4_ROCE4, "--model", "125m", "--dp", "3")
     assert code == 2 and "first: dp = 3 is not allowed with tp = 1: dp * tp must divide the 64 devices" in err, err
-
-
-def _answered_within(seconds, call):
-    """call()'s result; a TimeoutError if it runs past `seconds` (a plan that would hang)."""
-    def too_slow(*_):
-        raise TimeoutError(f"the plan took over {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, too_slow)
-    signal.alarm(seconds)
-    try:
-        return call()
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def test_a_topology_of_a_trillion_devices_is_refused_at_once(tmp_path):
