@@ -9,7 +9,8 @@ lend its time to the other: the hosts behave as devices of a fixed speed, as the
 assumes. Each configuration is a real `python -m holmes_jax.train` run of STEPS steps (pp 2,
 dp 2, GPipe, 4 microbatches, 16 layers), launched ROUNDS = 2 times in interleaved rounds
 ((b) (c) (d) (e), then again) and timed as the median of both launches' steps after the
-warm-up, because one launch of a configuration varies by up to +-9% on a shared machine:
+warm-up, because two launches of one configuration can be 11% apart on a shared machine ((f)'s
+in README's run 15: 1357 and 1213 ms), more than the margins of (d)/(c) and (g)/(f):
 
   (a) homogeneous fast network (every NIC and the uplinks at 2000 Mbit/s), Holmes placement
   (b) heterogeneous network, naive placement: each stage's data group spans the slow uplink
@@ -39,6 +40,7 @@ of 100).
 
 Run (root): python bench/hetero_nic.py     Last line: one JSON object of the figures.
 Sizing (no root): python bench/hetero_nic.py --size   The cost model's (a)-(e) for candidate rates.
+A stop (Ctrl-C, SIGTERM, SIGHUP) tears the testbed down and exits 128 + the signal's number.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from holmes_jax import emulate
+from holmes_jax import cli, emulate, launch
 
 CLUSTERS = [("ib", "infiniband", 2), ("roce", "roce", 2)]
 IB_MBIT, ROCE_MBIT, INTER_MBIT = 2000.0, 200.0, 100.0
@@ -113,7 +115,10 @@ def run(bed: Testbed, module_args: list[str], timeout_s: float = RUN_TIMEOUT_S) 
     cmd = [sys.executable, "-m", *module_args]
     if bed.pin:  # one core per process: rank r on core r
         cmd = ["sh", "-c", 'exec taskset -c "$HOLMES_PROCESS_ID" "$@"', "pin", *cmd]
-    return bed.ec.run(cmd, devices_per_process=1, timeout_s=timeout_s, cpu=bed.cpu)
+    rc = bed.ec.run(cmd, devices_per_process=1, timeout_s=timeout_s, cpu=bed.cpu)
+    if rc - 128 in launch.FORWARDED:  # Ctrl-C (or a TERM, HUP) passed on to the processes: we were stopped, not failed
+        raise cli.Stopped(rc - 128, f"hetero_nic: stopped by {signal.Signals(rc - 128).name}")
+    return rc
 
 
 def measure_profile(bed: Testbed, path: Path, workdir: Path, topology: Path, placement: str = "holmes",
@@ -214,12 +219,11 @@ def size(candidates=((1000, 200), (500, 100), (250, 100), (200, 100), (200, 200)
                   f" | {row['d'].prediction.p2p_s[0] * 1e3:.0f} ms")
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description="Holmes' placement and partition against a NIC-blind layout, "
-                                     "measured on the emulated testbed (root): configurations (a)-(g).")
+def main(argv: list[str]) -> int:
+    parser = cli.Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", action="store_true",
                         help="print the cost model's (a)-(e) for candidate rates instead (no root, no run)")
-    if parser.parse_args().size:
+    if parser.parse_args(argv).size:
         size()
         return 0
     reason = emulate.unavailable_reason()
@@ -229,8 +233,8 @@ def main() -> int:
     from holmes_jax.config import ModelConfig, ParallelConfig
     from holmes_jax.planning import plan
 
-    # A SIGTERM unwinds through the with-blocks below, so the namespaces are torn down.
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    # A stop unwinds through the with-blocks below, so the namespaces are torn down: during a launch
+    # as cli.Stopped (see `run`), between launches as cli.run's SIGTERM / SIGHUP or Ctrl-C.
     cores = os.cpu_count() or 1
     hosts = sum(c[2] for c in CLUSTERS)
     pin = cores >= hosts
@@ -372,4 +376,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    cli.run(main)

@@ -1,8 +1,12 @@
 """The bench scripts' own logic, run through their functions (bench/ is not a package)."""
 
+import importlib.util
+import subprocess
+import sys
+
 import pytest
 
-from helpers import load_bench
+from helpers import REPO, load_bench
 from holmes_jax import cli
 
 
@@ -39,3 +43,67 @@ def test_schedules_help_prints_its_whole_first_sentence(capsys):
 def test_pipeline_microbatch_counts_keeps_each_count_once():
     """`--microbatches 4,4` built, timed and printed every configuration of m = 4 twice."""
     assert load_bench("pipeline").microbatch_counts("8,4,8,4") == [8, 4]
+
+
+def run_hetero_nic(*flags: str) -> subprocess.CompletedProcess:
+    """bench/hetero_nic.py as a user runs it (never without a flag here: as root that is the 40-minute bench)."""
+    assert flags
+    return subprocess.run([sys.executable, str(REPO / "bench" / "hetero_nic.py"), *flags], capture_output=True,
+                          text=True, timeout=120, cwd=REPO)
+
+
+def test_hetero_nic_an_unknown_flag_is_one_line_that_lists_the_flags():
+    """argparse printed its usage and named only the bad flag."""
+    done = run_hetero_nic("--sise")
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == ["error: unrecognized arguments: --sise; allowed: --help, --size"]
+    assert done.stdout == ""
+
+
+def test_hetero_nic_help_prints_the_whole_description():
+    """--help printed a one-sentence summary: not the configurations, the run's length or --size's use."""
+    done = run_hetero_nic("--help")
+    assert done.returncode == 0
+    out = " ".join(done.stdout.split())
+    assert "(g) as (f), auto partition from a profile measured on that testbed" in out
+    assert "Sizing (no root): python bench/hetero_nic.py --size" in out
+
+
+def load_hetero_nic(monkeypatch):
+    """bench/hetero_nic.py as a module, held in sys.modules while the test runs: its dataclass
+    looks its module up there (load_bench leaves it out)."""
+    spec = importlib.util.spec_from_file_location("bench_hetero_nic", REPO / "bench" / "hetero_nic.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)
+    spec.loader.exec_module(module)
+    return module
+
+
+class FakeCluster:
+    """An emulated cluster whose every launch ends with `status`, as `launch` reports it."""
+
+    def __init__(self, status: int):
+        self.status = status
+
+    def run(self, cmd, **kwargs) -> int:
+        return self.status
+
+
+@pytest.mark.parametrize("status, signal_name", [(130, "SIGINT"), (143, "SIGTERM"), (129, "SIGHUP")])
+def test_hetero_nic_stopped_during_a_configuration_exits_with_the_signal_status(monkeypatch, tmp_path, capsys,
+                                                                                status, signal_name):
+    """Ctrl-C during a configuration's launch came back as status 130, and the bench reported
+    'run (c) failed with status 130' and went on to exit 1: a stop, not a failure."""
+    bench = load_hetero_nic(monkeypatch)
+
+    def configuration(bed):
+        return bench.train(bed, "c", tmp_path / "run-c", tmp_path / "hetero.toml", "holmes", "uniform",
+                           tmp_path / "profile.json")
+
+    with pytest.raises(SystemExit) as stop:
+        cli.run(lambda argv: configuration(bench.Testbed(FakeCluster(status), pin=False)), [])
+    assert stop.value.code == status
+    assert capsys.readouterr().err.strip().splitlines() == [f"hetero_nic: stopped by {signal_name}"]
+    # a launch that failed on its own is still a failure: no figures, and the line says so
+    assert configuration(bench.Testbed(FakeCluster(1), pin=False)) is None
+    assert capsys.readouterr().err.strip().splitlines() == ["hetero_nic: run (c) failed with status 1"]
