@@ -5,17 +5,15 @@ Resuming checks what it restores: a checkpoint that cannot be read is set aside
 (`<step>.damaged`) and the next older one is used, unless the error is this run's (no permission,
 no memory), which ends the run and leaves the checkpoint; one whose array shapes do not fit the
 configured model is a `ConfigError`, found from its metadata before any data is read. A save that
-fails (a full disk) is a `RunError`. One run at a time writes a checkpoints directory: a second one
-started on the same workdir is a `ConfigError`."""
+fails (a full disk) is a `RunError`. One run at a time writes a checkpoints directory: the run holds
+its workdir's lock (`holmes_jax.train.lock_workdir`) before it makes a `Checkpointer`."""
 
 from __future__ import annotations
 
-import fcntl
 import gc
 import logging
 import os
 import re
-import socket
 import sys
 import tempfile
 import traceback
@@ -28,7 +26,7 @@ from holmes_jax.cli import RunError
 from holmes_jax.config import CheckpointConfig, ConfigError
 
 SHOWN_MISMATCHES = 4  # arrays named in the error when a checkpoint does not fit
-LOCK_FILE = ".lock"  # in the checkpoints directory: held by the run that writes it
+LOCK_FILE = ".lock"  # in a run's workdir: held by the run that writes it (holmes_jax.train.lock_workdir)
 STATE_FOLDER = "default"  # in a step's directory: orbax's folder for the one item we save
 
 
@@ -133,36 +131,12 @@ class Checkpointer:
             raise ConfigError(f"TrainConfig.workdir = {str(self.directory.parent)!r} cannot hold checkpoints in "
                               f"{self.directory}: {why}; allowed: a workdir whose checkpoints/ is a "
                               "directory this process can create and write") from None
-        # before orbax looks at the directory: its clean-up below would delete another run's save in flight
-        self._lock = self._lock_out_other_runs() if jax.process_index() == 0 else None
         # cleanup_tmp_directories: a save that failed (a full disk) leaves a temporary directory;
         # the next run removes it instead of keeping the space taken.
         options = ocp.CheckpointManagerOptions(max_to_keep=cfg.keep, create=True, enable_async_checkpointing=True,
                                                cleanup_tmp_directories=True)
         self._manager = ocp.CheckpointManager(self.directory, options=options,
                                              item_handlers=ocp.StandardCheckpointHandler())
-
-    def _lock_out_other_runs(self):
-        """Holds an exclusive lock on the checkpoints directory until `close` (the kernel drops it when
-        the process dies, however): a second run on this workdir would save the same steps as ours,
-        prune ours, and delete our save in flight as a failed save's leftover. Process 0 holds it
-        for its job."""
-        lock = open(self.directory / LOCK_FILE, "a+")
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            lock.seek(0)
-            holder = lock.read().strip() or "another process"
-            lock.close()
-            raise ConfigError(f"TrainConfig.workdir = {str(self.directory.parent)!r} is in use by another run "
-                              f"({holder}, which holds {self.directory / LOCK_FILE}); allowed: a workdir no other "
-                              "run is using: wait for that run to end, or choose another") from None
-        except OSError:  # a file system without locks (some network ones): nothing to guard with
-            return lock
-        lock.truncate(0)
-        lock.write(f"process {os.getpid()} on {socket.gethostname()}\n")
-        lock.flush()
-        return lock
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
@@ -258,5 +232,3 @@ class Checkpointer:
             raise RunError(f"cannot write checkpoints in {self.directory}: {reason(e)}") from None
         finally:
             self._manager.close()
-            if self._lock:
-                self._lock.close()

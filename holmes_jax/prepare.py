@@ -120,7 +120,7 @@ def documents(files: list[Path], progress: Progress) -> Iterator[bytes]:
     """The documents of `files` as UTF-8 bytes, advancing `progress` by the input bytes read."""
     for f in files:
         try:
-            if f.suffix == ".jsonl":
+            if f.suffix.lower() == ".jsonl":  # in any case: DOCS.JSONL is JSONL too
                 with open(f, "rb") as lines:
                     yield from _jsonl_documents(f, lines, progress)
                 continue

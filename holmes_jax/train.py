@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
+import os
 import shutil
 import signal
+import socket
 import tempfile
 import time
 from pathlib import Path
@@ -23,7 +26,7 @@ import optax
 
 from holmes_jax import cli, configure, data, distributed, export, guard, metrics
 from holmes_jax.build import Setup, build, make_eval_step, make_train_step, peak_tflops
-from holmes_jax.checkpoint import Checkpointer
+from holmes_jax.checkpoint import LOCK_FILE, Checkpointer
 from holmes_jax.config import ConfigError
 from holmes_jax.configure import Configs, load_configs
 from holmes_jax.models import gpt
@@ -119,6 +122,35 @@ def prepare_workdir(path: str) -> Path:
     return workdir
 
 
+def lock_workdir(workdir: Path):
+    """The open lock file of `workdir`, locked for this run until it is closed (the kernel drops the
+    lock when the process dies, however): a second run on the workdir would interleave its rows
+    with ours in metrics.jsonl, rewrite config.gin, and with checkpoints save the same steps as
+    ours, prune ours, and delete our save in flight as a failed save's leftover. Process 0 holds
+    it for its job; readers (report, export, generate) never take it."""
+    path = workdir.absolute() / LOCK_FILE  # in the workdir itself: a run without checkpoints has no checkpoints/
+    try:
+        lock = open(path, "a+")
+    except OSError as e:  # a `.lock` that is a folder, or another user's
+        raise ConfigError(f"TrainConfig.workdir = {str(workdir)!r} cannot be used: {e.strerror} ({path}); "
+                          "allowed: a directory this process can create and write") from None
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "another process"
+        lock.close()
+        raise ConfigError(f"TrainConfig.workdir = {str(path.parent)!r} is in use by another run ({holder}, which "
+                          f"holds {path}); allowed: a workdir no other run is using: wait for that run to end, or "
+                          "choose another") from None
+    except OSError:  # a file system without locks (some network ones): nothing to guard with
+        return lock
+    lock.truncate(0)
+    lock.write(f"process {os.getpid()} on {socket.gethostname()}\n")
+    lock.flush()
+    return lock
+
+
 def run(cfgs: Configs, devices=None, quiet: bool = False) -> dict:
     """Trains per `cfgs`; returns the summary. Everything is validated before the workdir is touched.
     With several processes, all of them step and checkpoint; process 0 alone prints and writes.
@@ -146,24 +178,27 @@ def run(cfgs: Configs, devices=None, quiet: bool = False) -> dict:
     say(setup.plan.explain())
 
     workdir = prepare_workdir(tcfg.workdir)
-    ckpt = Checkpointer(checkpoints, cfgs.checkpoint) if cfgs.checkpoint.enabled else None
-    try:
-        return _resume_and_train(cfgs, setup, token_data, workdir, ckpt, say, quiet)
-    except BrokenPipeError:  # stdout's reader left before or after the loop: nothing more to save
-        raise
-    except OSError as e:  # metrics.jsonl, config.gin; checkpoint writes report their own
-        raise cli.RunError(f"cannot write {e.filename or workdir}: {e.strerror}") from None
-    except jax.errors.JaxRuntimeError as e:  # XLA's out-of-memory is a page of traceback: say what to change
-        if "RESOURCE_EXHAUSTED" not in str(e):
+    # Held until the last checkpoint is written; taken before the Checkpointer, whose clean-up of
+    # failed saves would delete another run's save in flight.
+    with lock_workdir(workdir) if lead else contextlib.nullcontext():
+        ckpt = Checkpointer(checkpoints, cfgs.checkpoint) if cfgs.checkpoint.enabled else None
+        try:
+            return _resume_and_train(cfgs, setup, token_data, workdir, ckpt, say, quiet)
+        except BrokenPipeError:  # stdout's reader left before or after the loop: nothing more to save
             raise
-        predicted = max(setup.plan.prediction.stage_memory_bytes)
-        raise cli.RunError(f"out of device memory ({str(e).splitlines()[0][:300]}); the plan predicted "
-                           f"{predicted / 1e9:.3g} GB per device: try ModelConfig.remat = 'dots' or 'full', more "
-                           "ParallelConfig.microbatches, or a smaller DataConfig.global_batch") from None
-    finally:
-        if ckpt:
-            with guard.Signals():  # a signal while the last writes are waited for must not cut them short
-                ckpt.close()
+        except OSError as e:  # metrics.jsonl, config.gin; checkpoint writes report their own
+            raise cli.RunError(f"cannot write {e.filename or workdir}: {e.strerror}") from None
+        except jax.errors.JaxRuntimeError as e:  # XLA's out-of-memory is a page of traceback: say what to change
+            if "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            predicted = max(setup.plan.prediction.stage_memory_bytes)
+            raise cli.RunError(f"out of device memory ({str(e).splitlines()[0][:300]}); the plan predicted "
+                               f"{predicted / 1e9:.3g} GB per device: try ModelConfig.remat = 'dots' or 'full', more "
+                               "ParallelConfig.microbatches, or a smaller DataConfig.global_batch") from None
+        finally:
+            if ckpt:
+                with guard.Signals():  # a signal while the last writes are waited for must not cut them short
+                    ckpt.close()
 
 
 def _resume_and_train(cfgs: Configs, setup: Setup, token_data, workdir: Path, ckpt: Checkpointer | None, say,

@@ -170,6 +170,16 @@ def test_a_jsonl_file_may_start_with_a_byte_order_mark(tmp_path):
     assert meta["documents"] == 2 and [bytes(d[:-1].astype(np.uint8)) for d in docs] == [b"first", b"second"]
 
 
+def test_a_jsonl_suffix_in_upper_or_mixed_case_is_read_as_jsonl(tmp_path):
+    # such files were read as plain text: each file one document, its JSON syntax trained on
+    (tmp_path / "DOCS.JSONL").write_text('{"text": "first"}\n{"text": "second"}\n')
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder" / "more.JsonL").write_text('{"text": "third"}\n')
+    meta = prepare.prepare([str(tmp_path / "DOCS.JSONL"), str(tmp_path / "folder")], str(tmp_path / "out"), "bytes")
+    _, docs = _documents(tmp_path / "out")
+    assert meta["documents"] == 3 and [bytes(d[:-1].astype(np.uint8)) for d in docs] == [b"first", b"second", b"third"]
+
+
 def test_bpe_learns_from_a_very_long_line_in_pieces_and_tokenizes_it_whole(tmp_path):
     # The trainer's time grows with the square of a word's length (a 3 MB line of one letter took
     # over 12 minutes): it learns from runs cut to BPE_RUN_MAX characters, so no token is longer.

@@ -207,6 +207,40 @@ def test_bad_input_exits_2_with_one_error_line_and_writes_nothing(tmp_path, args
     assert not workdir.exists()
 
 
+def _in_use(workdir) -> str:
+    """The refusal of a run on `workdir` while another run holds it, as a pattern."""
+    return (rf"TrainConfig.workdir = '{re.escape(str(workdir))}' is in use by another run \(process \d+ on .*, "
+            rf"which holds {re.escape(str(workdir / '.lock'))}\); allowed: a workdir no other run is using")
+
+
+@pytest.mark.parametrize("checkpoints", [True, False])
+def test_a_second_run_on_a_workdir_in_use_is_refused_before_it_writes_there(tmp_path, checkpoints):
+    # With checkpoints, the second run deleted the first's save in flight as a failed save's
+    # leftover, then saved the same steps; without, there was no lock: both ran, their rows
+    # interleaved in metrics.jsonl and the second rewrote config.gin. (flock is per open file:
+    # a lock held here stands for another process's.)
+    flags = (f"--gin.CheckpointConfig.enabled={checkpoints}", "--gin.TrainConfig.steps=1")
+    held = train.lock_workdir(tmp_path)  # the first run's
+    in_flight = tmp_path / "checkpoints" / "5.orbax-checkpoint-tmp"  # its async save
+    in_flight.mkdir(parents=True)
+    try:
+        with pytest.raises(ConfigError, match=_in_use(tmp_path)):
+            train.run(small_configs(tmp_path, *flags), devices=jax.devices()[:1], quiet=True)
+        assert in_flight.is_dir()
+        assert not (tmp_path / "metrics.jsonl").exists() and not (tmp_path / "config.gin").exists()
+    finally:
+        held.close()
+    in_flight.rmdir()
+    train.run(small_configs(tmp_path, *flags), devices=jax.devices()[:1], quiet=True)  # the lock went with it
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1]
+
+
+def test_a_workdir_whose_lock_file_cannot_be_opened_is_bad_input(tmp_path):
+    (tmp_path / ".lock").mkdir()
+    with pytest.raises(ConfigError, match=r"TrainConfig.workdir = .* cannot be used: Is a directory \(.*\.lock\)"):
+        train.lock_workdir(tmp_path)
+
+
 def test_clipping_scales_to_the_limit_and_reports_the_norm_before_it():
     import optax
 
