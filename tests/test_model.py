@@ -2,6 +2,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from holmes_jax.planning import workload
 from holmes_jax.config import ConfigError, ModelConfig
@@ -49,7 +50,9 @@ def test_blocks_are_one_stack_with_a_leading_layer_axis():
         assert leaf.shape[0] == cfg.num_layers
 
 
-@pytest.mark.parametrize("options", [{}, dict(positions="rotary", norm="rmsnorm", mlp="swiglu", tie_embeddings=False)])
+@pytest.mark.parametrize("options", [{}, dict(positions="rotary", norm="rmsnorm", mlp="swiglu", tie_embeddings=False),
+                                     dict(num_kv_heads=1, compute_dtype="bfloat16"),
+                                     dict(positions="rotary", num_kv_heads=2)])
 def test_the_model_is_causal(options):
     cfg = presets.resolve(ModelConfig(preset="tiny", num_layers=2, **options))
     model = gpt.GPT(cfg)
@@ -259,3 +262,82 @@ def test_bf16_embedding_gradient_of_a_frequent_token_stays_close_to_fp32():
     for name in ("tokens", "positions"):
         a, b = jax.tree.leaves(bf16[name])[0], jax.tree.leaves(ref[name])[0]
         assert float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b)) < 0.02, name
+
+
+def test_a_sequence_past_the_learned_positions_is_a_config_error_and_rotary_runs_past_max_seq_len():
+    tokens = jnp.asarray(np.random.default_rng(5).integers(0, 256, (1, 24)), jnp.int32)
+    learned = gpt.GPT(presets.resolve(ModelConfig(preset="tiny", num_layers=1, max_seq_len=16)))
+    params = learned.init(0)
+    assert learned.logits(params, tokens[:, :16]).shape == (1, 16, 256)  # the whole table is usable
+    # was JAX's 'Incompatible shapes for broadcasting' ValueError from inside the embedding
+    with pytest.raises(ConfigError, match="24 tokens are too many: the learned positions stop at "
+                                          "ModelConfig.max_seq_len = 16"):
+        learned.logits(params, tokens)
+    # Rotary positions have no table: past max_seq_len they go on, and causality keeps the first 16.
+    rotary = gpt.GPT(presets.resolve(ModelConfig(preset="llama-tiny", num_layers=1, max_seq_len=16)))
+    params = rotary.init(0)
+    np.testing.assert_allclose(rotary.logits(params, tokens)[:, :16], rotary.logits(params, tokens[:, :16]),
+                               rtol=0, atol=1e-5)
+
+
+def test_tied_embeddings_get_the_gradients_of_both_uses():
+    # With tie_embeddings the token table is the input lookup and the output layer: its gradient
+    # is the sum of the two, each of them nonzero.
+    model = gpt.GPT(presets.resolve(ModelConfig(preset="tiny", num_layers=1)))
+    params = model.init(0)
+    batch = jnp.asarray(np.random.default_rng(6).integers(0, 256, (2, 17)), jnp.int32)
+    inputs, targets = batch[:, :-1], batch[:, 1:]
+    frozen = jax.lax.stop_gradient
+
+    def output_use(p):  # the lookup's result held fixed
+        return model.head_loss(p, frozen(model.blocks(p["blocks"], model.embed(p, inputs))), targets)
+
+    def input_use(p):  # the output layer's table held fixed
+        return model.head_loss(jax.tree.map(frozen, p), model.blocks(p["blocks"], model.embed(p, inputs)), targets)
+
+    table = lambda g: g["embed"]["tokens"]["embedding"]  # noqa: E731
+    both, out, inp = jax.jit(lambda p: [table(jax.grad(f)(p)) for f in (lambda p: model.loss(p, batch), output_use,
+                                                                         input_use)])(params)
+    assert float(jnp.linalg.norm(out)) > 0 and float(jnp.linalg.norm(inp)) > 0
+    np.testing.assert_allclose(both, out + inp, rtol=0, atol=1e-7)
+
+
+def test_bf16_training_follows_fp32_for_a_few_steps():
+    from holmes_jax import optimizer
+    from holmes_jax.config import TrainConfig
+
+    rng = np.random.default_rng(7)
+    text = np.frombuffer(b"the quick brown fox jumps over the lazy dog. " * 20, np.uint8).astype(np.int32)
+    batches = [jnp.asarray(np.stack([text[s:s + 33] for s in rng.integers(0, len(text) - 33, 4)])) for _ in range(5)]
+    tx, _ = optimizer.make_optimizer(TrainConfig(steps=5, warmup_steps=1, learning_rate=3e-3))
+
+    def losses(dtype):
+        model = gpt.GPT(presets.resolve(ModelConfig(preset="llama-tiny", num_layers=1, hidden=64, ffn_hidden=128,
+                                                    compute_dtype=dtype)))
+
+        @jax.jit
+        def step(params, opt_state, batch):
+            loss, grads = jax.value_and_grad(model.loss)(params, batch)
+            return *optimizer.apply_gradients(tx, 1.0, params, opt_state, grads)[:2], loss
+
+        params = model.init(0)
+        opt_state, out = tx.init(params), []
+        for batch in batches:
+            params, opt_state, loss = step(params, opt_state, batch)
+            out.append(float(loss))
+        return np.array(out)
+
+    ref = losses("float32")
+    assert ref[-1] < ref[0] - 0.5  # it learns, so the steps after the first move the weights
+    np.testing.assert_allclose(losses("bfloat16"), ref, rtol=0, atol=0.05)
+
+
+def test_layernorm_normalizes_an_input_whose_mean_dwarfs_its_spread():
+    # E[x^2] - E[x]^2 in float32 cancels to about 0 for a mean of 3000 and a spread of 1, and the
+    # output came out in the thousands; PyTorch's LayerNorm (and GPT-2's) subtracts the mean first.
+    cfg = presets.resolve(ModelConfig(preset="tiny"))
+    norm = gpt._norm(cfg, nnx.Rngs(0))
+    x = 3000.0 + np.random.default_rng(8).normal(size=(4, cfg.hidden))
+    centred = x - x.mean(-1, keepdims=True)
+    expected = centred / np.sqrt((centred ** 2).mean(-1, keepdims=True) + cfg.norm_eps)
+    np.testing.assert_allclose(norm(jnp.asarray(x, jnp.float32)), expected, rtol=0, atol=1e-3)

@@ -24,7 +24,10 @@ def _norm(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
     # Norms compute in float32 whatever the compute dtype: their reductions lose too much in bf16.
     if cfg.norm == "rmsnorm":
         return nnx.RMSNorm(cfg.hidden, epsilon=cfg.norm_eps, dtype=jnp.float32, rngs=rngs)
-    return nnx.LayerNorm(cfg.hidden, epsilon=cfg.norm_eps, dtype=jnp.float32, rngs=rngs)
+    # The variance as the mean of (x - mean)^2, as PyTorch's LayerNorm: Flax's default E[x^2] - E[x]^2
+    # cancels when the mean is large against the spread (a mean of 3000 over a spread of 1 gave
+    # outputs in the thousands).
+    return nnx.LayerNorm(cfg.hidden, epsilon=cfg.norm_eps, dtype=jnp.float32, use_fast_variance=False, rngs=rngs)
 
 
 def _linear(cfg: ModelConfig, n_in: int, n_out: int, rngs: nnx.Rngs, init=_INIT, bias: bool = False) -> nnx.Linear:
@@ -87,6 +90,10 @@ class Embedding(nnx.Module):
         # every occurrence of a token, which in bfloat16 loses much of a frequent token's gradient.
         x = jnp.take(self.tokens.embedding[...], tokens, axis=0)
         if self.cfg.positions == "learned":
+            # The table has max_seq_len rows: a longer sequence failed as a JAX broadcasting error.
+            if tokens.shape[1] > self.cfg.max_seq_len:
+                raise ConfigError(f"{tokens.shape[1]} tokens are too many: the learned positions stop at "
+                                  f"ModelConfig.max_seq_len = {self.cfg.max_seq_len}")
             x = x + self.positions[: tokens.shape[1]]
         return x.astype(self.cfg.compute_dtype)
 
