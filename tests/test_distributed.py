@@ -283,11 +283,16 @@ def test_coordinator_port_in_use_is_one_error_line():
 def test_processes_that_never_meet_end_in_one_error_line(rank, why):
     # jaxlib's own timeout aborts the process with a C++ check failure and a stack dump (status 134)
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        address = f"127.0.0.1:{s.getsockname()[1]}"  # closed again: nothing answers there
-    script = "from holmes_jax import distributed; distributed.INIT_TIMEOUT_S = 1; distributed.initialize(1)"
-    env = dict(_env(), HOLMES_COORDINATOR=address, HOLMES_NUM_PROCESSES="2", HOLMES_PROCESS_ID=str(rank))
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=REPO, env=env)
+        s.bind(("127.0.0.1", 0))  # bound, never listening: a connection there is refused
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+        if rank == 0:
+            s.close()  # process 0 opens the coordinator there itself
+        # Process 1's port stays ours meanwhile: closed, a process of another test (the other
+        # worker's) could take it and answer.
+        script = "from holmes_jax import distributed; distributed.INIT_TIMEOUT_S = 1; distributed.initialize(1)"
+        env = dict(_env(), HOLMES_COORDINATOR=address, HOLMES_NUM_PROCESSES="2", HOLMES_PROCESS_ID=str(rank))
+        r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=REPO,
+                           env=env)
     assert r.returncode == 1, r.stderr
     assert r.stderr.strip().splitlines() == [
         f"error: jax.distributed did not start within 1 s (holmes, coordinator {address}, process {rank} of 2); "

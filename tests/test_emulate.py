@@ -42,6 +42,13 @@ print("RESULT", json.dumps({"host": socket.gethostname(), "psum": float(total[0]
 """
 
 
+def _link_mbit(ec, src, dst) -> float:
+    """The best of three measurements of a link. Its shaping is a cap that a loaded machine only
+    stays under (sender or receiver waiting for a core: once in five single measurements of the
+    2000 Mbit/s link, on two cores with eight spinning processes, came below 1.3x the 1000 one)."""
+    return max(ec.bandwidth_mbit(src, dst) for _ in range(3))
+
+
 @needs_root
 @pytest.mark.slow
 def test_two_clusters_shaped_links_and_a_jax_job(capsys):
@@ -62,8 +69,7 @@ def test_two_clusters_shaped_links_and_a_jax_job(capsys):
             assert [r.split()[0] for r in routes.splitlines()] == ["10.213.0.0/16"]
 
         ib0, ib1, roce0, roce1 = ec.hosts
-        intra, inter = ec.bandwidth_mbit(ib0, ib1), ec.bandwidth_mbit(ib1, roce1)
-        roce_intra = ec.bandwidth_mbit(roce1, roce0)
+        intra, inter, roce_intra = _link_mbit(ec, ib0, ib1), _link_mbit(ec, ib1, roce1), _link_mbit(ec, roce1, roce0)
         with capsys.disabled():  # shown with pytest -s
             print(f"\nmeasured: intra ib {intra:.0f}, intra roce {roce_intra:.0f}, inter {inter:.0f} Mbit/s")
         assert inter == pytest.approx(emulate.INTER_MBIT, rel=0.25)

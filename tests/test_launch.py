@@ -76,12 +76,23 @@ def test_output_is_prefixed_line_by_line_on_both_streams():
     assert sorted(r.stderr.splitlines()) == sorted([f"[rank {i}] one" for i in range(3)] + [f"[rank {i}] two {i}" for i in range(3)])
 
 
-def test_a_failing_process_stops_the_others_and_sets_the_status():
+def _exit_once_rank_0_is_ready(status: int) -> str:
+    """Script lines for rank 1: exit with `status` once rank 0 has made the file $READY, so that
+    its failure never overtakes rank 0's start (a fixed sleep did on a loaded machine); 9 if
+    rank 0 never does."""
+    return ("for _ in range(600):\n"
+            f"    if os.path.exists(os.environ['READY']): sys.exit({status})\n"
+            "    time.sleep(0.1)\n"
+            "sys.exit(9)\n")
+
+
+def test_a_failing_process_stops_the_others_and_sets_the_status(tmp_path):
     script = ("import os, sys, time; r = int(os.environ['HOLMES_PROCESS_ID']); print('started', r, flush=True)\n"
-              "if r == 1: time.sleep(0.5); sys.exit(3)\n"
-              "time.sleep(300)")
+              "if r == 0: open(os.environ['READY'], 'w').close(); time.sleep(300)\n"
+              + _exit_once_rank_0_is_ready(3))
     t = time.monotonic()
-    r = run_module("holmes_jax.launch", "-n", "2", "--grace", "2", "--", sys.executable, "-c", script, timeout=60)
+    r = run_module("holmes_jax.launch", "-n", "2", "--grace", "2", "--env", f"READY={tmp_path / 'ready'}", "--",
+                   sys.executable, "-c", script, timeout=60)
     assert r.returncode == 3
     assert time.monotonic() - t < 60
     assert "[rank 0] started 0" in r.stdout and "[rank 1] started 1" in r.stdout
@@ -98,13 +109,15 @@ def test_a_process_killed_by_a_signal_is_named_with_its_signal():
     assert "launch: rank 1 was killed by SIGKILL (status 137); stopping the others" in r.stderr.splitlines()
 
 
-def test_sigterm_is_followed_by_sigkill_after_the_grace_period():
-    # rank 0 ignores SIGTERM; only SIGKILL ends it.
+def test_sigterm_is_followed_by_sigkill_after_the_grace_period(tmp_path):
+    # rank 0 ignores SIGTERM (before rank 1 fails: a slow start made it die of the SIGTERM, and the
+    # test passed without a SIGKILL); only SIGKILL ends it.
     script = ("import os, signal, sys, time; r = int(os.environ['HOLMES_PROCESS_ID'])\n"
-              "signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True)\n"
-              "if r == 1: time.sleep(0.5); sys.exit(4)\n"
-              "time.sleep(300)")
-    r = run_module("holmes_jax.launch", "-n", "2", "--grace", "1", "--", sys.executable, "-c", script, timeout=60)
+              "if r == 0: signal.signal(signal.SIGTERM, signal.SIG_IGN); open(os.environ['READY'], 'w').close(); "
+              "time.sleep(300)\n"
+              + _exit_once_rank_0_is_ready(4))
+    r = run_module("holmes_jax.launch", "-n", "2", "--grace", "1", "--env", f"READY={tmp_path / 'ready'}", "--",
+                   sys.executable, "-c", script, timeout=60)
     assert r.returncode == 4
 
 
