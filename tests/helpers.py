@@ -46,8 +46,10 @@ def run_module(module: str, *args: str, timeout: int = 120) -> subprocess.Comple
 
 
 def load_bench(name: str):
-    """bench/<name>.py as a module (bench/ is not a package)."""
+    """bench/<name>.py as a module (bench/ is not a package), registered in sys.modules as a
+    dataclass in it looks its module up there."""
     spec = importlib.util.spec_from_file_location(f"bench_{name}", REPO / "bench" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module

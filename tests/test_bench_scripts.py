@@ -1,6 +1,5 @@
 """The bench scripts' own logic, run through their functions (bench/ is not a package)."""
 
-import importlib.util
 import subprocess
 import sys
 
@@ -69,16 +68,6 @@ def test_hetero_nic_help_prints_the_whole_description():
     assert "Sizing (no root): python bench/hetero_nic.py --size" in out
 
 
-def load_hetero_nic(monkeypatch):
-    """bench/hetero_nic.py as a module, held in sys.modules while the test runs: its dataclass
-    looks its module up there (load_bench leaves it out)."""
-    spec = importlib.util.spec_from_file_location("bench_hetero_nic", REPO / "bench" / "hetero_nic.py")
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, module)
-    spec.loader.exec_module(module)
-    return module
-
-
 class FakeCluster:
     """An emulated cluster whose every launch ends with `status`, as `launch` reports it."""
 
@@ -90,11 +79,10 @@ class FakeCluster:
 
 
 @pytest.mark.parametrize("status, signal_name", [(130, "SIGINT"), (143, "SIGTERM"), (129, "SIGHUP")])
-def test_hetero_nic_stopped_during_a_configuration_exits_with_the_signal_status(monkeypatch, tmp_path, capsys,
-                                                                                status, signal_name):
+def test_hetero_nic_stopped_during_a_configuration_exits_with_the_signal_status(tmp_path, capsys, status, signal_name):
     """Ctrl-C during a configuration's launch came back as status 130, and the bench reported
     'run (c) failed with status 130' and went on to exit 1: a stop, not a failure."""
-    bench = load_hetero_nic(monkeypatch)
+    bench = load_bench("hetero_nic")
 
     def configuration(bed):
         return bench.train(bed, "c", tmp_path / "run-c", tmp_path / "hetero.toml", "holmes", "uniform",
