@@ -26,7 +26,6 @@ from holmes_jax.cli import RunError
 from holmes_jax.config import CheckpointConfig, ConfigError
 
 SHOWN_MISMATCHES = 4  # arrays named in the error when a checkpoint does not fit
-LOCK_FILE = ".lock"  # in a run's workdir: held by the run that writes it (holmes_jax.train.lock_workdir)
 STATE_FOLDER = "default"  # in a step's directory: orbax's folder for the one item we save
 
 

@@ -26,7 +26,7 @@ import optax
 
 from holmes_jax import cli, configure, data, distributed, export, guard, metrics
 from holmes_jax.build import Setup, build, make_eval_step, make_train_step, peak_tflops
-from holmes_jax.checkpoint import LOCK_FILE, Checkpointer
+from holmes_jax.checkpoint import Checkpointer
 from holmes_jax.config import ConfigError
 from holmes_jax.configure import Configs, load_configs
 from holmes_jax.models import gpt
@@ -122,6 +122,9 @@ def prepare_workdir(path: str) -> Path:
     return workdir
 
 
+LOCK_FILE = ".lock"  # in a run's workdir, held by its process 0 (lock_workdir)
+
+
 def lock_workdir(workdir: Path):
     """The open lock file of `workdir`, locked for this run until it is closed (the kernel drops the
     lock when the process dies, however): a second run on the workdir would interleave its rows
@@ -190,6 +193,10 @@ def run(cfgs: Configs, devices=None, quiet: bool = False) -> dict:
             raise cli.RunError(f"cannot write {e.filename or workdir}: {e.strerror}") from None
         except jax.errors.JaxRuntimeError as e:  # XLA's out-of-memory is a page of traceback: say what to change
             if "RESOURCE_EXHAUSTED" not in str(e):
+                if jax.process_count() > 1:  # a peer that died: gloo's or NCCL's 'connection reset' under a traceback
+                    raise cli.RunError(f"a step failed, most likely because another process of this job stopped or "
+                                       f"its network failed (see that process's output): "
+                                       f"{str(e).splitlines()[0][:300]}") from None
                 raise
             predicted = max(setup.plan.prediction.stage_memory_bytes)
             raise cli.RunError(f"out of device memory ({str(e).splitlines()[0][:300]}); the plan predicted "

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from holmes_jax import build, cli, data, guard, train
-from holmes_jax.checkpoint import LOCK_FILE, Checkpointer
+from holmes_jax.checkpoint import Checkpointer
 from holmes_jax.config import ConfigError
 from helpers import REPO, read_metrics, run_module, small_configs
 
@@ -44,8 +44,8 @@ def _losses(workdir) -> dict[int, float]:
 
 
 def _checkpoint_folders(workdir) -> list[str]:
-    """What the checkpoints directory holds, less the lock file of the run that writes it."""
-    return sorted(p.name for p in (Path(workdir) / "checkpoints").iterdir() if p.name != LOCK_FILE)
+    """What the checkpoints directory holds (the run's lock is in the workdir, not here)."""
+    return sorted(p.name for p in (Path(workdir) / "checkpoints").iterdir())
 
 
 def _finite(tree) -> bool:
@@ -508,6 +508,40 @@ def test_a_signal_to_the_launcher_makes_two_workers_save_and_exit(tmp_path, sig)
     assert all(f"after step {step};" in line for line in stopped)
     assert (tmp_path / "checkpoints" / str(step)).is_dir()
     assert all(_gone(w, 5) for w in workers)
+
+
+def _rank(pid: int) -> int:
+    """The HOLMES_PROCESS_ID the launcher gave process `pid`."""
+    env = dict(item.split(b"=", 1) for item in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in item)
+    return int(env[b"HOLMES_PROCESS_ID"])
+
+
+@pytest.mark.slow
+def test_a_rank_that_dies_leaves_the_other_with_one_error_line(tmp_path):
+    # rank 0 printed a page of JAX traceback ending in gloo's 'Connection reset by peer'
+    env = {k: v for k, v in dict(os.environ, PYTHONPATH=str(REPO)).items() if not k.startswith(("HOLMES_", "JAX_"))}
+    p = subprocess.Popen([sys.executable, "-m", "holmes_jax.launch", "-n", "2", "--devices-per-process", "1",
+                          "--", sys.executable, "-m", "holmes_jax.train", *FLAGS[2:],
+                          f"--gin.TrainConfig.workdir={tmp_path}", "--gin.TrainConfig.steps=10000",
+                          "--gin.CheckpointConfig.enabled=False"],
+                         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in p.stdout:  # the first progress line: both processes are stepping
+            if line.startswith("[rank 0] step "):
+                break
+        workers = _children(p.pid)
+        os.kill(next(w for w in workers if _rank(w) == 1), signal.SIGKILL)  # as the OOM killer would
+        _, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == 128 + signal.SIGKILL, err[-3000:]
+    rank0 = [line for line in err.splitlines() if line.startswith("[rank 0] ")]
+    assert len(rank0) == 1, err[-3000:]
+    assert rank0[0].startswith("[rank 0] error: a step failed, most likely because another process of this job "
+                               "stopped or its network failed (see that process's output): "), rank0
+    assert "launch: rank 1 was killed by SIGKILL (status 137); stopping the others" in err.splitlines()
 
 
 def test_only_orbaxs_closed_loop_callbacks_are_kept_off_stderr():
