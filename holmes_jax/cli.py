@@ -65,25 +65,41 @@ def drop_output() -> None:
     os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
-class _Signalled(BaseException):  # not an Exception: no `except Exception` on the way out swallows it
+class Signalled(BaseException):  # not an Exception: no `except Exception` on the way out swallows it
     def __init__(self, signum: int):
         super().__init__(signum)
         self.signum = signum
 
 
-def _raise_signalled(signum, frame) -> NoReturn:
-    raise _Signalled(signum)
+def ignore_signal(signum, frame) -> None:
+    """A handler that does nothing, for a stop signal after the first: unlike SIG_IGN, one that had
+    already arrived (Ctrl-C and a kill together) finds it, instead of Python printing 'Signal N
+    ignored due to race condition' with a traceback."""
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def _stop(signum, frame) -> NoReturn:
+    # The first stop wins: a second one (Ctrl-C and a kill together) raised again inside the
+    # handling of the first, which ended with a traceback and status 1.
+    for sig in STOP_SIGNALS:
+        if signal.getsignal(sig) is _stop:
+            signal.signal(sig, ignore_signal)
+    raise KeyboardInterrupt if signum == signal.SIGINT else Signalled(signum)
 
 
 def run(main: Callable[[list[str]], int | None], argv: list[str] | None = None) -> NoReturn:
     """Runs `main(argv)`, turning our exceptions into one stderr line and the status above. A
     SIGTERM or SIGHUP that no command took over unwinds it (its `finally` blocks clean up) and
-    ends it with one line, as Ctrl-C does; an ignored SIGHUP (`nohup`) stays ignored."""
-    previous = {sig: signal.signal(sig, _raise_signalled) for sig in (signal.SIGTERM, signal.SIGHUP)
-                if signal.getsignal(sig) == signal.SIG_DFL}
+    ends it with one line, as Ctrl-C does; an ignored SIGHUP (`nohup`) or SIGINT (`cmd &`) stays
+    ignored."""
+    untouched = (signal.default_int_handler, signal.SIG_DFL)
+    previous = {sig: signal.signal(sig, _stop) for sig in STOP_SIGNALS
+                if any(signal.getsignal(sig) is h for h in untouched)}
     try:
         code = main(sys.argv[1:] if argv is None else argv)
-    except _Signalled as e:
+    except Signalled as e:
         print(f"stopped by {signal.Signals(e.signum).name}", file=sys.stderr)
         raise SystemExit(128 + e.signum) from None
     except ConfigError as e:

@@ -495,10 +495,10 @@ def parse_rates(text: str) -> dict[str, float]:
 
 def _stop(signum, frame) -> None:
     for sig in STOP_SIGNALS:  # the first stops us; a second (Ctrl-C twice) must not cut the teardown short
-        signal.signal(sig, signal.SIG_IGN)
+        signal.signal(sig, cli.ignore_signal)
     if signum == signal.SIGINT:
         raise KeyboardInterrupt
-    sys.exit(128 + signum)
+    raise cli.Signalled(signum)  # cli.run says 'stopped by SIGTERM' once the teardown is done
 
 
 def main(argv: list[str]) -> int:

@@ -179,6 +179,11 @@ class _Signalled(Exception):
 
 
 def _raise_signalled(signum, frame):
+    # The first stop wins: a second one (Ctrl-C and a kill together) raised again while the first
+    # was handled, and the launcher ended with a traceback and status 1.
+    for sig in FORWARDED:
+        if signal.getsignal(sig) is _raise_signalled:
+            signal.signal(sig, cli.ignore_signal)
     raise _Signalled(signum)
 
 
@@ -254,7 +259,7 @@ def launch(cmd: Sequence[str], n: int, devices_per_process: int | None = None, p
         _say(f"launch: {signal.Signals(e.signum).name} passed on to all; SIGKILL after {grace_s:g} s", err, lock)
     finally:
         for sig in previous:  # a second Ctrl-C must not cut the grace period short
-            signal.signal(sig, signal.SIG_IGN)
+            signal.signal(sig, cli.ignore_signal)
         _stop(procs, first_signal, grace_s, f"{LAUNCH_ID}={launch_id}".encode())
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -364,11 +364,14 @@ def test_a_stop_signal_during_the_bandwidth_check_leaves_nothing(signals):
                 break
         for sig in signals:  # a second signal (Ctrl-C, then a kill) must not cut the teardown short
             p.send_signal(sig)
-        p.communicate(timeout=60)
+        _, err = p.communicate(timeout=60)
         # Two signals sent together have no order on arrival: the kernel may hand the second to
         # another thread (BLAS's) that runs its handler first. Either one's status is right; the
         # test of a signal that lands mid-teardown is test_a_signal_during_the_teardown_waits_for_its_end.
         assert p.returncode in [128 + sig for sig in signals], p.returncode
+        # one line, as every command stops (a SIGTERM or SIGHUP ended it silently)
+        stopped = signal.Signals(p.returncode - 128)
+        assert err.strip().splitlines() == ["interrupted" if stopped == signal.SIGINT else f"stopped by {stopped.name}"]
         assert not [n for n in emulate.namespaces() if n.startswith(prefix)]
         assert not (emulate.NETNS_ETC.is_dir() and [n for n in os.listdir(emulate.NETNS_ETC) if n.startswith(prefix)])
     finally:

@@ -200,6 +200,38 @@ def test_a_term_or_hup_before_a_command_takes_them_over_unwinds_it_with_one_line
     assert signal.getsignal(sig) == signal.SIG_DFL
 
 
+def test_a_second_stop_signal_while_the_first_is_handled_changes_nothing(monkeypatch, capsys):
+    # Ctrl-C and a SIGTERM together: the SIGTERM's handler raised inside the handling of the
+    # Ctrl-C, and the command ended with a traceback and status 1
+    class Stderr:  # the SIGTERM lands while `interrupted` is written
+        def __init__(self):
+            self.text = ""
+
+        def write(self, text):
+            if not self.text:
+                os.kill(os.getpid(), signal.SIGTERM)
+            self.text += text
+
+        def flush(self):
+            pass
+
+    def main(argv):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(30)
+
+    stderr = Stderr()
+    monkeypatch.setattr(sys, "stderr", stderr)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a command at a terminal
+    try:
+        with pytest.raises(SystemExit) as e:
+            cli.run(main, [])
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert e.value.code == 128 + signal.SIGINT
+    assert stderr.text == "interrupted\n"
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+
+
 @pytest.mark.slow
 def test_a_reader_of_the_step_lines_that_leaves_stops_the_run_as_a_signal_does(tmp_path):
     # `train | head`: the step after the first failed print is saved, the status is 128 + SIGPIPE

@@ -139,6 +139,30 @@ def test_ctrl_c_or_sigterm_ends_all_processes(sig):
             os.kill(pid, 0)
 
 
+def test_ctrl_c_and_sigterm_together_end_all_processes_with_one_line():
+    # the second signal's handler raised while the first was handled: a traceback and status 1
+    script = "import os, time; print(os.getpid(), flush=True); time.sleep(300)"
+    p = subprocess.Popen([sys.executable, "-m", "holmes_jax.launch", "-n", "2", "--", sys.executable, "-c", script],
+                         cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p.stdout.readline().split()[-1]) for _ in range(2)]
+        p.send_signal(signal.SIGINT)
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    # two signals at once arrive in either order; the one handled first names the stop
+    first = {130: signal.SIGINT, 143: signal.SIGTERM}[p.returncode]
+    ours = [line for line in err.splitlines() if not line.startswith("[rank ")]
+    assert ours == [f"launch: {first.name} passed on to all; SIGKILL after 30 s"], err
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
 def test_a_hangup_under_nohup_leaves_the_job_running():
     # nohup ignores SIGHUP; the children inherit that, so passing one on would only wait out the
     # grace period and SIGKILL them
