@@ -6,12 +6,15 @@ from __future__ import annotations
 import ast
 import dataclasses
 import difflib
+import functools
 import inspect
 import io
 import logging
 import math
 import os
 import re
+import shutil
+import textwrap
 import tokenize
 from pathlib import Path
 
@@ -23,12 +26,16 @@ from holmes_jax.models import presets
 
 DEFAULT_GIN = Path(__file__).resolve().parent.parent / "configs" / "default.gin"
 CLASSES = (ModelConfig, ParallelConfig, DataConfig, TrainConfig, CheckpointConfig)
-USAGE = """usage: python -m holmes_jax.train [--gin_file FILE ...] [--gin.NAME=VALUE ...] [--no_default_gin]
+USAGE = """usage: python -m holmes_jax.train [--gin_file FILE ...] [--gin.NAME=VALUE ...]
+                                  [--no_default_gin]
 
-Trains a GPT. configs/default.gin is read first; each --gin_file is layered on top of it, in
-order, then each --gin.NAME=VALUE binding (later wins). --no_default_gin skips configs/default.gin,
-so fields not set start from the defaults of the classes (the "class default" below).
-The run writes WORKDIR/config.gin: every field as it was used, the model's preset filled in."""
+Trains a GPT. configs/default.gin is read first; each --gin_file is layered on
+top of it, in order, then each --gin.NAME=VALUE binding, wherever it stands on
+the command line: a field set twice keeps the last value. --no_default_gin skips
+configs/default.gin, so fields not set start from the defaults of the classes
+(the "class default" below). The run writes WORKDIR/config.gin: every field as
+it was used, the model's preset filled in; `--gin_file WORKDIR/config.gin`
+reruns (or resumes) that run."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +84,10 @@ def _search_beside(gin_file: str) -> None:
         gin.add_config_file_search_path(folder)
 
 
+def _a_value_follows(args: list[str]) -> bool:
+    return bool(args) and not args[0].startswith("--")
+
+
 def parse_args(argv: list[str]) -> tuple[list[str], list[str]]:
     """Splits argv into gin files and gin bindings ('Class.field = value')."""
     files, bindings = [], []
@@ -90,14 +101,18 @@ def parse_args(argv: list[str]) -> tuple[list[str], list[str]]:
             files.append(None)  # a marker: load_configs leaves the base file out
             continue
         if arg == "--gin_file" or arg.startswith("--gin_file="):
-            value = arg.partition("=")[2] if "=" in arg else (args.pop(0) if args else None)
+            # the next argument, unless it is the next flag (`--gin_file --gin.X=1` forgot the file)
+            value = arg.partition("=")[2] if "=" in arg else (args.pop(0) if _a_value_follows(args) else None)
             if not value:
-                raise ConfigError("--gin_file needs a file name")
+                raise ConfigError("--gin_file needs a file name; allowed: --gin_file FILE or --gin_file=FILE")
             files.append(value)
         elif arg.startswith("--gin."):
             name, eq, value = arg[len("--gin."):].partition("=")
-            if not eq:
-                if not args:
+            if not name.strip():
+                raise ConfigError(f"{arg!r} names no field; allowed: --gin.Class.field=VALUE, as in "
+                                  f"--gin.TrainConfig.steps=100")
+            if not eq:  # `--gin.X VALUE`; `--gin.X --gin.Y=1` set X to the text of the next flag
+                if not _a_value_follows(args):
                     raise ConfigError(f"--gin.{name} needs a value: --gin.{name}=VALUE")
                 value = args.pop(0)
             bindings.append(f"{name} = {_gin_value(name, value)}")
@@ -136,6 +151,39 @@ def _check_macros(bindings: list[str]) -> None:
                               f"and no gin file uses %{name})")
 
 
+def _check_scopes() -> None:
+    """gin keeps `scope/Class.field = v` for a class built inside that scope, and ours are built
+    outside any: such a binding, in a file or a flag, set nothing, silently."""
+    if found := re.search(r"^(\S+)/(\w+\.\w+) = ", gin.config_str(), flags=re.MULTILINE):
+        raise ConfigError(f"gin: {found[1]}/{found[2]} sets nothing: the configs are built outside any gin "
+                          f"scope; allowed: {found[2]}, without '{found[1]}/'")
+
+
+def _parsing_file(traceback) -> str | None:
+    """The gin file whose text raised: the innermost gin parser on the way (an included file's,
+    not only the --gin_file's that includes it); None for a --gin binding."""
+    name = None
+    while traceback:
+        parser = traceback.tb_frame.f_locals.get("self")
+        if isinstance(parser, gin.config_parser.ConfigParser):
+            name = getattr(parser, "_filename", None)
+        traceback = traceback.tb_next
+    return name
+
+
+def _unreadable(e: Exception) -> str:
+    """One line for a gin file that tokenize or UTF-8 cannot read; gin's own message was a tuple,
+    as in ('EOF in multi-line statement', (3, 0)), or the codec's, without the file."""
+    first, _, includes = str(e).partition("\n")  # gin appends 'In file "a.gin", line 1 include ...' per include
+    where = _parsing_file(e.__traceback__) or "--gin binding"
+    if found := re.fullmatch(r"\('(.*)', \((\d+), \d+\)\)", first):
+        reason = (f", line {found[2]}: {found[1]}: a bracket, a triple-quoted string or a line ending in a "
+                  f"backslash is never closed")
+    else:
+        reason = f": not UTF-8 text ({first})" if isinstance(e, UnicodeDecodeError) else f": {first}"
+    return " ".join(f"gin: {where}{reason}{'; ' + includes if includes else ''}".split())
+
+
 def load_configs(argv: list[str]) -> Configs:
     """Parses configs/default.gin, the gin files on top of it and the bindings into validated configs
     (the model resolved from its preset)."""
@@ -152,6 +200,8 @@ def load_configs(argv: list[str]) -> Configs:
         cfgs = Configs(*(cls() for cls in CLASSES))
     except ConfigError:
         raise
+    except (tokenize.TokenError, UnicodeDecodeError) as e:  # gin's message named no file, nor a line
+        raise ConfigError(_unreadable(e)) from None
     except SyntaxError as e:  # for a bare word gin's message starts with an ast node's repr: keep its last line
         reason = str(e.msg).splitlines()[-1].strip()
         raise ConfigError(f"gin: {e.filename or '--gin binding'}, line {e.lineno}: {(e.text or '').strip()!r}: "
@@ -161,6 +211,7 @@ def load_configs(argv: list[str]) -> Configs:
         message = "gin: " + " ".join(str(e).partition(" in config string:")[0].split())
         raise ConfigError(message + _allowed_names(message)) from None
     _check_macros(bindings)
+    _check_scopes()
     for c in (cfgs.parallel, cfgs.data, cfgs.train, cfgs.checkpoint):
         c.validate()
     model = cfgs.model
@@ -182,10 +233,11 @@ def operative_config(cfgs: Configs) -> str:
 
 def _bindings(text: str) -> dict[str, str]:
     """'Class.field' -> its value as written, from a config.gin (a value gin wraps over several
-    lines is joined)."""
+    lines is joined), and each macro's 'NAME': `TrainConfig.steps = %STEPS` reads the same
+    whatever STEPS is."""
     found, name = {}, None
     for line in text.splitlines():
-        if m := re.match(r"^(\w+\.\w+) = (.*)$", line):
+        if m := re.match(r"^(\w+(?:\.\w+)?) = (.*)$", line):
             name, found[m[1]] = m[1], m[2]
         elif name and line[:1].isspace():
             found[name] += " " + line.strip()
@@ -214,21 +266,41 @@ def field_meanings() -> dict[str, str]:
             for item in node.body if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)}
 
 
-def fields_help() -> str:
-    """Every config field: the value configs/default.gin gives it (and the class default where
-    that differs) and what it means."""
+def fields_help(width: int | None = None) -> str:
+    """Every config field: the value configs/default.gin gives it (the class default where that
+    differs, the preset's for a model field left None) and what it means, wrapped to `width`
+    (default the terminal's; 80 when output is not a terminal): each meaning beside its setting
+    where there is room, else under it."""
+    width = width or shutil.get_terminal_size().columns
     gin.clear_config()
     gin.parse_config_file(str(DEFAULT_GIN))
     based = {cls.__name__: cls() for cls in CLASSES}
     gin.clear_config()
-    meanings, lines = field_meanings(), []
+    preset = presets.resolve(based["ModelConfig"])  # what a None model field runs with
+    meanings, settings = field_meanings(), {}
     for cls in CLASSES:
-        lines.append(f"{cls.__name__}: {' '.join(inspect.getdoc(cls).split(chr(10) * 2)[0].split())}")
         for field in dataclasses.fields(cls):
             name = f"{cls.__name__}.{field.name}"
             value = getattr(based[cls.__name__], field.name)
-            setting = f"{name} = {value!r}"
+            settings[name] = f"{name} = {value!r}"
             if value != field.default:
-                setting += f" (class default {field.default!r})"
-            lines.append(f"  {setting:<60} {meanings.get(name, '')}".rstrip())
+                settings[name] += f" (class default {field.default!r})"
+            if cls is ModelConfig and value is None and getattr(preset, field.name) is not None:
+                settings[name] += f" (preset {preset.preset!r}: {getattr(preset, field.name)!r})"
+    column = 2 + max(map(len, settings.values())) + 2  # where the meanings start, beside their settings
+    beside = width - column >= 30  # else a meaning a few words a line would be harder to read than under
+    wrap = functools.partial(textwrap.wrap, break_long_words=False, break_on_hyphens=False)
+    lines = []
+    for cls in CLASSES:
+        summary = " ".join(inspect.getdoc(cls).split(chr(10) * 2)[0].split())
+        lines += wrap(f"{cls.__name__}: {summary}", width, subsequent_indent="    ")
+        for field in dataclasses.fields(cls):
+            name = f"{cls.__name__}.{field.name}"
+            if beside:
+                meaning = wrap(meanings.get(name, ""), width - column) or [""]
+                lines.append(f"  {settings[name]:<{column - 2}}{meaning[0]}".rstrip())
+                lines += [" " * column + line for line in meaning[1:]]
+            else:
+                lines.append(f"  {settings[name]}")
+                lines += wrap(meanings.get(name, ""), width, initial_indent=" " * 6, subsequent_indent=" " * 6)
     return "fields (value in configs/default.gin):\n" + "\n".join(lines)

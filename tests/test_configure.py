@@ -6,6 +6,7 @@ import dataclasses
 import importlib
 import io
 import logging
+import re
 import signal
 import subprocess
 import sys
@@ -56,7 +57,8 @@ def test_the_operative_config_holds_the_resolved_model_and_reloads_to_it(tmp_pat
     assert configure.load_configs(["--no_default_gin", "--gin_file", str(path)]) == cfgs
 
 
-def test_help_lists_every_field_with_its_default_and_meaning():
+def test_help_lists_every_field_with_its_default_and_meaning(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")  # wide: each meaning on its setting's line
     out = io.StringIO()
     with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as e:
         configure.parse_args(["--help"])
@@ -244,3 +246,76 @@ def test_an_unknown_flag_is_one_line_naming_the_flags_there_are():
     parser.add_argument("--steps", type=int)
     with pytest.raises(ConfigError, match=r"^unrecognized arguments: --bogus; allowed: --help, --out, --steps$"):
         parser.parse_args(["--bogus"])
+
+
+def help_lines(monkeypatch, columns: int) -> list[str]:
+    monkeypatch.setenv("COLUMNS", str(columns))  # what shutil.get_terminal_size reads first
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+        configure.parse_args(["--help"])
+    return out.getvalue().splitlines()
+
+
+def test_help_fits_an_80_column_terminal_and_keeps_every_meaning(monkeypatch):
+    lines = help_lines(monkeypatch, 80)  # lines ran to 180 characters: the terminal broke them anywhere
+    assert max(map(len, lines)) <= 80
+    text = " ".join(" ".join(lines).split())
+    for name, meaning in configure.field_meanings().items():
+        assert f"{name} = " in text and " ".join(meaning.split()) in text, name
+    assert max(map(len, help_lines(monkeypatch, 130))) <= 130
+
+
+def test_help_gives_the_presets_value_of_a_model_field_left_none(monkeypatch):
+    text = "\n".join(help_lines(monkeypatch, 200))
+    tiny = presets.resolve(class_defaults(ModelConfig))  # configs/default.gin names the preset 'tiny'
+    assert f"ModelConfig.num_layers = None (preset 'tiny': {tiny.num_layers})" in text  # was only 'None'
+    assert f"ModelConfig.hidden = None (preset 'tiny': {tiny.hidden})" in text
+
+
+@pytest.mark.parametrize("argv", [
+    ["--gin.TrainConfig.workdir", "--gin.TrainConfig.steps=2"],  # workdir became '--gin.TrainConfig.steps=2'
+    ["--gin_file", "--gin.TrainConfig.steps=2"],
+])
+def test_a_flag_missing_its_value_does_not_take_the_next_flag_as_it(argv):
+    with pytest.raises(ConfigError, match=f"^{argv[0]} needs a"):
+        configure.load_configs(argv)
+    assert configure.load_configs(["--gin.TrainConfig.seed", "3"]).train.seed == 3  # a value still may follow
+
+
+@pytest.mark.parametrize("arg", ["--gin.", "--gin.=3"])
+def test_a_binding_without_a_name_says_how_one_is_written(arg):
+    # '--gin.' said: needs a value: --gin.=VALUE; '--gin.=3' was gin's "Unexpected token"
+    with pytest.raises(ConfigError, match=r"names no field; allowed: --gin.Class.field=VALUE"):
+        configure.load_configs([arg])
+
+
+def test_a_scoped_binding_is_refused_naming_the_field_it_meant(tmp_path):
+    # gin keeps `scope/Class.field` for classes built in that scope; ours never are: the run used 300 steps
+    with pytest.raises(ConfigError, match=r"^gin: train/TrainConfig.steps sets nothing: .* allowed: TrainConfig.steps"):
+        configure.load_configs(["--gin.train/TrainConfig.steps=3"])
+    path = tmp_path / "run.gin"
+    path.write_text("a/b/ModelConfig.hidden = 64\n")
+    with pytest.raises(ConfigError, match=r"^gin: a/b/ModelConfig.hidden sets nothing"):
+        configure.load_configs(["--gin_file", str(path)])
+
+
+def test_a_gin_file_tokenize_or_utf8_cannot_read_names_the_file_and_line(tmp_path):
+    # gin's message was ('EOF in multi-line statement', (3, 0)), or the codec's, with no file
+    unclosed, binary, including = tmp_path / "unclosed.gin", tmp_path / "binary.gin", tmp_path / "run.gin"
+    unclosed.write_text("TrainConfig.steps = 3\nParallelConfig.stage_layers = (2,\n")
+    binary.write_bytes(b"\xff\xfe TrainConfig.steps = 3\n")
+    including.write_text("TrainConfig.seed = 1\ninclude 'unclosed.gin'\n")
+    with pytest.raises(ConfigError, match=rf"^gin: {unclosed}, line 3: EOF in multi-line statement: a bracket"):
+        configure.load_configs(["--gin_file", str(unclosed)])
+    with pytest.raises(ConfigError, match=rf"^gin: {binary}: not UTF-8 text"):
+        configure.load_configs(["--gin_file", str(binary)])
+    with pytest.raises(ConfigError) as e:  # the included file is named, and where it is included
+        configure.load_configs(["--gin_file", str(including)])
+    message = str(e.value)
+    assert re.match(r"gin: \S*unclosed.gin, line 3: EOF", message) and f'In file "{including}", line 2' in message
+
+
+def test_a_changed_macro_is_a_changed_setting_on_resume():
+    saved = "# Macros:\nSTEPS = 7\n\n# Parameters for TrainConfig:\nTrainConfig.steps = %STEPS\n"
+    # `TrainConfig.steps = %STEPS` reads the same in both: the longer run went unmentioned
+    assert configure.changed_settings(saved, saved.replace("STEPS = 7", "STEPS = 9")) == ["STEPS 7 -> 9"]
