@@ -32,7 +32,16 @@ processes that share CPU cores (as on the emulated testbed) or a link slow each 
 lone best-case run hides that.
 
 `python -m holmes_jax.profile --out profile.json [--splits N] [--gin.NAME=VALUE ...]` writes the JSON
-that `python -m holmes_jax.plan --profile` and `ParallelConfig.profile` read.
+that `python -m holmes_jax.plan --profile` and `ParallelConfig.profile` read (the run's own
+ParallelConfig.profile, if set, is not read: this profile replaces it). Its keys:
+`device_kind`, `compute_dtype`, `remat`, `block` (what was measured: the devices, the model's
+dtype, remat and block shape); `micro_batch`, `seq_len` (the microbatch timed); `layer_fwd_flops`,
+`layer_fwd_s`, `layer_bwd_s` (one block on one microbatch: XLA's forward flops, forward seconds,
+backward seconds); `stage_layer_scale` (per stage, its layer time over the slowest stage's; empty
+with one stage, or where a process holds several); `update_s_per_param`; `data_links` (per stage,
+null with one replica) and `stage_links` (per boundary), each `gbps`, `bytes_per_s`, `latency_s`;
+`step_probes` and `split_probes` (the whole steps and timed splits: `stage_layers`, `dp`, `tp`,
+`microbatches`, `schedule`, `step_s`, the median step in seconds).
 """
 
 from __future__ import annotations
@@ -52,6 +61,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from holmes_jax import build, cli, configure, data, distributed, planning, train
+from holmes_jax.config import ConfigError
 from holmes_jax.pipeline import warmup
 from holmes_jax.pipeline.update import make_update
 from holmes_jax.planning.measured import Profile, StepProbe, block_shape
@@ -329,24 +339,39 @@ def profile(setup, repeats: int = 5, splits: int = 0, say=print) -> Profile:
     the model's own step at the `splits` splits that the rest of the profile ranks fastest."""
     mesh, model, cfgs = setup.mesh, setup.model, setup.cfgs
     micro_batch = setup.plan.micro_batch
-    flops, t_fwd, t_bwd = profile_layer(model, mesh, max(setup.pipeline.stage_layers), micro_batch,
-                                        cfgs.data.seq_len, repeats)
-    scale = profile_stage_scale(model, mesh, max(setup.pipeline.stage_layers), micro_batch, cfgs.data.seq_len, repeats)
+    stages, deepest = mesh.shape["stage"], max(setup.pipeline.stage_layers)
+    depths = probe_depths(setup.pipeline.stage_layers)
+    # Each part compiles and times for seconds (minutes on a large model): say which one runs, and of how many.
+    parts = [f"a stage's {deepest} layer(s), forward and backward", "each stage's speed", "the optimizer step",
+             "the data groups' sync", "the links between stages",
+             f"whole steps at {depths[0]} and {depths[1]} layers a stage"]
+    parts += [f"the model's own step at the {splits} splits ranked fastest"] if splits > 0 else []
+
+    def measuring(part: int) -> None:
+        say(f"profile: {part + 1}/{len(parts)} timing {parts[part]}")
+
+    measuring(0)
+    flops, t_fwd, t_bwd = profile_layer(model, mesh, deepest, micro_batch, cfgs.data.seq_len, repeats)
+    measuring(1)
+    scale = profile_stage_scale(model, mesh, deepest, micro_batch, cfgs.data.seq_len, repeats)
+    measuring(2)
     update = profile_update(setup, repeats)
     t_fwd, t_bwd, update = (float(v) for v in _median_over_processes(np.array([t_fwd, t_bwd, update])))
-    stages = mesh.shape["stage"]
     # each process measured its own stages' groups and its own side of each boundary: share them
+    measuring(3)
     data_links = _share_links(profile_data_groups(mesh, cfgs.parallel.zero1, repeats=repeats))
+    measuring(4)
     stage_links = _share_links([profile_stage_boundary(mesh, s, repeats=repeats) for s in range(stages - 1)])
+    measuring(5)
     token_data = data.load(cfgs.data)  # the run's own batches, loaded once for both depths
-    probes = tuple(profile_steps(setup, [(n,) * stages for n in probe_depths(setup.pipeline.stage_layers)], token_data,
-                                 say=say))
+    probes = tuple(profile_steps(setup, [(n,) * stages for n in depths], token_data, say=say))
     result = Profile(mesh.local_devices[0].device_kind, micro_batch, cfgs.data.seq_len, flops, t_fwd, t_bwd,
                      data_links, stage_links, update, scale, probes, compute_dtype=cfgs.model.compute_dtype,
                      remat=cfgs.model.remat, block=block_shape(setup.plan.model))
     if splits > 0:
         ranked = ranked_splits(setup, result, splits) if stages > 1 else []
         if len(ranked) > 1:
+            measuring(6)
             timed = profile_steps(setup, ranked, token_data, say=say)
             result = dataclasses.replace(result, split_probes=tuple(timed))
         else:  # planning's auto takes the fastest of two or more timed splits: one would cost a compile for nothing
@@ -363,14 +388,15 @@ def main(argv: list[str]) -> int:
                         help="where to write the profile JSON (an earlier profile there is replaced)")
     parser.add_argument("--repeats", type=cli.positive_int, default=5,  # 0 would write a profile of NaNs
                         help="timed repeats of each measurement, the median kept (default 5)")
-    parser.add_argument("--splits", type=int, default=0,
+    parser.add_argument("--splits", default="0",  # checked below, to say what is allowed
                         help="also time the model's own step at this many splits the plan ranks fastest (each "
                              "compiles the whole model); planning's `auto` then takes the fastest of them "
                              "(default 0: none; else 2 or more)")
     args, gin_args = parser.parse_known_args(argv)
-    if args.splits < 0 or args.splits == 1:  # one timed split has nothing to be faster than: planning ignores it
+    if not args.splits.isdigit() or int(args.splits) == 1:  # one timed split has nothing to be faster than
         parser.error(f"--splits {args.splits} is not allowed; allowed: 0 (none), or 2 or more (auto takes the "
                      f"fastest of them)")
+    splits = int(args.splits)
     out = Path(args.out)
     if not args.out or out.is_dir() or not out.parent.is_dir():  # before minutes of profiling, not after
         parser.error(f"--out {args.out!r} is not allowed; allowed: a file in an existing folder")
@@ -379,11 +405,21 @@ def main(argv: list[str]) -> int:
                      f"folder you may write")
     if not _replaceable(out):  # a slip of the command line (--out my_run.gin) would lose that file
         parser.error(f"--out {args.out!r} exists and is not a profile; remove it or choose another")
-    cfgs = configure.load_configs(gin_args)
+    try:
+        cfgs = configure.load_configs(gin_args)
+    except ConfigError as e:  # what argparse left over: it may be a misspelt flag of ours, not of gin's
+        if str(e).startswith("unknown argument"):
+            raise ConfigError(f"{e}, --out, --repeats, --splits") from None
+        raise
     # Before any backend starts: jax.distributed for several processes (as train does), the CPU device count.
     distributed.initialize(cfgs.parallel.cpu_devices)
     say = print if jax.process_index() == 0 else (lambda *a: None)
-    result = profile(build.build(cfgs), args.repeats, args.splits, say)
+    if cfgs.parallel.profile:
+        # The profile measured here replaces it: one not written yet, or of the model before a change,
+        # must not stop its own measurement. (The layout measured is planned without it.)
+        say(f"profile: ParallelConfig.profile {cfgs.parallel.profile!r} is not read: this measures the run without it")
+        cfgs = dataclasses.replace(cfgs, parallel=dataclasses.replace(cfgs.parallel, profile=None))
+    result = profile(build.build(cfgs), args.repeats, splits, say)
     if jax.process_index() == 0:
         try:
             _write(out, result.to_json())

@@ -1,5 +1,6 @@
 import dataclasses
 import errno
+import json
 from pathlib import Path
 
 import jax
@@ -192,7 +193,8 @@ def test_splits_of_a_layout_with_one_split_say_why_none_were_timed(tmp_path, mon
     said = []
     assert profile.profile(setup, repeats=1, splits=2, say=said.append).split_probes == ()
     only = [2] if stages == 1 else [1, 1]
-    assert said == [f"profile: --splits 2 skipped: {only} is this layout's only split"]  # was silent, or timed one
+    assert said[-1] == f"profile: --splits 2 skipped: {only} is this layout's only split"  # was silent, or timed one
+    assert not any("own step" in line for line in said)  # no part announced that is not timed
 
 
 def test_help_names_the_run_config_flags_and_every_flag_has_help(capsys):
@@ -202,12 +204,67 @@ def test_help_names_the_run_config_flags_and_every_flag_has_help(capsys):
     assert "--gin_file FILE" in text and "the median kept" in text  # --gin_file was not mentioned
 
 
-def test_one_split_is_refused_before_profiling(tmp_path, monkeypatch):
+@pytest.mark.parametrize("count", ["1", "-2", "x"])  # 'x' was argparse's "invalid int value", no 'allowed'
+def test_one_split_is_refused_before_profiling(tmp_path, monkeypatch, count):
     # planning's auto takes the fastest of two or more timed splits; one was timed, then noted as
     # "not of this layout"
     _fake_profiling(monkeypatch, after=lambda: pytest.fail("profiled before --splits was checked"))
-    with pytest.raises(ConfigError, match="--splits 1 is not allowed; allowed: 0 .none., or 2 or more"):
-        profile.main(["--out", str(tmp_path / "p.json"), "--splits", "1"])
+    with pytest.raises(ConfigError, match=f"^--splits {count} is not allowed; allowed: 0 .none., or 2 or more"):
+        profile.main(["--out", str(tmp_path / "p.json"), "--splits", count])
+
+
+def test_an_unknown_flag_is_told_the_profiles_own_flags_too(tmp_path, monkeypatch):
+    # argparse hands what it does not know to the gin parser, whose list of flags lacked --out and the others
+    _fake_profiling(monkeypatch, after=lambda: pytest.fail("profiled with an unknown flag"))
+    with pytest.raises(ConfigError, match=r"^unknown argument '--repeat-count'; allowed: .*--gin_file.*"
+                                          r"--out, --repeats, --splits"):
+        profile.main(["--out", str(tmp_path / "p.json"), "--repeat-count", "3"])
+
+
+def test_each_part_is_said_before_it_is_timed(tmp_path, monkeypatch):
+    """The parts before the whole steps took seconds (minutes on a large model) without a line."""
+    setup = build.build(small_configs(tmp_path, "--gin.ParallelConfig.pp=2", "--gin.ModelConfig.num_layers=4"))
+    said = []
+    timed = lambda part, value: lambda *args, **kwargs: said.append(part) or value  # noqa: E731
+    monkeypatch.setattr(profile, "profile_layer", timed("layer", (1.3e7, 1e-3, 2e-3)))
+    monkeypatch.setattr(profile, "profile_stage_scale", timed("scale", ()))
+    monkeypatch.setattr(profile, "profile_update", timed("update", 1e-9))
+    monkeypatch.setattr(profile, "profile_data_groups", timed("data", [None, None]))
+    monkeypatch.setattr(profile, "profile_stage_boundary", timed("boundary", None))
+    monkeypatch.setattr(profile, "profile_steps", timed("steps", []))
+    monkeypatch.setattr(profile.data, "load", lambda cfg: None)
+    profile.profile(setup, repeats=1, splits=2, say=said.append)
+    parts = ["layer", "scale", "update", "data", "boundary", "steps", "steps"]
+    assert said[1::2] == parts
+    for number, (line, part) in enumerate(zip(said[::2], parts), 1):
+        assert line.startswith(f"profile: {number}/{len(parts)} timing "), said
+    assert "2 layer(s)" in said[0] and "1 and 2 layers a stage" in said[10] and "2 splits" in said[12]
+
+
+def test_the_runs_own_profile_setting_is_not_read(tmp_path, monkeypatch):
+    """A run's gin may name the profile this writes: not there yet, or measured before the model
+    changed. It was read, and refused the profiling that would replace it."""
+    stale = tmp_path / "stale.json"
+    stale.write_text(profile.Profile("cpu", 1, 32, 1.3e7, 1e-3, 2e-3, (None,), (),
+                                     block={"hidden": 999}).to_json())  # of another model
+    measured = profile.Profile("cpu", 1, 32, 1.3e7, 1e-3, 2e-3, (None,), ())
+    profiled = []
+    monkeypatch.setattr(profile.distributed, "initialize", lambda *args: None)
+    monkeypatch.setattr(profile, "profile", lambda setup, *args: profiled.append(setup) or measured)
+    for named in ("missing.json", "stale.json"):
+        out = tmp_path / "p.json"
+        assert profile.main(["--out", str(out), f"--gin.ParallelConfig.profile='{tmp_path / named}'"]) == 0
+        assert profiled[-1].cfgs.parallel.profile is None  # the run measured as planned without it
+        assert profile.Profile.load(out) == measured
+
+
+def test_the_docstring_names_every_key_the_profile_file_has():
+    """--help (the docstring) is where a user reads what the written JSON holds."""
+    link, probe = profile.Link(1e9, 1e-4), profile.StepProbe((1, 1), 4, 1, 1, "gpipe", 0.1)
+    written = json.loads(profile.Profile("cpu", 1, 32, 1.3e7, 1e-3, 2e-3, (link,), (link,), 1e-9, (1.0,), (probe,),
+                                         (probe,), "float32", "none", {"hidden": 64}).to_json())
+    keys = set(written) | set(written["data_links"][0]) | set(written["step_probes"][0])
+    assert [key for key in sorted(keys) if f"`{key}`" not in profile.__doc__] == []
 
 
 def test_an_unwritable_folder_is_refused_before_profiling(tmp_path, monkeypatch):
