@@ -135,7 +135,8 @@ def main(argv):
               f"model on them instead (checks this code, says nothing about GPU speed)")
         for name, value in CPU_SETTING.items():
             setattr(args, name, value)
-    models, n = args.models.split(","), len(jax.devices())
+    # each once: a repeated preset would be built and measured twice
+    models, n = list(dict.fromkeys(args.models.split(","))), len(jax.devices())
     for model in models:  # a bad preset fails here, not after the models before it were measured
         configs(model, args.seq_len, args.batch_per_device * n, args.dtype, args.remat, n)
     runs = []

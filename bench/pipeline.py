@@ -21,6 +21,11 @@ stage_flops_ratio: the same quotient in FLOPs as XLA counts them in the compiled
 the timed ratio also carries memory traffic (the stash), this one only the work.
 
     python bench/pipeline.py [--rounds 3] [--steps 2] [--microbatches 4,8,16] [--remat none|full|dots]
+
+Last line: one JSON object: `rows`, one a (pp, m, schedule) with `pp`, `m`, `schedule`, `remat`,
+`step_s` and `baseline_s` (the pp = 1 step, s), `measured_ratio`, `theory_ratio`, `temp_bytes`,
+`stage_work_ratio`, `stage_flops_ratio`; `worst_measured_over_theory` (target <= 1.15); `remat`;
+`stage_work_ratio` and `stage_flops_ratio` by 'pp=P,m=M'.
 """
 
 from __future__ import annotations

@@ -6,11 +6,15 @@ microbatches, schedule and layers per stage are all chosen by the cost model. Th
 grows with the cluster (2 sequences per node, at least 512) so large clusters have work to split.
 Each plan starts with an empty simulation cache. Target: under 1 s at 1024 nodes.
 
-Run: python bench/planner_scale.py
+    python bench/planner_scale.py
+
+Last line: one JSON object, `seconds_by_nodes`: each node count's slowest plan over the layer
+counts, in seconds.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 
@@ -25,7 +29,8 @@ LAYERS = (32, 64, 128)
 
 
 def main(argv: list[str]) -> None:
-    cli.Parser(description=__doc__.splitlines()[0]).parse_args(argv)  # no flags: --help must not run it
+    # no flags: --help must not run it
+    cli.Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)
     print(f"{'nodes':>6} {'layers':>6} {'seconds':>8}  {'mesh s/d/t':>11} {'m':>4} {'schedule':>8} {'TFLOPS':>7}")
     worst = {}
     for nodes in NODES:

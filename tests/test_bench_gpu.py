@@ -129,3 +129,19 @@ def test_overhead_bench_names_its_own_flags_when_one_is_unknown():
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: unknown argument '--setps'"), out.stderr[-2000:]
     assert "--steps" in lines[0] and "--rounds" in lines[0]
+
+
+def test_gpu_bench_measures_a_repeated_model_once(monkeypatch, capsys):
+    """`--models 125m,125m` built and measured 125M twice: minutes of GPU time for a figure it had."""
+    from holmes_jax import cli
+
+    bench = load_bench("gpu")
+    gpu = type("FakeGpu", (), {"platform": "gpu", "device_kind": "NVIDIA H100 80GB HBM3"})()
+    monkeypatch.setattr(jax, "devices", lambda *args, **kwargs: [gpu] * 8)
+    measured = []
+    monkeypatch.setattr(bench, "measure", lambda model, *args: measured.append(model) or _fake_run(model, *args))
+    with pytest.raises(SystemExit) as stop:
+        cli.run(bench.main, ["--models", "125m,tiny,125m"])
+    assert stop.value.code == 0
+    assert measured == ["125m", "tiny"]
+    assert [run["model"] for run in json.loads(capsys.readouterr().out.strip().splitlines()[-1])["runs"]] == measured

@@ -1,7 +1,9 @@
 """The bench scripts' own logic, run through their functions (bench/ is not a package)."""
 
+import json
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -95,3 +97,62 @@ def test_hetero_nic_stopped_during_a_configuration_exits_with_the_signal_status(
     # a launch that failed on its own is still a failure: no figures, and the line says so
     assert configuration(bench.Testbed(FakeCluster(1), pin=False)) is None
     assert capsys.readouterr().err.strip().splitlines() == ["hetero_nic: run (c) failed with status 1"]
+
+
+SCRIPTS = ("overhead", "planner_scale", "paper_scenarios", "pipeline", "gpu", "schedules")
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_a_bench_help_prints_its_whole_docstring(capsys, name):
+    """planner_scale and paper_scenarios printed their docstring's first line only: not what they
+    measure, their targets or their JSON line."""
+    bench = load_bench(name)
+    with pytest.raises(SystemExit) as stop:
+        bench.main(["--help"])
+    assert stop.value.code == 0
+    assert " ".join(bench.__doc__.split()) in " ".join(capsys.readouterr().out.split())
+
+
+def fake_plan(*args, **kwargs):
+    """A plan as planner_scale reads it, without planning."""
+    return SimpleNamespace(mesh={"stage": 1, "data": 8, "tensor": 1}, microbatches=1, schedule="gpipe",
+                           prediction=SimpleNamespace(tflops_per_device=1.0))
+
+
+def run_planner_scale(bench, monkeypatch) -> None:
+    monkeypatch.setattr(bench, "plan", fake_plan)
+    bench.main([])
+
+
+def run_pipeline(bench, monkeypatch) -> None:
+    """Every configuration built, timed and measured by fakes: the table and JSON line only."""
+    monkeypatch.setattr(bench, "data", SimpleNamespace(load=lambda cfg: None))
+    monkeypatch.setattr(bench, "prepare", lambda *args: {})
+    monkeypatch.setattr(bench, "time_steps", lambda run, steps: 1.0)
+    for name in ("stage_work_ratio", "stage_flops_ratio", "temp_bytes_fixed_microbatch"):
+        monkeypatch.setattr(bench, name, lambda *args: 1)
+    bench.main(["--microbatches", "4", "--rounds", "1"])
+
+
+def run_overhead(bench, monkeypatch) -> None:
+    """A real run of a one-layer model, one step a round (a few seconds)."""
+    bench.main(["--steps", "1", "--rounds", "1", "--gin.ModelConfig.num_layers=1", "--gin.ModelConfig.hidden=32",
+                "--gin.ModelConfig.num_heads=2", "--gin.ModelConfig.ffn_hidden=64", "--gin.DataConfig.seq_len=16",
+                "--gin.DataConfig.global_batch=8"])
+
+
+def run_paper_scenarios(bench, monkeypatch) -> None:
+    bench.main([])  # the cost model only: a few seconds
+
+
+@pytest.mark.parametrize("name, run", [("planner_scale", run_planner_scale), ("pipeline", run_pipeline),
+                                       ("overhead", run_overhead), ("paper_scenarios", run_paper_scenarios)])
+def test_a_bench_docstring_names_every_key_of_its_json_line(monkeypatch, capsys, name, run):
+    """Their docstrings (and so --help) did not say that the last line is JSON, nor what its keys are."""
+    bench = load_bench(name)
+    run(bench, monkeypatch)
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    keys = set(result) | {key for row in result.get("rows", []) for key in row}  # pipeline's rows too
+    undocumented = sorted(key for key in keys if f"`{key}`" not in bench.__doc__)
+    assert keys and not undocumented
+    assert "Last line: one JSON object" in bench.__doc__
