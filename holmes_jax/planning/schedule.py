@@ -89,22 +89,33 @@ def ticks(schedule: str, stages: int, microbatches: int) -> tuple[np.ndarray, np
         raise ValueError(f"schedule {schedule!r}; choose one of {SCHEDULES}")
     p, m = stages, microbatches
     orders = [op_order(schedule, s, p, m) for s in range(p)]
-    done = {"F": np.full((p, m), -1), "B": np.full((p, m), -1)}
+    nxt = [0] * p  # each stage's next op in its order
+    # The tick each stage ran each microbatch's forward / backward in (-1: not yet). Plain lists and
+    # the readiness checks inline: the planner replays thousands of tables, and numpy's
+    # per-element indexing and a call per check were most of its time.
+    f_done, b_done = [[-1] * m for _ in range(p)], [[-1] * m for _ in range(p)]
     fwd_rows, bwd_rows, t = [], [], 0
-    while any(orders):
+    while any(nxt[s] < len(orders[s]) for s in range(p)):
         fwd_row, bwd_row = [-1] * p, [-1] * p
         for s in range(p):
-            kinds_done = set()
-            while orders[s] and len(kinds_done) < 2:
-                kind, i = orders[s][0]
-                # A tick runs its forward before its backward, so an F may not follow a B in it
-                # (that F's input would be stashed while the B's is still held: p + 1 alive).
-                if kind in kinds_done or "B" in kinds_done or not _ready(kind, i, s, p, t, done):
-                    break
-                orders[s].pop(0)
-                kinds_done.add(kind)
-                done[kind][s, i] = t
-                (fwd_row if kind == "F" else bwd_row)[s] = i
+            order, k, ran_f, ran_b = orders[s], nxt[s], False, False
+            while k < len(order):
+                kind, i = order[k]
+                if kind == "F":
+                    # A tick runs its forward before its backward, so an F may not follow a B in it
+                    # (that F's input would be stashed while the B's is still held: p + 1 alive);
+                    # its input is the previous stage's forward of an earlier tick.
+                    if ran_f or ran_b or (s > 0 and not 0 <= f_done[s - 1][i] < t):
+                        break
+                    f_done[s][i], fwd_row[s], ran_f = t, i, True
+                else:
+                    # its own forward ran (earlier in this tick counts) and the next stage's
+                    # backward of this microbatch in an earlier tick
+                    if ran_b or not 0 <= f_done[s][i] <= t or (s < p - 1 and not 0 <= b_done[s + 1][i] < t):
+                        break
+                    b_done[s][i], bwd_row[s], ran_b = t, i, True
+                k += 1
+            nxt[s] = k
         fwd_rows.append(fwd_row)
         bwd_rows.append(bwd_row)
         t += 1
@@ -127,14 +138,6 @@ def hops_per_tick(fwd: np.ndarray, bwd: np.ndarray) -> np.ndarray:
     x_moves, g_moves = transfers(fwd, bwd)
     both = x_moves.astype(int) + g_moves.astype(int)
     return np.minimum(both, 1) if fwd.shape[1] == 2 else both
-
-
-def _ready(kind: str, i: int, s: int, p: int, t: int, done: dict) -> bool:
-    if kind == "F":  # the previous stage's forward ended in an earlier tick
-        return s == 0 or 0 <= done["F"][s - 1, i] < t
-    own_forward = 0 <= done["F"][s, i] <= t  # earlier in this tick counts: forward runs first
-    upstream = s == p - 1 or 0 <= done["B"][s + 1, i] < t
-    return own_forward and upstream
 
 
 def _slots(fwd: np.ndarray, bwd: np.ndarray, p: int, m: int) -> tuple[int, int]:
