@@ -485,7 +485,7 @@ def parse_clusters(text: str) -> list[tuple[str, str, int]]:
 def parse_rates(text: str) -> dict[str, float]:
     rates = {}
     for item in text.split(","):
-        nic, eq, mbit = item.partition("=")
+        nic, _, mbit = item.partition("=")
         try:
             rates[nic] = float(mbit)
         except ValueError:

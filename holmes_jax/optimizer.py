@@ -33,9 +33,9 @@ def clip_gradients(grads, max_norm: float):
     return jax.tree.map(lambda g: (g * scale).astype(g.dtype), grads), norm
 
 
-def apply_gradients(tx, max_norm: float, params, opt_state, grads, mask=lambda updates: updates):
-    """One optimizer step: clip, update, apply (`mask` filters the updates first). Returns
+def apply_gradients(tx, max_norm: float, params, opt_state, grads):
+    """One optimizer step: clip, update, apply. Returns
     (params, opt_state, the gradients' global norm before clipping)."""
     grads, norm = clip_gradients(grads, max_norm)
     updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, mask(updates)), opt_state, norm
+    return optax.apply_updates(params, updates), opt_state, norm

@@ -53,8 +53,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str], draw: Callable[[Plan, str], None] | None = None) -> int:
-    """The plan command; `draw(plan, path)` draws pictures for --draw (holmes_jax.plan passes
-    holmes_jax.pictures.draw_plan, which needs matplotlib, kept out of this package)."""
+    """The plan command; `draw(plan, path)` draws pictures for --draw (holmes_jax.plan passes one
+    that imports holmes_jax.pictures, which needs matplotlib, kept out of this package)."""
     args = _parser().parse_args(argv)
     if args.draw is not None:
         if draw is None:

@@ -17,9 +17,6 @@ import numpy as np
 
 from holmes_jax.planning.topology import Topology
 
-KINDS = ("data", "tensor", "stage_boundary")
-TRANSPORTS = ("nvlink", "ib", "socket")
-
 
 @dataclasses.dataclass(frozen=True)
 class Communicator:

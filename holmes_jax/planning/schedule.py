@@ -78,7 +78,7 @@ def ring_slots(schedule: str, stages: int, microbatches: int) -> int:
 
 def build(schedule: str, stages: int, microbatches: int) -> Table:
     fwd, bwd = ticks(schedule, stages, microbatches)
-    x_slots, g_slots = _slots(fwd, bwd, stages, microbatches)
+    x_slots, g_slots = _slots(fwd, bwd, microbatches)
     return Table(schedule, stages, microbatches, fwd, bwd, x_slots, g_slots)
 
 
@@ -140,7 +140,7 @@ def hops_per_tick(fwd: np.ndarray, bwd: np.ndarray) -> np.ndarray:
     return np.minimum(both, 1) if fwd.shape[1] == 2 else both
 
 
-def _slots(fwd: np.ndarray, bwd: np.ndarray, p: int, m: int) -> tuple[int, int]:
+def _slots(fwd: np.ndarray, bwd: np.ndarray, m: int) -> tuple[int, int]:
     """Fewest ring slots so that no live input is overwritten: an input is live from its arrival
     to its stage's backward, and k slots do for a stage when no two microbatches i < j live there
     at once have k dividing j - i. Found from those gaps, not by replaying every tick for every k:
