@@ -58,7 +58,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from holmes_jax import cli, emulate, launch
+from holmes_jax import cli, emulate
 
 CLUSTERS = [("ib", "infiniband", 2), ("roce", "roce", 2)]
 IB_MBIT, ROCE_MBIT, INTER_MBIT = 2000.0, 200.0, 100.0
@@ -116,7 +116,7 @@ def run(bed: Testbed, module_args: list[str], timeout_s: float = RUN_TIMEOUT_S) 
     if bed.pin:  # one core per process: rank r on core r
         cmd = ["sh", "-c", 'exec taskset -c "$HOLMES_PROCESS_ID" "$@"', "pin", *cmd]
     rc = bed.ec.run(cmd, devices_per_process=1, timeout_s=timeout_s, cpu=bed.cpu)
-    if rc - 128 in launch.FORWARDED:  # Ctrl-C (or a TERM, HUP) passed on to the processes: we were stopped, not failed
+    if rc - 128 in cli.STOP_SIGNALS:  # Ctrl-C (or a TERM, HUP) passed on to the processes: we were stopped, not failed
         raise cli.Stopped(rc - 128, f"hetero_nic: stopped by {signal.Signals(rc - 128).name}")
     return rc
 

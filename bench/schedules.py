@@ -53,7 +53,7 @@ def gin_args(workdir: Path, schedule: str, m: int) -> list[str]:
 def run(module_args: list[str]) -> None:
     pin = lambda rank: ["taskset", "-c", str(rank)]  # noqa: E731
     rc = launch.launch([sys.executable, "-m", *module_args], n=2, devices_per_process=1, wrap=pin, timeout_s=900)
-    if rc - 128 in launch.FORWARDED:  # Ctrl-C (or a TERM, HUP) passed on to the processes: we were stopped, not failed
+    if rc - 128 in cli.STOP_SIGNALS:  # Ctrl-C (or a TERM, HUP) passed on to the processes: we were stopped, not failed
         raise cli.Stopped(rc - 128, f"schedules: stopped by {signal.Signals(rc - 128).name}")
     if rc:
         raise SystemExit(f"schedules: {module_args[0]} failed with status {rc}")

@@ -62,7 +62,6 @@ INTER_MBIT = 100.0
 # What tc shapes as asked: below 1 kbit/s tbf rounds the rate and bucket wrongly; above 1 Tbit/s the
 # 1 ms bucket outgrows tc's 32-bit burst.
 MIN_MBIT, MAX_MBIT = 0.001, 1_000_000.0
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 COORDINATOR_PORT = 29500  # inside host 0's fresh namespace, so always free
 _counter = itertools.count()
 
@@ -328,7 +327,7 @@ class EmulatedCluster:
         caught, previous = [], {}
         try:
             if threading.current_thread() is threading.main_thread():
-                for sig in STOP_SIGNALS:
+                for sig in cli.STOP_SIGNALS:
                     if signal.getsignal(sig) is not None:  # None: a handler not set from Python
                         previous[sig] = signal.signal(sig, lambda signum, frame: caught.append(signum))
             _remove(self.leftovers())
@@ -494,7 +493,7 @@ def parse_rates(text: str) -> dict[str, float]:
 
 
 def _stop(signum, frame) -> None:
-    for sig in STOP_SIGNALS:  # the first stops us; a second (Ctrl-C twice) must not cut the teardown short
+    for sig in cli.STOP_SIGNALS:  # the first stops us; a second (Ctrl-C twice) must not cut the teardown short
         signal.signal(sig, cli.ignore_signal)
     if signum == signal.SIGINT:
         raise KeyboardInterrupt
@@ -515,7 +514,7 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(opts)
     # Ctrl-C, a SIGTERM (a scheduler's, `timeout`) or a SIGHUP (a closed terminal) unwinds through
     # the with-block below, so nothing is left; nohup's ignored SIGHUP stays ignored.
-    for sig in STOP_SIGNALS:
+    for sig in cli.STOP_SIGNALS:
         if sig == signal.SIGTERM or signal.getsignal(sig) != signal.SIG_IGN:
             signal.signal(sig, _stop)
     if not cmd and not args.bandwidth:

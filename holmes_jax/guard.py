@@ -21,10 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from holmes_jax.cli import RunError
+from holmes_jax.cli import STOP_SIGNALS, RunError
 from holmes_jax.config import ConfigError
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 FAULT_ENV = "HOLMES_FAULT"
 FAULT_POINTS = ("batch", "step")
 

@@ -31,7 +31,6 @@ from holmes_jax.config import ConfigError, check_positive
 from holmes_jax.planning.topology import NIC_CLASSES
 
 TIMED_OUT = 124  # the status `timeout(1)` uses
-FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 LAUNCH_ID = "HOLMES_LAUNCH_ID"  # marks one launch's processes, to find those that left their group
 _libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
@@ -181,7 +180,7 @@ class _Signalled(Exception):
 def _raise_signalled(signum, frame):
     # The first stop wins: a second one (Ctrl-C and a kill together) raised again while the first
     # was handled, and the launcher ended with a traceback and status 1.
-    for sig in FORWARDED:
+    for sig in cli.STOP_SIGNALS:
         if signal.getsignal(sig) is _raise_signalled:
             signal.signal(sig, cli.ignore_signal)
     raise _Signalled(signum)
@@ -219,7 +218,7 @@ def launch(cmd: Sequence[str], n: int, devices_per_process: int | None = None, p
     # children, which live in their own sessions; set explicitly, since a background shell may have
     # ignored SIGINT. A SIGHUP ignored from the start is `nohup`'s: the children inherit that and
     # train on when the terminal closes, so it is left alone.
-    handled = [sig for sig in FORWARDED if sig != signal.SIGHUP or signal.getsignal(sig) != signal.SIG_IGN]
+    handled = [sig for sig in cli.STOP_SIGNALS if sig != signal.SIGHUP or signal.getsignal(sig) != signal.SIG_IGN]
     handled = handled if threading.current_thread() is threading.main_thread() else ()
     previous = {sig: signal.signal(sig, _raise_signalled) for sig in handled}
     try:

@@ -511,21 +511,31 @@ def test_workers_get_sigterm_when_the_launcher_is_killed(tmp_path):
             p.wait()
 
 
+def _launch_two_ranks(workdir, *flags: str) -> subprocess.Popen:
+    """The launcher running train in two processes of one device each, `flags` on top."""
+    env = {k: v for k, v in dict(os.environ, PYTHONPATH=str(REPO)).items() if not k.startswith(("HOLMES_", "JAX_"))}
+    return subprocess.Popen([sys.executable, "-m", "holmes_jax.launch", "-n", "2", "--devices-per-process", "1",
+                             "--grace", "60", "--", sys.executable, "-m", "holmes_jax.train", *FLAGS[2:],
+                             f"--gin.TrainConfig.workdir={workdir}", "--gin.TrainConfig.steps=10000", *flags],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _both_stepping(p: subprocess.Popen) -> list[int]:
+    """The launched processes' PIDs, once rank 0 has printed its first step line."""
+    workers = []
+    for line in p.stdout:  # the first progress line: both processes are stepping
+        workers = workers or _children(p.pid)
+        if line.startswith("[rank 0] step "):
+            break
+    return workers
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
 def test_a_signal_to_the_launcher_makes_two_workers_save_and_exit(tmp_path, sig):
-    env = {k: v for k, v in dict(os.environ, PYTHONPATH=str(REPO)).items() if not k.startswith(("HOLMES_", "JAX_"))}
-    p = subprocess.Popen([sys.executable, "-m", "holmes_jax.launch", "-n", "2", "--devices-per-process", "1",
-                          "--grace", "60", "--", sys.executable, "-m", "holmes_jax.train", *FLAGS[2:],
-                          f"--gin.TrainConfig.workdir={tmp_path}", "--gin.TrainConfig.steps=10000",
-                          "--gin.CheckpointConfig.every=10000"],
-                         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = _launch_two_ranks(tmp_path, "--gin.CheckpointConfig.every=10000")
     try:
-        workers = []
-        for line in p.stdout:  # the first progress line: both processes are stepping
-            workers = workers or _children(p.pid)
-            if line.startswith("[rank 0] step "):
-                break
+        workers = _both_stepping(p)
         assert len(workers) == 2
         p.send_signal(sig)
         _, err = p.communicate(timeout=120)
@@ -551,17 +561,9 @@ def _rank(pid: int) -> int:
 @pytest.mark.slow
 def test_a_rank_that_dies_leaves_the_other_with_one_error_line(tmp_path):
     # rank 0 printed a page of JAX traceback ending in gloo's 'Connection reset by peer'
-    env = {k: v for k, v in dict(os.environ, PYTHONPATH=str(REPO)).items() if not k.startswith(("HOLMES_", "JAX_"))}
-    p = subprocess.Popen([sys.executable, "-m", "holmes_jax.launch", "-n", "2", "--devices-per-process", "1",
-                          "--", sys.executable, "-m", "holmes_jax.train", *FLAGS[2:],
-                          f"--gin.TrainConfig.workdir={tmp_path}", "--gin.TrainConfig.steps=10000",
-                          "--gin.CheckpointConfig.enabled=False"],
-                         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = _launch_two_ranks(tmp_path, "--gin.CheckpointConfig.enabled=False")
     try:
-        for line in p.stdout:  # the first progress line: both processes are stepping
-            if line.startswith("[rank 0] step "):
-                break
-        workers = _children(p.pid)
+        workers = _both_stepping(p)
         os.kill(next(w for w in workers if _rank(w) == 1), signal.SIGKILL)  # as the OOM killer would
         _, err = p.communicate(timeout=120)
     finally:
