@@ -226,7 +226,7 @@ def load(cfg: DataConfig) -> TokenData:
             raise ConfigError(f"DataConfig.source = {cfg.source!r}: {TOKEN_FILE} holds {len(tokens):,} tokens, "
                               f"{META_FILE} says {meta['tokens']:,}; prepare the folder again")
         vocab = meta["vocab_size"]
-        what = f"prepared {folder} ({meta['tokenizer']} tokenizer, vocabulary {vocab}, {meta['documents']:,} documents)"
+        what = f"prepared {folder} ({meta['tokenizer']} tokenizer, vocabulary {vocab}, {prepare.count_documents(meta['documents'])})"
     else:
         files, skipped = _text_files(cfg.source)
         tokens = _cached_bytes(files, cache_dir, cfg.source)
@@ -269,7 +269,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     meta = prepare.prepare(args.sources, args.out, args.tokenizer)
     skipped = meta["binary_files_skipped"]
-    print(f"{args.out}: {meta['documents']:,} documents, {meta['tokens']:,} tokens, vocabulary {meta['vocab_size']} "
+    print(f"{args.out}: {prepare.count_documents(meta['documents'])}, {meta['tokens']:,} tokens, vocabulary {meta['vocab_size']} "
           f"({meta['dtype']}, end-of-text {meta['eot_id']})" + (f"; skipped {skipped} binary files" if skipped else ""))
     return 0
 

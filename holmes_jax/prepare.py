@@ -37,6 +37,11 @@ from holmes_jax.config import ConfigError
 BYTE_VOCAB = 256
 META_FILE, TOKEN_FILE, TOKENIZER_FILE = "meta.json", "tokens.bin", "tokenizer.json"
 
+
+def count_documents(n: int) -> str:
+    """'1 document', '2,048 documents'."""
+    return f"{n:,} document{'' if n == 1 else 's'}"
+
 EOT_TEXT = "<|endoftext|>"
 EOT_NAMES = (EOT_TEXT, "<|end_of_text|>", "</s>", "<eos>")
 BINARY_SNIFF = 8192  # a NUL byte among a file's first bytes marks it binary
@@ -73,7 +78,7 @@ class Progress:
         frac = min(self.done / self.total, 1.0)
         bar = "#" * int(frac * 20)
         line = (f"{self.label} [{bar:20}] {frac:4.0%} {self.done / 1e6:,.1f}/{self.total / 1e6:,.1f} MB, "
-                f"{self.documents:,} documents, {self.tokens:,} tokens")
+                f"{count_documents(self.documents)}, {self.tokens:,} tokens")
         self.stream.write(f"\r{line}" if self.tty else f"{line}\n")
         self.stream.flush()
         self.drawn = (self.done, self.documents, self.tokens)

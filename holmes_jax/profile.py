@@ -32,7 +32,7 @@ processes that share CPU cores (as on the emulated testbed) or a link slow each 
 lone best-case run hides that.
 
 `python -m holmes_jax.profile --out profile.json [--splits N] [--gin.NAME=VALUE ...]` writes the JSON
-that `python -m holmes_jax.plan --profile` and `ParallelConfig.profile` read (the run's own
+(also to stdout; its progress goes to stderr) that `python -m holmes_jax.plan --profile` and `ParallelConfig.profile` read (the run's own
 ParallelConfig.profile, if set, is not read: this profile replaces it). Its keys:
 `device_kind`, `compute_dtype`, `remat`, `block` (what was measured: the devices, the model's
 dtype, remat and block shape); `micro_batch`, `seq_len` (the microbatch timed); `layer_fwd_flops`,
@@ -48,9 +48,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import itertools
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -413,7 +415,8 @@ def main(argv: list[str]) -> int:
         raise
     # Before any backend starts: jax.distributed for several processes (as train does), the CPU device count.
     distributed.initialize(cfgs.parallel.cpu_devices)
-    say = print if jax.process_index() == 0 else (lambda *a: None)
+    # Progress on stderr, the profile alone on stdout: `... > profile.json` is clean JSON too.
+    say = functools.partial(print, file=sys.stderr) if jax.process_index() == 0 else (lambda *a: None)
     if cfgs.parallel.profile:
         # The profile measured here replaces it: one not written yet, or of the model before a change,
         # must not stop its own measurement. (The layout measured is planned without it.)

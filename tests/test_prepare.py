@@ -156,6 +156,14 @@ def test_end_of_text_written_in_the_text_is_text_not_a_document_break(tmp_path, 
     assert Tokenizer.from_file(str(tmp_path / "out" / "tokenizer.json")).decode(docs[0][:-1].tolist()) == text
 
 
+def test_one_document_is_counted_in_the_singular(tmp_path):
+    (tmp_path / "one.txt").write_text("a single document\n" * 50)
+    code, out, err = _cli("prepare", str(tmp_path / "one.txt"), "--out", str(tmp_path / "out"), "--tokenizer", "bytes")
+    assert code == 0, err
+    assert ": 1 document, " in out  # was '1 documents'
+    assert "1 document)" in data.load(DataConfig(source=str(tmp_path / "out"), seq_len=8)).description
+
+
 def test_jsonl_bytes_that_are_not_utf8_become_replacement_characters(tmp_path):
     (tmp_path / "docs.jsonl").write_bytes(b'{"text": "caf\xe9"}\n{"text": "ok"}\n')
     prepare.prepare([str(tmp_path / "docs.jsonl")], str(tmp_path / "out"), "bytes")

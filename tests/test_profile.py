@@ -163,6 +163,16 @@ def test_a_failed_write_is_one_error_and_the_profile_is_not_lost(tmp_path, monke
     assert measured.to_json() in capsys.readouterr().out  # minutes of measurement, still there
 
 
+def test_stdout_is_the_profile_alone_and_progress_goes_to_stderr(tmp_path, monkeypatch, capsys):
+    # `profile ... > p.json` was the progress lines followed by the JSON: not a profile
+    measured = _fake_profiling(monkeypatch)
+    monkeypatch.setattr(profile, "profile", lambda setup, repeats, splits, say: say("profile: 1/6 timing") or measured)
+    profile.main(["--out", str(tmp_path / "p.json"), "--gin.ParallelConfig.profile='old.json'"])
+    out, err = capsys.readouterr()
+    assert json.loads(out) == json.loads(measured.to_json())
+    assert "profile: 1/6 timing" in err and "'old.json' is not read" in err
+
+
 def test_a_write_cut_short_keeps_the_earlier_profile_whole(tmp_path, monkeypatch):
     earlier = tmp_path / "p.json"
     earlier.write_text(profile.Profile("cpu", 1, 32, 1.3e7, 5.0, 2e-3, (), ()).to_json())
