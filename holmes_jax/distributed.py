@@ -4,13 +4,13 @@
 
 1. `HOLMES_NUM_PROCESSES`, `HOLMES_PROCESS_ID`, `HOLMES_COORDINATOR` (host:port), as
    `holmes_jax.launch` and `holmes_jax.emulate` set them;
-2. Open MPI (`OMPI_COMM_WORLD_SIZE` > 1, i.e. under `mpirun`), then SLURM (`SLURM_JOB_ID` with
-   `SLURM_NTASKS` > 1, i.e. inside `srun`): JAX's own cluster detection finds the coordinator
-   and ranks, and makes each process see one GPU (its local rank; set `JAX_LOCAL_DEVICE_IDS` to
-   change that); `HOLMES_COORDINATOR` may name the coordinator instead (needed for Open MPI 5,
-   whose environment JAX does not parse). Open MPI comes first, as in JAX: an `mpirun` inside a
-   SLURM allocation gives its ranks SLURM variables too, of the allocation or of the `srun` step
-   that started its daemons, one task per node;
+2. Open MPI (`OMPI_COMM_WORLD_SIZE`, i.e. under `mpirun`; one rank is a single process), then
+   SLURM (`SLURM_JOB_ID` with `SLURM_NTASKS` > 1, i.e. inside `srun`): JAX's own cluster
+   detection finds the coordinator and ranks, and makes each process see one GPU (its local
+   rank; set `JAX_LOCAL_DEVICE_IDS` to change that); `HOLMES_COORDINATOR` may name the
+   coordinator instead (needed for Open MPI 5, whose environment JAX does not parse). Open MPI
+   comes first, as in JAX: an `mpirun` inside a SLURM allocation gives its ranks SLURM variables
+   too, of the allocation or of the `srun` step that started its daemons, one task per node;
 3. MPICH, Intel MPI, MVAPICH (`PMI_SIZE` > 1, Hydra's `mpiexec`): ranks from `PMI_RANK` and
    `MPI_LOCALRANKID`, the coordinator from `HOLMES_COORDINATOR` (JAX does not detect these).
    Inside SLURM they win over SLURM's variables when `PMI_SIZE` is not `SLURM_NTASKS` (Hydra's
@@ -217,7 +217,9 @@ def _launch_method(env) -> tuple[str, dict]:
         return "holmes", {"coordinator_address": coordinator, "num_processes": count, "process_id": index}
     # Open MPI before SLURM, as in JAX: mpirun's ranks inside an allocation carry SLURM's variables
     # too, of the allocation or of the step that started Open MPI's daemons (one task per node).
-    if "OMPI_COMM_WORLD_SIZE" in env and _int(env, "OMPI_COMM_WORLD_SIZE", 1) > 1:
+    if "OMPI_COMM_WORLD_SIZE" in env:
+        if _int(env, "OMPI_COMM_WORLD_SIZE", 1) == 1:  # mpirun -np 1, whatever tasks the allocation has
+            return "single", {}
         kwargs = _mpi_ranks(env, "OMPI_COMM_WORLD", "OMPI_COMM_WORLD_LOCAL_RANK")
         if "OMPI_MCA_orte_hnp_uri" in env and coordinator is None:  # Open MPI 4: JAX finds it all
             _jax_port(env)

@@ -3,6 +3,7 @@ multi-process training (gloo on CPU) matching one process with the same devices.
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -66,6 +67,11 @@ from helpers import REPO, read_metrics
      {"coordinator_address": "head:29500", "num_processes": 2, "process_id": 1}),
     ({"PMI_SIZE": "2", "PMI_RANK": "1", "MPI_LOCALRANKID": "0", "HOLMES_COORDINATOR": "head:29500",
       "JAX_LOCAL_DEVICE_IDS": "0,1"}, "pmi", {"coordinator_address": "head:29500", "num_processes": 2, "process_id": 1}),
+    # mpirun -np 1 inside a SLURM allocation of several tasks: its rank carries the batch step's
+    # SLURM variables, which read as one task of four (an error line, or a wait for three more)
+    ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4", "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
+      "OMPI_COMM_WORLD_SIZE": "1", "OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+      "OMPI_MCA_orte_hnp_uri": "1.0;tcp://10.0.0.1:1"}, "single", {}),
     # our launcher's variables win over a scheduler's
     ({"HOLMES_COORDINATOR": "h:1", "HOLMES_NUM_PROCESSES": "2", "HOLMES_PROCESS_ID": "1", "OMPI_COMM_WORLD_SIZE": "4"},
      "holmes", {"coordinator_address": "h:1", "num_processes": 2, "process_id": 1}),
@@ -148,8 +154,10 @@ def test_a_node_may_run_one_process_per_device():
     # a process whose devices would sit on two nodes
     ib = Topology((Cluster("ib", "infiniband", nodes=2, devices_per_node=2),), name="ib2")
     spread = [SimpleNamespace(process_index=p, id=2048 * p + k) for p, n in enumerate([1, 2, 1]) for k in range(n)]
-    with pytest.raises(ConfigError, match="process 1 has 2 devices but node 0 of topology 'ib2' has 2; allowed: a node's "
-                                          "devices in one process or several, none spread over two nodes"):
+    # (the message did not say that process 0 holds one of node 0's devices: "... node 0 has 2;")
+    with pytest.raises(ConfigError, match=re.escape(
+            "process 1 has 2 devices but node 0 of topology 'ib2' has 2, 1 of them in process(es) 0; allowed: a "
+            "node's devices in one process or several, none spread over two nodes")):
         real.device_array(np.arange(4), ib, spread, ["infiniband"] * 3)
 
 

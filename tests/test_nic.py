@@ -266,6 +266,19 @@ def test_apply_nccl_env_never_overrides_nccl_config_files(tmp_path):
         nic.apply_nccl_env(ROCE_DERIVED, {"HOME": str(home)})
 
 
+def test_nccl_conf_keeps_the_spaces_nccl_keeps(tmp_path):
+    # NCCL cuts a config line at its end only: a space that opens the file is part of the first
+    # name (so no NCCL variable), one that ends the file part of the last value (no such interface)
+    conf = tmp_path / "nccl.conf"
+    conf.write_text(" NCCL_IB_HCA=mlx5_4\nNCCL_SOCKET_IFNAME=bond0 \n")
+    env = {"NCCL_CONF_FILE": str(conf)}
+    assert nic.nccl_conf(env)[" NCCL_IB_HCA"] == ("mlx5_4", str(conf))
+    with pytest.raises(ConfigError, match=re.escape(f"NCCL_SOCKET_IFNAME = 'bond0 ' (from {conf}) is not allowed")):
+        nic.apply_nccl_env(ROCE_DERIVED, env)
+    conf.write_text(" NCCL_IB_HCA=mlx5_4\r\n")
+    assert nic.apply_nccl_env(ROCE_DERIVED, env)[1] == 'NCCL_IB_HCA="=mlx5_0:1" (derived)'
+
+
 def test_processes_exchange_their_nic_classes_over_sockets(monkeypatch):
     # the exchange is an all-gather over every device, so across clusters: over IB it would join an
     # InfiniBand HCA to a RoCE one, which cannot connect, and leave that communicator cached

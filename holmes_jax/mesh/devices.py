@@ -75,14 +75,17 @@ def _match_processes(topology: Topology, by_process: dict, process_nics) -> list
         # process order: consecutive ranks share a host under srun's and mpirun's default layout.
         queue = iter(procs)
         for node in nodes:
-            want, mine = topology.node_devices[node], []
+            want, mine, taken = topology.node_devices[node], [], []
             while len(mine) < len(want):
-                proc = next(queue)
-                mine += by_process[proc]
+                taken.append(next(queue))
+                mine += by_process[taken[-1]]
             if len(mine) != len(want):
+                *earlier, proc = taken  # processes before proc hold the node's first devices
+                held = (f", {len(mine) - len(by_process[proc])} of them in process(es) {', '.join(map(str, earlier))}"
+                        if earlier else "")
                 raise ConfigError(f"process {proc} has {len(by_process[proc])} devices but node {node} of topology "
-                                  f"{topology.name!r} has {len(want)}; allowed: a node's devices in one process or "
-                                  "several, none spread over two nodes")
+                                  f"{topology.name!r} has {len(want)}{held}; allowed: a node's devices in one process "
+                                  "or several, none spread over two nodes")
             for index, device in zip(want, mine):
                 placed[index] = device
     return placed

@@ -216,13 +216,18 @@ def nccl_conf(env=None) -> dict[str, tuple[str, str]]:
     """NCCL's variables from its config files, which NCCL reads for what the environment does not
     set (`initEnv` in NCCL's src/misc/param.cc): NCCL_CONF_FILE, else ~/.nccl.conf, then
     /etc/nccl.conf, the first to set a variable winning; name -> (value, file). Lines as NCCL
-    reads them: `NAME=value`, nothing stripped, `#` lines skipped."""
+    reads them: `NAME=value`, nothing stripped but the line's end (a newline, and a carriage
+    return before it), `#` lines skipped."""
     env = os.environ if env is None else env
     user = env.get("NCCL_CONF_FILE") or (env.get("HOME") and os.path.join(env["HOME"], ".nccl.conf"))
     found = {}
     for path in filter(None, (user, "/etc/nccl.conf")):
-        for line in (_read(Path(path)) or "").split("\n"):
-            name, eq, value = line.rstrip("\r").partition("=")
+        try:
+            text = Path(path).read_bytes().decode()  # as is: no newline translation, no spaces stripped
+        except (OSError, UnicodeDecodeError):
+            continue
+        for line in text.split("\n"):
+            name, eq, value = line.removesuffix("\r").partition("=")
             if eq and name and not name.startswith("#"):
                 found.setdefault(name, (value, path))
     return found
