@@ -9,8 +9,9 @@ checkpoint as a folder `transformers` loads with `AutoModelForCausalLM.from_pret
   transposed. Our rotary pairs (i, i + head_dim / 2) as its `rotate_half` does, so q and k need
   no permutation.
 
-The folder holds model.safetensors (float32), config.json and, when the run's data folder has one,
-tokenizer.json. Other mixes (say rmsnorm with gelu) have no Hugging Face class: ConfigError.
+The folder holds model.safetensors (float32), config.json and, when the run trained with one, its
+tokenizer.json (the run's copy, else its data folder's). Other mixes (say rmsnorm with gelu) have
+no Hugging Face class: ConfigError.
 
 `ModelConfig.init_from = DIR` starts a fresh run from such a folder (ours or one downloaded
 beforehand); `import_hf` reads it and checks that it fits the run's ModelConfig.

@@ -74,10 +74,15 @@ def generate(m: Model, prompt: list[int], max_tokens: int, greedy: bool = False,
     eot = m.end_of_text if m.end_of_text is not None and m.end_of_text < m.config.vocab_size else None
     if not prompt and eot is None:
         raise ConfigError("--prompt is empty: generation needs at least one token")
-    if prompt and max(prompt) >= m.config.vocab_size:
-        raise ConfigError(f"--prompt holds token id {max(prompt)}, outside ModelConfig.vocab_size = {m.config.vocab_size}")
+    outside = [i for i in prompt if not 0 <= i < m.config.vocab_size]  # a negative id would read a row from the end
+    if outside:
+        raise ConfigError(f"--prompt holds token id {outside[0]}, outside [0, ModelConfig.vocab_size = "
+                          f"{m.config.vocab_size})")
     if not greedy and not (math.isfinite(temperature) and temperature > 0):
-        raise ConfigError(f"--temperature {temperature} is not allowed; allowed: a finite positive number")
+        raise ConfigError(f"--temperature {temperature} is not allowed; allowed: a finite positive number "
+                          "(--greedy for temperature 0)")
+    if not greedy and top_k is not None and top_k < 1:  # else 0 samples among all ids, -1 among all but one
+        raise ConfigError(f"--top-k {top_k} is not allowed; allowed: a positive integer")
     start = [] if prompt else [eot]  # every training document follows an end-of-text
     known = min(_known_ids(m), m.config.vocab_size)
     length = min(len(start) + len(prompt) + max_tokens, m.config.max_seq_len)
@@ -126,7 +131,8 @@ def _positive_float(text: str) -> float:
     except ValueError:
         value = -1.0
     if not (math.isfinite(value) and value > 0):  # inf: its top-k sampling divides -inf by inf
-        raise argparse.ArgumentTypeError(f"{text!r} is not allowed; allowed: a finite positive number")
+        raise argparse.ArgumentTypeError(f"{text!r} is not allowed; allowed: a finite positive number "
+                                         "(--greedy for temperature 0)")
     return value
 
 

@@ -103,9 +103,7 @@ class Model:
             raise ConfigError(f"tokens must be an integer array (batch, seq); got {tokens.dtype} {tokens.shape}")
         if tokens.size and (tokens.min() < 0 or tokens.max() >= cfg.vocab_size):
             raise ConfigError(f"token ids must lie in [0, ModelConfig.vocab_size = {cfg.vocab_size})")
-        if cfg.positions == "learned" and tokens.shape[1] > cfg.max_seq_len:
-            raise ConfigError(f"{tokens.shape[1]} tokens are too many: the learned positions stop at "
-                              f"ModelConfig.max_seq_len = {cfg.max_seq_len}")
+        # More tokens than learned positions: the model's embedding raises the ConfigError as it traces.
         return self._logits(self.params, tokens.astype(np.int32))
 
 

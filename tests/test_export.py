@@ -488,3 +488,99 @@ def test_a_prompt_the_tokenizer_cannot_spell_is_refused(tmp_path, unk_token):
     with pytest.raises(ConfigError, match=r"--prompt 'ab z中 az' is not allowed: the run's tokenizer has no token "
                                           r"for 'z', '中'; allowed:"):
         generate.encode(m, "ab z中 az")
+
+
+def test_generation_refuses_ids_outside_the_vocabulary_a_top_k_below_one_and_points_temperature_0_to_greedy():
+    m = _model_favouring(300)
+    with pytest.raises(ConfigError, match=r"token id -1, outside \[0, ModelConfig.vocab_size = 384\)"):
+        generate.generate(m, [65, -1], 2, greedy=True)  # -1 would read the vocabulary's last row
+    with pytest.raises(ConfigError, match="token id 384, outside"):
+        generate.generate(m, [384], 2, greedy=True)
+    for k in (0, -1):  # 0 sampled among all ids, -1 among all but the least likely
+        with pytest.raises(ConfigError, match=f"--top-k {k} is not allowed; allowed: a positive integer"):
+            generate.generate(m, [65], 2, top_k=k)
+    with pytest.raises(ConfigError, match=r"--temperature 0 is not allowed.*\(--greedy for temperature 0\)"):
+        generate.generate(m, [65], 2, temperature=0)
+    with pytest.raises(argparse.ArgumentTypeError, match=r"--greedy for temperature 0"):
+        generate._positive_float("0")
+    with pytest.raises(ConfigError, match="257 tokens are too many: the learned positions stop at"):
+        m.logits(np.zeros((1, 257), np.int64))
+
+
+def _layer_norm(x, weight, bias, eps):
+    mean = x.mean(-1, keepdims=True)
+    return (x - mean) / np.sqrt(((x - mean) ** 2).mean(-1, keepdims=True) + eps) * weight + bias
+
+
+def _causal_attention(q, k, v):
+    """(seq, heads, head_dim) each -> (seq, heads * head_dim)."""
+    scores = np.einsum("qhd,khd->hqk", q, k) / np.sqrt(q.shape[-1])
+    scores = np.where(np.tril(np.ones(scores.shape[1:], bool)), scores, -np.inf)
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    return np.einsum("hqk,khd->qhd", weights / weights.sum(-1, keepdims=True), v).reshape(len(q), -1)
+
+
+def _hf_logits(folder, ids):
+    """Logits of `ids` as transformers' GPT2LMHeadModel / LlamaForCausalLM compute them from the
+    folder's config.json and tensors (float64): Conv1D x @ W + b, nn.Linear x @ W.T + b, gelu_new,
+    rotate_half rotary, repeat_kv."""
+    c = json.loads((folder / "config.json").read_text())
+    t = {k: v.astype(np.float64) for k, v in safetensors.numpy.load_file(folder / "model.safetensors").items()}
+    s = len(ids)
+    if c["model_type"] == "gpt2":
+        eps, heads = c["layer_norm_epsilon"], c["n_head"]
+        x = t["transformer.wte.weight"][ids] + t["transformer.wpe.weight"][:s]
+        for i in range(c["n_layer"]):
+            w = {k.removeprefix(f"transformer.h.{i}."): v for k, v in t.items()}
+            qkv = _layer_norm(x, w["ln_1.weight"], w["ln_1.bias"], eps) @ w["attn.c_attn.weight"] + w["attn.c_attn.bias"]
+            q, k, v = (a.reshape(s, heads, -1) for a in np.split(qkv, 3, axis=-1))
+            x = x + _causal_attention(q, k, v) @ w["attn.c_proj.weight"] + w["attn.c_proj.bias"]
+            up = _layer_norm(x, w["ln_2.weight"], w["ln_2.bias"], eps) @ w["mlp.c_fc.weight"] + w["mlp.c_fc.bias"]
+            gelu_new = 0.5 * up * (1 + np.tanh(np.sqrt(2 / np.pi) * (up + 0.044715 * up ** 3)))
+            x = x + gelu_new @ w["mlp.c_proj.weight"] + w["mlp.c_proj.bias"]
+        x = _layer_norm(x, t["transformer.ln_f.weight"], t["transformer.ln_f.bias"], eps)
+        return x @ t.get("lm_head.weight", t["transformer.wte.weight"]).T
+    eps, heads, kv_heads, dim = c["rms_norm_eps"], c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+    angles = np.arange(s)[:, None] / c["rope_theta"] ** (np.arange(0, dim, 2) / dim)
+    cos, sin = (np.concatenate([f(angles)] * 2, -1)[:, None] for f in (np.cos, np.sin))
+
+    def rotary(x):
+        return x * cos + np.concatenate([-x[..., dim // 2:], x[..., : dim // 2]], -1) * sin
+
+    def rms_norm(x, weight):
+        return x / np.sqrt((x ** 2).mean(-1, keepdims=True) + eps) * weight
+
+    x = t["model.embed_tokens.weight"][ids]
+    for i in range(c["num_hidden_layers"]):
+        w = {k.removeprefix(f"model.layers.{i}."): v for k, v in t.items()}
+
+        def linear(x, name):
+            return x @ w[name + ".weight"].T + w.get(name + ".bias", 0)
+
+        a = rms_norm(x, w["input_layernorm.weight"])
+        q = rotary(linear(a, "self_attn.q_proj").reshape(s, heads, dim))
+        k, v = (np.repeat(y.reshape(s, kv_heads, dim), heads // kv_heads, axis=1) for y in (
+            rotary(linear(a, "self_attn.k_proj").reshape(s, kv_heads, dim)), linear(a, "self_attn.v_proj")))
+        x = x + linear(_causal_attention(q, k, v), "self_attn.o_proj")
+        m = rms_norm(x, w["post_attention_layernorm.weight"])
+        gate = linear(m, "mlp.gate_proj")
+        x = x + linear(gate / (1 + np.exp(-gate)) * linear(m, "mlp.up_proj"), "mlp.down_proj")
+    return rms_norm(x, t["model.norm.weight"]) @ t.get("lm_head.weight", t["model.embed_tokens.weight"]).T
+
+
+@pytest.mark.parametrize("options", [
+    dict(preset="tiny", bias=True, tie_embeddings=False),
+    dict(preset="tiny", num_layers=1),  # GPT-2 without biases: zeros in the folder
+    dict(preset="llama-tiny", num_kv_heads=2, bias=True, tie_embeddings=True, rope_base=500000.0),
+    dict(preset="llama-tiny", num_layers=1, num_kv_heads=1),
+])
+def test_the_exported_folder_computes_our_logits_the_way_transformers_reads_it(tmp_path, options):
+    # Export then import is symmetric: a mapping wrong both ways (a kernel transposed, q and k
+    # swapped in c_attn) would round-trip. This reads the folder as transformers does instead.
+    cfg = presets.resolve(ModelConfig(**dict(dict(num_layers=2, hidden=64, num_heads=4, ffn_hidden=96), **options)))
+    rng = np.random.default_rng(1)  # every parameter random: norms and biases away from ones and zeros
+    params = jax.tree.map(lambda x: np.asarray(x) + rng.normal(0, 0.3, x.shape).astype(np.float32), gpt.GPT(cfg).init(0))
+    folder = export.save_hf(params, cfg, tmp_path / "hf")
+    ids = rng.integers(0, cfg.vocab_size, 20)
+    ours = np.asarray(gpt.GPT(cfg).logits(params, ids[None]))[0]
+    np.testing.assert_allclose(ours, _hf_logits(folder, ids), rtol=0, atol=1e-4)
