@@ -35,8 +35,6 @@ def device_peak_tflops(device_kind: str) -> float | None:
 def measure_matmul_peak_tflops(devices, size: int = 512, repeats: int = 5) -> float:
     """Achieved matmul TFLOP/s of one device when all `devices` multiply at once (they share the
     host's cores on CPU, so per-device peak is the aggregate over the count)."""
-    import time
-
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -56,14 +54,16 @@ def measure_matmul_peak_tflops(devices, size: int = 512, repeats: int = 5) -> fl
 
 
 class MetricsLog:
-    """Appends one JSON object per logged step to `path`, writes each of its numbers as a TensorBoard
-    scalar (tag = the JSON key) under `path`'s folder/tensorboard, and, unless quiet, prints a progress
-    line with an ETA. `stop` is the step this run ends at (default `total_steps`)."""
+    """Appends one JSON object per logged step to `path` (an earlier run's rows from `first` on
+    dropped), writes each of its numbers as a TensorBoard scalar (tag = the JSON key) under
+    `path`'s folder/tensorboard, and, unless quiet, prints a progress line with an ETA. `first` is
+    the step this run starts at (a resumed run's checkpoint + 1), `stop` the step it ends at
+    (default `total_steps`)."""
 
     RECENT = 5  # logged windows the ETA averages over
 
-    def __init__(self, path, total_steps: int, quiet: bool = False, stop: int | None = None):
-        self.path, self.total_steps, self.quiet = Path(path), total_steps, quiet
+    def __init__(self, path, total_steps: int, quiet: bool = False, first: int = 1, stop: int | None = None):
+        self.path, self.total_steps, self.quiet, self.first = Path(path), total_steps, quiet, first
         self.stop = stop or total_steps
         folder = self.path.parent / "tensorboard"
         folder.mkdir(parents=True, exist_ok=True)
@@ -73,24 +73,20 @@ class MetricsLog:
         # A name of its own: tensorboardX names the file by the second and opens it with 'wb', so a
         # resumed run started in the same second emptied the earlier run's file.
         self.tensorboard = EventsWriter(str(folder / "events"), filename_suffix=f".{time.time_ns()}")
-        if self.path.is_file():  # a resumed run's
-            written = self.path.read_bytes()
-            if written and not written.endswith(b"\n"):
-                # A write cut short (a crash, a full disk) left a partial last row: dropped, or this
-                # run's first row would be glued to it and neither could be read.
-                os.truncate(self.path, written.rfind(b"\n") + 1)
         self._windows = collections.deque(maxlen=self.RECENT)  # (steps, seconds) between logged rows
         self._last_step = None
 
     def write(self, row: dict) -> None:
+        if self._last_step is None:
+            self._take_over()
         with open(self.path, "a") as f:
             f.write(json.dumps(strict_json(row), allow_nan=False) + "\n")
         values = [scalar(key, value).value[0] for key, value in row.items() if key != "step" and value is not None]
         if self._last_step is None:
-            # This run's first row is where it took over: a resumed run logs again the steps a stopped
-            # one logged after its checkpoint. TensorBoard drops an earlier file's events from a
-            # restart's START on, instead of drawing both runs' values at those steps.
-            self.tensorboard.write_event(Event(wall_time=time.time(), step=row["step"],
+            # A resumed run logs again the steps a stopped one logged after its checkpoint.
+            # TensorBoard drops an earlier file's events from a restart's START on, instead of
+            # drawing both runs' values at those steps.
+            self.tensorboard.write_event(Event(wall_time=time.time(), step=self.first,
                                                session_log=SessionLog(status=SessionLog.START)))
         self.tensorboard.write_event(Event(wall_time=time.time(), step=row["step"], summary=Summary(value=values)))
         self.tensorboard.flush()
@@ -110,6 +106,23 @@ class MetricsLog:
             parts.append(f"ETA {duration(self.eta_s(row['step']))}")
         print(" | ".join(parts), flush=True)
 
+    def _take_over(self) -> None:
+        """Before this run's first row: drops the rows an earlier run wrote from `first` on, as
+        TensorBoard drops their events at this run's START. This run does those steps again (from
+        its checkpoint, or from the start without checkpoints); a row of a step it does not reach
+        (it stops sooner, logs less often) stayed, and the report drew it after this run's rows.
+        Drops a partial last row too (a write cut short by a crash, a full disk), or this run's
+        first row would be glued to it and neither could be read."""
+        if not self.path.is_file():
+            return
+        *lines, partial = self.path.read_bytes().split(b"\n")  # `partial` is b"" after a whole last row
+        kept = [line for line in lines if not _is_row_from(line, self.first)]
+        if len(kept) < len(lines) or partial:
+            # A new file renamed over the old: a crash while it is written leaves the old as it was.
+            replacement = self.path.with_name(self.path.name + ".tmp")
+            replacement.write_bytes(b"".join(line + b"\n" for line in kept))
+            os.replace(replacement, self.path)
+
     def eta_s(self, step: int) -> float:
         """Seconds to `stop`: the mean step time of the recent logged windows times the steps left."""
         steps, seconds = map(sum, zip(*self._windows))
@@ -117,6 +130,15 @@ class MetricsLog:
 
     def close(self) -> None:
         self.tensorboard.close()
+
+
+def _is_row_from(line: bytes, step: int) -> bool:
+    """Whether `line` is a metrics row of `step` or later; a line that is none is kept as it is."""
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return False
+    return isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] >= step
 
 
 def strict_json(row: dict) -> dict:

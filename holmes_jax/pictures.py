@@ -286,6 +286,12 @@ def _mark_not_finite(ax, steps: np.ndarray, marker: str, label: str) -> None:
                 transform=ax.get_xaxis_transform(), label=label)
 
 
+def typical_step_s(rows: list[dict]) -> float:
+    """The median step time of metrics rows, the first left out (it pays for warm-up) where there
+    are more."""
+    return float(np.median([r["step_time_s"] for r in rows[1:] or rows]))
+
+
 @_as_typed
 def draw_report(rows: list[dict], predicted_step_s: float | None, path: str, title: str = "") -> None:
     """A run's loss and validation loss against step (left) and its measured step time against the
@@ -305,10 +311,9 @@ def draw_report(rows: list[dict], predicted_step_s: float | None, path: str, tit
     loss_ax.set_title("loss", loc="left")
     loss_ax.legend(frameon=False, fontsize=9, loc="upper left", bbox_to_anchor=(0, -0.14))
 
-    measured = np.array([r["step_time_s"] for r in rows])
-    scale, unit = time_unit(float(np.median(measured)))
+    measured, typical = np.array([r["step_time_s"] for r in rows]), typical_step_s(rows)
+    scale, unit = time_unit(typical)  # the unit `report` prints the median in
     time_ax.plot(steps, measured * scale, marker=".", label="measured (mean over each logged window)")
-    typical = float(np.median(measured[1:] if len(measured) > 1 else measured))  # the first pays for warm-up
     time_ax.axhline(typical * scale, color="C0", linewidth=0.8, linestyle=":",
                     label=f"measured median {typical * scale:.4g} {unit}")
     if predicted_step_s is not None:

@@ -7,8 +7,6 @@ import json
 import math
 from pathlib import Path
 
-import numpy as np
-
 from holmes_jax import cli, pictures
 from holmes_jax.config import ConfigError
 from holmes_jax.planning.cli import PICTURE_SUFFIXES
@@ -35,7 +33,8 @@ def _row(line: str) -> dict | None:
 
 
 def read_rows(workdir: Path) -> list[dict]:
-    """metrics.jsonl's rows by step; where a resumed run logged a step again, its later row."""
+    """metrics.jsonl's rows by step; where a step has two rows, the later one (a resumed run drops
+    the rows it logs again, but a file written before it did holds both)."""
     path = workdir / "metrics.jsonl"
     if not path.is_file():
         if any((workdir / name).is_file() for name in ("config.gin", "plan.json")):
@@ -67,7 +66,11 @@ def predicted_step_s(workdir: Path) -> float | None:
     if not path.is_file():
         return None
     try:
-        predicted = float(json.loads(path.read_text())["predicted"]["step_time_s"])
+        text = path.read_bytes()  # bytes that are not UTF-8 fail below, as no plan
+    except OSError as e:  # as metrics.jsonl's (no permission): one line, not a traceback
+        raise ConfigError(f"{path} cannot be read: {e.strerror}") from None
+    try:
+        predicted = float(json.loads(text)["predicted"]["step_time_s"])
     except (ValueError, KeyError, TypeError):
         predicted = None
     if predicted is None or not (math.isfinite(predicted) and predicted > 0):
@@ -88,7 +91,7 @@ def main(argv: list[str]) -> int:
         raise ConfigError(f"--out {str(out)!r} is not allowed; allowed: a file ending in "
                           f"{', '.join(PICTURE_SUFFIXES)} in an existing folder")
     pictures.draw_report(rows, predicted, str(out), title=str(workdir))
-    measured = float(np.median([r["step_time_s"] for r in rows[1:] or rows]))  # the first pays for warm-up
+    measured = pictures.typical_step_s(rows)
     scale, unit = pictures.time_unit(measured)
     print(f"wrote {out}: steps {rows[0]['step']}-{rows[-1]['step']}, loss {rows[0]['loss']:.4g} -> "
           f"{rows[-1]['loss']:.4g}; step time {measured * scale:.4g} {unit} (median)"

@@ -243,7 +243,7 @@ def _resume_and_train(cfgs: Configs, setup: Setup, token_data, workdir: Path, ck
     peak, peak_what = peak_tflops(list(setup.mesh.devices.flat))
     say(f"MFU is against the {peak_what}")
 
-    log = metrics.MetricsLog(workdir / "metrics.jsonl", tcfg.steps, quiet, stop=last) if lead else None
+    log = metrics.MetricsLog(workdir / "metrics.jsonl", tcfg.steps, quiet, first=start + 1, stop=last) if lead else None
     logger = StepLogger(setup, make_eval_step(setup), token_data, log, peak)
     bad = guard.BadSteps(tcfg.max_bad_steps, say)
 

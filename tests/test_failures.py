@@ -324,9 +324,10 @@ def test_a_damaged_checkpoint_is_set_aside_and_the_one_before_used(tmp_path, cap
     assert any(line.startswith("checkpoint step 3 cannot be read (") for line in said), said
     assert "resumed from checkpoint at step 2" in said
     assert (tmp_path / "checkpoints" / "3.damaged").is_dir()
-    got = _losses(tmp_path)  # steps 3 written twice: the second (resumed) rows come last
+    got = _losses(tmp_path)  # step 3's row is the resumed run's: the damaged run's was dropped
     for step, loss in uninterrupted.items():
         assert got[step] == pytest.approx(loss, abs=1e-6), step
+    assert [r["step"] for r in read_metrics(tmp_path)] == list(range(1, 7))
 
 
 @pytest.mark.slow

@@ -183,6 +183,20 @@ def test_the_report_refuses_what_is_not_a_run(tmp_path, files, message):
     assert not (tmp_path / "report.png").exists()
 
 
+def test_a_plan_json_the_report_cannot_read_is_one_error_line(tmp_path, monkeypatch):
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 1.0, "step_time_s": 0.1}) + "\n")
+    (tmp_path / "plan.json").write_text(json.dumps({"predicted": {"step_time_s": 0.1}}))
+    path_open = Path.open
+
+    def no_permission(path, *args, **kwargs):  # as for another user's file (root reads any)
+        if path.name == "plan.json":
+            raise PermissionError(13, "Permission denied", str(path))
+        return path_open(path, *args, **kwargs)
+    monkeypatch.setattr(Path, "open", no_permission)
+    code, _, err = _report(tmp_path)
+    assert code == 2 and err == f"error: {tmp_path / 'plan.json'} cannot be read: Permission denied\n", err
+
+
 def test_the_report_names_a_missing_workdir_not_its_default_out(tmp_path):
     code, _, err = _report(tmp_path / "absent")
     assert code == 2 and err.startswith("error: WORKDIR") and "holds no metrics.jsonl" in err, err
@@ -211,7 +225,7 @@ def test_a_last_row_cut_short_is_skipped_by_the_report_and_dropped_on_resume(tmp
     assert [r["step"] for r in report.read_rows(tmp_path)] == [1, 2]
     code, out, err = _report(tmp_path, "--out", tmp_path / "r.png")
     assert code == 0 and "steps 1-2" in out, err
-    log = metrics.MetricsLog(tmp_path / "metrics.jsonl", total_steps=4, quiet=True)  # the resumed run
+    log = metrics.MetricsLog(tmp_path / "metrics.jsonl", total_steps=4, quiet=True, first=3)  # the resumed run
     log.write(dict(row, step=3))
     log.close()
     assert (tmp_path / "metrics.jsonl").read_text() == whole + json.dumps(dict(row, step=3)) + "\n"
@@ -237,7 +251,7 @@ def test_tensorboard_shows_a_resumed_runs_steps_once(tmp_path):
     for step in (1, 2, 3, 4):
         first.write(dict(row, step=step, loss=float(step)))
     first.close()
-    resumed = metrics.MetricsLog(tmp_path / "metrics.jsonl", total_steps=5, quiet=True)
+    resumed = metrics.MetricsLog(tmp_path / "metrics.jsonl", total_steps=5, quiet=True, first=3)
     for step in (3, 4, 5):
         resumed.write(dict(row, step=step, loss=10.0 * step))
     resumed.close()
@@ -249,7 +263,7 @@ def test_a_run_started_in_the_same_second_keeps_the_earlier_runs_events(tmp_path
     monkeypatch.setattr(metrics.time, "time", lambda: 1.7e9)  # tensorboardX names event files by the second
     row = {"step_time_s": 0.1, "tokens_per_s": 1.0, "tflops_per_device": 1.0}
     for steps in ((1, 2), (3, 4)):  # a run stopped after step 2, and its resumed run
-        log = metrics.MetricsLog(tmp_path / "metrics.jsonl", total_steps=4, quiet=True)
+        log = metrics.MetricsLog(tmp_path / "metrics.jsonl", total_steps=4, quiet=True, first=steps[0])
         for step in steps:
             log.write(dict(row, step=step, loss=float(step)))
         log.close()
@@ -289,3 +303,21 @@ def test_a_full_disk_under_the_tensorboard_events_is_an_os_error_and_nothing_els
                                         ("NVIDIA GH200 480GB", 989.0), ("NVIDIA A800-SXM4-80GB", 312.0), ("cpu", None)])
 def test_each_device_kind_gets_its_own_dense_bf16_peak(kind, peak):
     assert metrics.device_peak_tflops(kind) == peak
+
+
+# from its checkpoint at step 2; afresh, without one; from step 2 but logging every other step
+@pytest.mark.parametrize("first, resumed_steps", [(3, (3, 4)), (1, (1, 2)), (3, (4,))])
+def test_a_resumed_run_replaces_the_earlier_runs_rows_from_its_first_step(tmp_path, first, resumed_steps):
+    # The earlier run logged steps 1-5; the resumed run stops after step 4: the earlier run's step 5
+    # (lost with it) was drawn in the report after the resumed run's rows, where TensorBoard drops it.
+    row = {"step_time_s": 0.1, "tokens_per_s": 1.0, "tflops_per_device": 1.0}
+    for start, steps, loss in ((1, (1, 2, 3, 4, 5), 1.0), (first, resumed_steps, 10.0)):
+        log = metrics.MetricsLog(tmp_path / "metrics.jsonl", total_steps=6, quiet=True, first=start)
+        for step in steps:
+            log.write(dict(row, step=step, loss=loss * step))
+        log.close()
+    kept = [(step, float(step)) for step in range(1, first)]
+    assert [(r["step"], r["loss"]) for r in read_metrics(tmp_path)] == kept + [(s, 10.0 * s) for s in resumed_steps]
+    drawn = [(r["step"], r["loss"]) for r in report.read_rows(tmp_path)]
+    assert drawn == tensorboard_view(tmp_path / "tensorboard", "loss")
+    assert not (tmp_path / "metrics.jsonl.tmp").exists()

@@ -190,3 +190,16 @@ def test_names_are_drawn_as_typed_not_as_mathtext(tmp_path, monkeypatch):
                          title="runs/$x$")
     texts = [t.get_text() for fig in figures for t in fig.findobj(Text)]
     assert any(t.startswith("rack$\\0$: infiniband") for t in texts) and "runs/$x$" in texts
+
+
+def test_a_reports_step_time_is_drawn_in_the_unit_its_median_is_printed_in(tmp_path, monkeypatch):
+    # The warm-up row (5 s) lifted the median of all rows over a second: the axis and labels said
+    # '0.96 s' where `report` printed 'step time 960 ms (median), predicted 900 ms'.
+    figures = []
+    monkeypatch.setattr(pictures.Figure, "savefig", lambda fig, *a, **k: figures.append(fig))
+    rows = [{"step": s, "loss": 3.0, "step_time_s": t} for s, t in ((1, 5.0), (2, 0.95), (3, 1.2), (4, 0.96))]
+    pictures.draw_report(rows, 0.9, str(tmp_path / "r.png"))
+    time_ax = figures[0].axes[1]
+    assert time_ax.get_ylabel() == "step time (ms)"
+    labels = [line.get_label() for line in time_ax.get_lines()]
+    assert "measured median 960 ms" in labels and any(label.startswith("plan's prediction 900 ms") for label in labels)
