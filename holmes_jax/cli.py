@@ -185,3 +185,19 @@ def output_folder(out: str | Path, last: str) -> Iterator[Path]:
         raise ConfigError(f"--out {str(path)!r} cannot be written: {e.strerror or e}") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def replace_file(out: Path, text: str | bytes) -> None:
+    """`text` (UTF-8 if str) into `out` whole or not at all: written beside it, then renamed over it,
+    so that a full disk or a kill mid-write leaves the earlier file as it was, never half of one."""
+    out, data = Path(out), text.encode() if isinstance(text, str) else text
+    if out.exists() and not out.is_file():  # /dev/null, a pipe: nothing to rename over
+        out.write_bytes(data)
+        return
+    out = out.resolve() if out.is_symlink() else out  # the file it points to, the link kept
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)

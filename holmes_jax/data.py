@@ -41,6 +41,9 @@ from holmes_jax.config import ConfigError, DataConfig
 from holmes_jax.prepare import BYTE_VOCAB, META_FILE, TOKEN_FILE, TOKENIZER_FILE
 
 SCAN_CHUNK = 1 << 24  # token ids read at a time when scanning a file for its largest id
+# A prepared source's meta.json as a run keeps it in its workdir (its end-of-text id, for export and
+# generate, also where the data folder is not found from there).
+RUN_META_FILE = "data_meta.json"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -124,8 +124,8 @@ def run_tokens(workdir: str | Path, data: DataConfig) -> tuple[Any, int | None, 
         tokenizer.encode_special_tokens = True
         vocab = tokenizer.get_vocab(with_added_tokens=True)  # holmes-data prepare's end-of-text rule
         return tokenizer, next((vocab[name] for name in prepare.EOT_NAMES if name in vocab), None), None
-    if data_sources.prepared_folder(data.source):  # prepared as bytes: ids 0-255 and end-of-text 256
-        return None, prepare.BYTE_VOCAB, None
+    if (Path(workdir) / data_sources.RUN_META_FILE).is_file() or data_sources.prepared_folder(data.source):
+        return None, prepare.BYTE_VOCAB, None  # prepared as bytes: ids 0-255 and end-of-text 256
     return None, None, data.source if data.source.endswith(".bin") else None
 
 

@@ -7,7 +7,6 @@ import collections
 import json
 import logging
 import math
-import os
 import time
 from pathlib import Path
 
@@ -15,6 +14,8 @@ from tensorboardX.event_file_writer import EventsWriter
 from tensorboardX.proto.event_pb2 import Event, SessionLog
 from tensorboardX.proto.summary_pb2 import Summary
 from tensorboardX.summary import scalar
+
+from holmes_jax import cli
 
 # tensorboardX warns on every NaN it writes; a non-finite step already gets our own one line.
 logging.getLogger("tensorboardX.x2num").setLevel(logging.ERROR)
@@ -117,11 +118,8 @@ class MetricsLog:
             return
         *lines, partial = self.path.read_bytes().split(b"\n")  # `partial` is b"" after a whole last row
         kept = [line for line in lines if not _is_row_from(line, self.first)]
-        if len(kept) < len(lines) or partial:
-            # A new file renamed over the old: a crash while it is written leaves the old as it was.
-            replacement = self.path.with_name(self.path.name + ".tmp")
-            replacement.write_bytes(b"".join(line + b"\n" for line in kept))
-            os.replace(replacement, self.path)
+        if len(kept) < len(lines) or partial:  # a crash while it is rewritten leaves it as it was
+            cli.replace_file(self.path, b"".join(line + b"\n" for line in kept))
 
     def eta_s(self, step: int) -> float:
         """Seconds to `stop`: the mean step time of the recent logged windows times the steps left."""

@@ -425,7 +425,7 @@ def main(argv: list[str]) -> int:
     result = profile(build.build(cfgs), args.repeats, splits, say)
     if jax.process_index() == 0:
         try:
-            _write(out, result.to_json())
+            cli.replace_file(out, result.to_json())
         except OSError as e:  # minutes of measurement: print them rather than lose them
             print(result.to_json())
             raise cli.RunError(f"--out {args.out!r} cannot be written: {e.strerror or e}; the profile is "
@@ -445,21 +445,6 @@ def _replaceable(out: Path) -> bool:
     except (OSError, ValueError):
         return False
     return isinstance(raw, dict) and "layer_fwd_s" in raw
-
-
-def _write(out: Path, text: str) -> None:
-    """`text` into `out` whole or not at all: written beside it, then renamed over it, so that a full disk
-    or a kill mid-write leaves the earlier file as it was, never half a profile."""
-    if out.exists() and not out.is_file():  # /dev/null, a pipe: nothing to rename over
-        out.write_text(text)
-        return
-    out = out.resolve() if out.is_symlink() else out  # the file it points to, the link kept
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 if __name__ == "__main__":

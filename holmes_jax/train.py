@@ -12,7 +12,6 @@ import contextlib
 import dataclasses
 import fcntl
 import os
-import shutil
 import signal
 import socket
 import tempfile
@@ -229,10 +228,14 @@ def _resume_and_train(cfgs: Configs, setup: Setup, token_data, workdir: Path, ck
             # Legitimate (a longer run, a new learning rate), but new data or seq_len means other
             # batches than an uninterrupted run's: say which, before config.gin forgets the old.
             say(f"resumed with settings changed since the checkpointed run: {'; '.join(changed)}")
-        saved.write_text(settings)
-        if tokenizer := data.tokenizer_path(cfgs.data):  # export and generate find it here, from any folder
-            shutil.copyfile(tokenizer, workdir / "tokenizer.json")
-        (workdir / "plan.json").write_text(setup.plan.to_json(indent=1))  # what `holmes_jax.report` compares against
+        # Each file whole or not at all: a full disk mid-write must not leave half of the config
+        # that export, generate and the next resume read.
+        cli.replace_file(saved, settings)
+        if folder := data.prepared_folder(cfgs.data.source):  # export and generate read these here, from any folder
+            cli.replace_file(workdir / data.RUN_META_FILE, (folder / data.META_FILE).read_bytes())
+        if tokenizer := data.tokenizer_path(cfgs.data):
+            cli.replace_file(workdir / "tokenizer.json", tokenizer.read_bytes())
+        cli.replace_file(workdir / "plan.json", setup.plan.to_json(indent=1))  # what `holmes_jax.report` compares against
 
     t0 = time.perf_counter()
     compiled = make_train_step(setup).lower(state, setup.batch("train", start, token_data)).compile()

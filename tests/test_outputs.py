@@ -80,3 +80,17 @@ def test_a_run_on_prepared_bytes_knows_its_end_of_text(run_dir, tmp_path):
     prepare.prepare([str(tmp_path / "doc.txt")], str(tmp_path / "data"), "bytes")
     assert inference.load(_with_data_source(run_dir, tmp_path, tmp_path / "data")).end_of_text == 256
     assert inference.load(run_dir).end_of_text is None  # text read as bytes: documents have no end mark
+
+
+def test_a_run_on_prepared_bytes_keeps_its_end_of_text_when_its_data_folder_moves(tmp_path):
+    (tmp_path / "doc.txt").write_text("hello world\n" * 40)
+    prepare.prepare([str(tmp_path / "doc.txt")], str(tmp_path / "data"), "bytes")
+    workdir = tmp_path / "run"
+    train.run(small_configs(workdir, f"--gin.DataConfig.source='{tmp_path / 'data'}'", "--gin.ParallelConfig.dp=1",
+                            "--gin.TrainConfig.steps=1", "--gin.DataConfig.seq_len=16"),
+              devices=jax.devices()[:1], quiet=True)
+    (tmp_path / "data").rename(tmp_path / "moved")  # or a relative source read from another folder
+    # was None: generation did not stop at end-of-text, export wrote eos_token_id null
+    assert inference.load(workdir).end_of_text == 256
+    code, out, err = _generate("--workdir", workdir, "--prompt", "", "--max-tokens", 2, "--greedy")
+    assert code == 0, err  # was 'error: --prompt is empty'

@@ -179,12 +179,12 @@ def test_a_write_cut_short_keeps_the_earlier_profile_whole(tmp_path, monkeypatch
     before = earlier.read_text()
     _fake_profiling(monkeypatch)
 
-    def disk_full(self, text):
-        with open(self, "w") as f:
-            f.write(text[:20])
+    def disk_full(self, data):
+        with open(self, "wb") as f:
+            f.write(data[:20])
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(Path, "write_text", disk_full)
+    monkeypatch.setattr(Path, "write_bytes", disk_full)
     with pytest.raises(cli.RunError, match="No space left on device"):
         profile.main(["--out", str(earlier)])
     assert earlier.read_text() == before and [p.name for p in tmp_path.iterdir()] == ["p.json"]  # was half a file
