@@ -134,15 +134,29 @@ def test_nccl_env_leaves_the_gid_index_to_nccl_when_ports_disagree_or_sysfs_is_s
         "NCCL_NET": "IB", "NCCL_IB_HCA": "=mlx5_0:1"}
 
 
-def test_nccl_env_of_an_ethernet_host_is_socket_over_the_fastest_up_interface_without_a_route(tmp_path):
+def test_nccl_env_of_an_ethernet_host_uses_the_fastest_up_interface_without_a_route(tmp_path):
     sysfs = tmp_path / "sys"
     _net(sysfs, "lo", 100000, "unknown")
     _net(sysfs, "eth0", 10000, "up")
     _net(sysfs, "eth1", 25000, "up")
     _net(sysfs, "eth2", 100000, "down")  # fastest, but down
-    assert nic.nccl_env(nic.detect(sysfs, env={}), sysfs, tmp_path / "no-proc") == {
-        "NCCL_NET": "Socket", "NCCL_SOCKET_IFNAME": "=eth1"}
-    assert nic.nccl_env(nic.Nic("ethernet", None), tmp_path / "empty", tmp_path / "no-proc") == {"NCCL_NET": "Socket"}
+    assert nic.nccl_env(nic.detect(sysfs, env={}), sysfs, tmp_path / "no-proc") == {"NCCL_SOCKET_IFNAME": "=eth1"}
+    assert nic.nccl_env(nic.Nic("ethernet", None), tmp_path / "empty", tmp_path / "no-proc") == {}
+
+
+def test_an_ethernet_host_leaves_the_network_to_nccl_unless_it_has_ib_or_roce_ports(tmp_path):
+    # NCCL_NET=Socket bypassed a network plugin: AWS EFA, whose RDMA ports sysfs shows with link
+    # layer "Unknown" (an Ethernet host to the planner), or GCP's TCPX on plain Ethernet
+    efa = tmp_path / "efa"
+    _rdma_port(efa, "efa_0", 1, "Unknown", "100 Gb/sec")
+    _net(efa, "ens32", 100000, "up")
+    assert nic.detect(efa, env={}) == nic.Nic("ethernet", 100.0)
+    assert "NCCL_NET" not in nic.nccl_env(nic.detect(efa, env={}), efa, tmp_path / "no-proc")
+    # an InfiniBand host told it is Ethernet (HOLMES_NIC_CLASS): NCCL would take its IB ports
+    ib = tmp_path / "ib"
+    _rdma_port(ib, "mlx5_0", 1, "InfiniBand", "200 Gb/sec (4X HDR)")
+    given = nic.detect(ib, env={nic.ENV: "ethernet"})
+    assert nic.nccl_env(given, ib, tmp_path / "no-proc")["NCCL_NET"] == "Socket"
 
 
 def test_apply_nccl_env_never_overrides_the_user_and_says_where_each_value_came_from():
@@ -171,7 +185,7 @@ def test_nccl_env_skips_a_default_route_without_an_interface(tmp_path):
     sysfs, proc = tmp_path / "sys", tmp_path / "proc"
     _net(sysfs, "eth0", 25000, "up")
     _route(proc, ("*", "00000000", "00000000"), ("eth0", "0000A8C0", "00FFFFFF"))
-    assert nic.nccl_env(nic.Nic("ethernet", 25.0), sysfs, proc) == {"NCCL_NET": "Socket", "NCCL_SOCKET_IFNAME": "=eth0"}
+    assert nic.nccl_env(nic.Nic("ethernet", 25.0), sysfs, proc) == {"NCCL_SOCKET_IFNAME": "=eth0"}
 
 
 ROCE_DERIVED = {"NCCL_NET": "IB", "NCCL_IB_HCA": "=mlx5_0:1", "NCCL_IB_GID_INDEX": "3", "NCCL_SOCKET_IFNAME": "=eth0"}

@@ -9,7 +9,8 @@ from `rate`, e.g. "200 Gb/sec (4X HDR)"); else plain Ethernet, its speed from
 `nccl_env()` turns the answer into NCCL settings for this host (docs/nccl.md says why each):
 InfiniBand and RoCE -> NCCL_NET=IB and NCCL_IB_HCA naming the active HCA ports of that class,
 where sysfs shows some (RoCE also NCCL_IB_GID_INDEX, the port's RoCE v2 GID of an IPv4 address);
-Ethernet -> NCCL_NET=Socket. `apply_nccl_env` sets them where neither the environment nor NCCL's
+Ethernet -> NCCL's own choice (a network plugin if one is installed, else its socket transport),
+NCCL_NET=Socket only where InfiniBand or RoCE ports would otherwise be taken. `apply_nccl_env` sets them where neither the environment nor NCCL's
 config files do. Every class gets NCCL_SOCKET_IFNAME, the interface of the default route: NCCL's
 own choice would start with IPoIB (`ib*`) interfaces, which do not reach other clusters, and
 the socket transport carries the hops between clusters.
@@ -170,7 +171,11 @@ def nccl_env(nic: Nic, sysfs: str | os.PathLike = "/sys", proc: str | os.PathLik
     sysfs, proc = Path(sysfs), Path(proc)
     env = {}
     if nic.nic_class == "ethernet":
-        env["NCCL_NET"] = "Socket"
+        # Left to NCCL unless the host has InfiniBand or RoCE ports that NCCL would take against
+        # the class it was given (HOLMES_NIC_CLASS): NCCL_NET=Socket would also bypass a network
+        # plugin (AWS EFA's, whose ports sysfs shows with link layer "Unknown"; GCP's TCPX).
+        if _rdma_ports(sysfs):
+            env["NCCL_NET"] = "Socket"
     else:
         ports = [path for nic_class, _, path in _rdma_ports(sysfs) if nic_class == nic.nic_class]
         # NCCL_NET=IB without an IB device fails every communicator ("Failed to initialize any NET
