@@ -8,7 +8,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from holmes_jax import data, export, metrics, planning
@@ -26,7 +28,8 @@ from holmes_jax.sharding import gradient_specs, pending_shapes, pending_specs, s
 
 
 def peak_tflops(devices) -> tuple[float, str]:
-    """Dense peak TFLOP/s of one device and where the figure comes from (measured once on CPU)."""
+    """Dense peak TFLOP/s of one device and where the figure comes from: the listed peak of its
+    kind, else measured once (CPUs, unlisted GPUs)."""
     kind = devices[0].device_kind
     peak = metrics.device_peak_tflops(kind)
     if peak is not None:
@@ -37,7 +40,12 @@ def peak_tflops(devices) -> tuple[float, str]:
 
 @functools.lru_cache(maxsize=None)
 def _measured_peak(devices: tuple) -> float:
-    return metrics.measure_matmul_peak_tflops(list(devices))
+    """The median over processes of what each measures: the figure prices the plan (the emulated
+    topology's device speed), and every process must make the same plan."""
+    peak = metrics.measure_matmul_peak_tflops(list(devices))
+    if jax.process_count() == 1:
+        return peak
+    return float(np.median(multihost_utils.process_allgather(np.float32(peak))))
 
 
 def make_plan(cfgs: Configs, devices) -> Plan:

@@ -1,4 +1,7 @@
+import os
 import re
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -8,7 +11,7 @@ from holmes_jax import build, data, optimizer, train
 from holmes_jax.config import TrainConfig
 from holmes_jax.models import gpt
 from holmes_jax.pipeline import warmup
-from helpers import read_metrics, small_configs
+from helpers import REPO, read_metrics, small_configs
 
 SIX_LAYERS = ["--gin.ModelConfig.num_layers=6", "--gin.ParallelConfig.microbatches=4", "--gin.DataConfig.global_batch=32"]
 
@@ -299,3 +302,31 @@ def test_settling_for_an_eval_adds_the_pending_updates_and_copies_no_optimizer_s
         else:
             np.testing.assert_array_equal(np.asarray(s), np.asarray(p))
     assert split
+
+
+PLAN_DEVICE_SPEED = """
+import sys
+from holmes_jax import build, configure, distributed
+cfgs = configure.load_configs(sys.argv[1:])
+info = distributed.initialize(cfgs.parallel.cpu_devices)
+speed = build.build(cfgs).plan.topology.clusters[0].device_tflops
+print(f"device_tflops {info.process_index} {speed!r}", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_processes_plan_from_one_measured_device_speed(tmp_path):
+    # Without a topology file a CPU's speed is timed (no listed peak). That figure is the emulated
+    # topology's device speed, which prices every candidate plan, so all processes must hold the
+    # same one: each timing its own matmuls, they held different ones.
+    args = ["--gin.ModelConfig.num_layers=4", "--gin.ModelConfig.hidden=64", "--gin.ModelConfig.num_heads=4",
+            "--gin.ModelConfig.ffn_hidden=128", "--gin.DataConfig.seq_len=32", "--gin.DataConfig.global_batch=16",
+            "--gin.ParallelConfig.pp=2", f"--gin.TrainConfig.workdir={tmp_path}"]
+    env = {k: v for k, v in dict(os.environ, PYTHONPATH=str(REPO)).items() if not k.startswith(("HOLMES_", "JAX_"))}
+    r = subprocess.run([sys.executable, "-m", "holmes_jax.launch", "-n", "2", "--devices-per-process", "4",
+                        "--timeout", "100", "--", sys.executable, "-c", PLAN_DEVICE_SPEED, *args],
+                       capture_output=True, text=True, timeout=120, cwd=REPO, env=env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    speeds = dict(re.findall(r"device_tflops (\d) (\S+)", r.stdout))
+    assert sorted(speeds) == ["0", "1"] and float(speeds["0"]) > 0, r.stdout[-2000:]
+    assert speeds["0"] == speeds["1"]

@@ -41,9 +41,10 @@ matched. The last stage runs each microbatch's forward, head and backward togeth
 its layers through the same `_Layers` as the other stages (so its padding is skipped the same
 way), keeping the residuals for that tick only, in its ring (which it otherwise has no use for).
 
-Each transfer is two `ppermute`s when some hops cross clusters (`boundary_hops`): one holding only
-those hops, one the rest. Each becomes a collective of its own, so XLA gives the crossing hops
-communicators of their own, which `boundary_warmup` creates before the first step (docs/nccl.md).
+Each transfer is two `ppermute`s when some hops, not all, cross clusters (`boundary_hops`): one
+holding only those hops, one the rest (an empty one is left out). Each becomes a collective of its
+own, so XLA gives the crossing hops communicators of their own, which `boundary_warmup` creates
+before the first step (docs/nccl.md).
 """
 
 from __future__ import annotations
