@@ -28,7 +28,7 @@ def gradient_specs(params_shapes: dict, stage_axis: str | None, dp: int, zero1: 
     leaves are split inside a layer, never along their layer axes, so each layer has its share
     on every replica (the pipeline reduces and updates a stage's real layers only)."""
     pspecs = gpt.param_specs(params_shapes, stage_axis, tp)
-    if not zero1:
+    if not zero1 or dp == 1:  # one replica: nothing to shard, and a split leaf would wait a step in `pending`
         return pspecs
     layer_axes = 1 if stage_axis is None else 2
 

@@ -304,6 +304,18 @@ def test_settling_for_an_eval_adds_the_pending_updates_and_copies_no_optimizer_s
     assert split
 
 
+def test_zero1_with_one_data_replica_holds_no_pending_copy_and_the_plan_counts_none(tmp_path):
+    # With dp = 1 ZeRO-1 split every leaf over a data axis of size 1: `pending` held a whole copy of
+    # the parameters (4 bytes a parameter, no use) and every update waited a step for it.
+    setups = {zero1: build.build(small_configs(tmp_path, "--gin.ParallelConfig.pp=2", "--gin.ParallelConfig.dp=1",
+                                               f"--gin.ParallelConfig.zero1={zero1}"), jax.devices()[:2])
+              for zero1 in (True, False)}
+    on, off = setups[True], setups[False]
+    assert sum(leaf.size for leaf in jax.tree.leaves(on.pending_shapes)) == 0
+    assert not on.plan.zero1
+    assert on.plan.prediction.stage_memory_bytes == off.plan.prediction.stage_memory_bytes
+
+
 PLAN_DEVICE_SPEED = """
 import sys
 from holmes_jax import build, configure, distributed

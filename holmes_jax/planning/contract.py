@@ -34,7 +34,7 @@ class Plan:
     microbatches: int
     global_batch: int
     seq_len: int
-    zero1: bool
+    zero1: bool  # in effect: ParallelConfig.zero1 with more than one data replica
     grad_reduce_dtype: str  # what gradients cross `data` in
     update_gather_dtype: str  # what ZeRO-1's gather of the parameter updates moves
     prediction: Prediction

@@ -99,7 +99,7 @@ def _cost_model(cfg: ModelConfig, pl: Placement, global_batch: int, seq_len: int
     stages = [cost.Stage(device_flops[s], tp, pl.tensor_routes[s], dp, dp_links[s],
                          pl.device_memory[s], update[s]) for s in range(pp)]
     flops = workload.megatron_flops(global_batch, seq_len, cfg.num_layers, cfg.hidden, cfg.vocab_size, cfg.remat)
-    model = CostModel(work, stages, boundaries, microbatches, schedule, par.zero1, step_flops=flops,
+    model = CostModel(work, stages, boundaries, microbatches, schedule, par.zero1 and dp > 1, step_flops=flops,
                       samples=global_batch)
     if prof is not None and prof.step_probes:
         model = _fit_step_probes(model, prof, cfg, pl, par, topo, notes)
@@ -451,7 +451,7 @@ def plan(topology, model, parallel: ParallelConfig | None = None, *, global_batc
             prediction = partitions["auto"] = c.model.predict(timed)
     return Plan(topo, cfg, c.placement, prediction.stage_layers,
                 "explicit" if par.stage_layers is not None else par.partition, c.model.schedule, c.model.microbatches,
-                global_batch, seq_len, par.zero1, par.grad_reduce_dtype, par.update_gather_dtype, prediction,
+                global_batch, seq_len, c.model.zero1, par.grad_reduce_dtype, par.update_gather_dtype, prediction,
                 partitions, notes)
 
 
