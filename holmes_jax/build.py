@@ -34,7 +34,7 @@ def peak_tflops(devices) -> tuple[float, str]:
     peak = metrics.device_peak_tflops(kind)
     if peak is not None:
         return peak, f"{kind} dense bf16 peak"
-    peak = _measured_peak(tuple(devices))
+    peak = _measured_peak(tuple(sorted(devices, key=lambda d: d.id)))  # the plan's order or the mesh's: one figure
     return peak, f"measured float32 matmul peak of {kind} ({peak:.3g} TFLOPS/device)"
 
 

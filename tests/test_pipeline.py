@@ -316,6 +316,20 @@ def test_zero1_with_one_data_replica_holds_no_pending_copy_and_the_plan_counts_n
     assert on.plan.prediction.stage_memory_bytes == off.plan.prediction.stage_memory_bytes
 
 
+def test_the_measured_peak_is_measured_once_whatever_the_device_order(monkeypatch):
+    # The plan asks in the order it places devices, train.run in the mesh's: a second order was a
+    # second measurement (and an MFU baseline other than the plan's figure).
+    calls = []
+    monkeypatch.setattr(build.metrics, "measure_matmul_peak_tflops", lambda devices: calls.append(1) or 0.5)
+    build._measured_peak.cache_clear()  # before and after: no other test sees the fake figure
+    try:
+        devices = jax.devices()
+        assert build.peak_tflops(devices)[0] == build.peak_tflops(devices[::-1])[0] == 0.5
+    finally:
+        build._measured_peak.cache_clear()
+    assert len(calls) == 1
+
+
 PLAN_DEVICE_SPEED = """
 import sys
 from holmes_jax import build, configure, distributed
