@@ -197,10 +197,12 @@ def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple]:
 
 
 def _full_names(found: dict, cfg: ModelConfig) -> dict:
-    """`found` keyed by GPT2LMHeadModel's names also when it was saved from GPT2Model (no prefix)."""
-    if architecture(cfg) == GPT2 and "transformer.wte.weight" not in found:
-        return {"transformer." + k if not k.startswith("lm_head") else k: v for k, v in found.items()}
-    return found
+    """`found` keyed by the causal-LM class's names also when it was saved from the base model
+    (GPT2Model, LlamaModel: no 'transformer.' or 'model.' prefix)."""
+    prefix = "transformer." if architecture(cfg) == GPT2 else "model."
+    if any(k.startswith(prefix) for k in found):
+        return found
+    return {prefix + k if not k.startswith("lm_head") else k: v for k, v in found.items()}
 
 
 _FLOATS = ("float32", "float16", "bfloat16", "float64")

@@ -148,6 +148,11 @@ def test_import_names_every_field_that_does_not_fit(tmp_path):
     cfg = presets.resolve(ModelConfig(preset="llama-tiny", num_layers=2, hidden=64, ffn_hidden=96))
     folder, params = _saved(tmp_path, cfg)
     jax.tree.map(np.testing.assert_array_equal, export.import_hf(folder, cfg), params)
+    # saved from LlamaModel, not LlamaForCausalLM: no 'model.' prefix (was "no tensor 'model.embed_tokens.weight'")
+    base = {k.removeprefix("model."): v for k, v in safetensors.numpy.load_file(folder / "model.safetensors").items()}
+    safetensors.numpy.save_file(base, tmp_path / "base.safetensors")
+    (tmp_path / "base.safetensors").replace(folder / "model.safetensors")
+    jax.tree.map(np.testing.assert_array_equal, export.import_hf(folder, cfg), params)
     wrong = presets.resolve(ModelConfig(preset="llama-tiny", num_layers=2, hidden=128, ffn_hidden=96, norm_eps=1e-6))
     with pytest.raises(ConfigError, match=r"ModelConfig.hidden = 128 but the folder has 64.*ModelConfig.norm_eps"):
         export.import_hf(folder, wrong)
