@@ -6,6 +6,9 @@ compilation cache for the session compiles each program once. The folder is new 
 (made by the process that starts the workers) and removed at its end, so no entry outlives the code
 that made it.
 
+Entries are read and written under JAX's file lock (a size limit set turns it on), so no process
+reads another's half-written entry.
+
 The tests' programs are tiny and compile far longer than they run, so LLVM's expensive passes are
 left out of CPU compiles here: the programs and their numbers are the same, built about a fifth
 faster. A run sets the flags only where XLA_FLAGS does not already say otherwise.
@@ -29,8 +32,13 @@ os.environ["XLA_FLAGS"] = " ".join(
     [f for f in _FAST_COMPILE if f.split("=")[0] not in os.environ.get("XLA_FLAGS", "")]
     + os.environ.get("XLA_FLAGS", "").split())
 os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.2"  # the default, 1 s, skips most of ours
+# With a size limit JAX locks the cache (filelock) around each read and write; without one it
+# writes entries in place, and a process starting the same program (a job's other rank) could
+# read half an entry: a warning on stderr, which tests of exact output would see.
+os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(1 << 40)
 jax.config.update("jax_compilation_cache_dir", _COMPILE_CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+jax.config.update("jax_compilation_cache_max_size", 1 << 40)
 
 
 def pytest_sessionfinish(session, exitstatus):
