@@ -148,6 +148,9 @@ def test_build_mesh_from_a_plan_on_eight_cpu_devices():
     (["--tp", "zero"], ["argument --tp", "allowed: a positive integer"]),
     (["--partition", "best"], ["argument --partition: invalid choice"]),
     (["--stage-layers", "20,20"], ["stage_layers = [20, 20] is not allowed"]),
+    # in the flags' words, not ParallelConfig's
+    (["--stage-layers", "18,18", "--pp", "4"], ["--stage-layers 18,18 is not allowed with --pp 4; allowed: 4 layer "
+                                                "counts, one per stage (or leave --pp out)"]),
     (["--global-batch", "102", "--tp", "8", "--pp", "2"], ["global_batch = 102 is not allowed with dp = 4"]),
     (["--tp", "8", "--pp", "2", "--microbatches", "5"], ["microbatches = 5 is not allowed"]),
     # pp left to the search: the layouts that fit the clusters say why, not pp = 1's --allow-mixed

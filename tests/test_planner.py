@@ -200,3 +200,50 @@ def test_planner_scale_bench_answers_help_without_running():
     assert r.returncode == 0 and "Planning time from 8 to 8192 nodes" in r.stdout and "nodes layers" not in r.stdout
     r = run("--nodes", "8")
     assert r.returncode == 2 and r.stdout == "" and r.stderr.count("\n") == 1
+
+
+def test_a_pp_error_offers_only_pp_the_model_has_layers_for():
+    """tiny (4 layers) on ib3_roce5 offered pp 8, 16, 32, 64 as 'allowed', each then refused for
+    having more stages than layers; 7.5b (36 layers) with pp 3 offered pp 64."""
+    with pytest.raises(ConfigError) as e:
+        plan(TOPOLOGIES / "ib3_roce5.toml", "tiny")
+    assert "allowed pp (every cluster holding whole stages, up to the model's 4 layers): none; or allow mixed " \
+           "stages" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        plan(TOPOLOGIES / "ib4_roce4.toml", "7.5b", ParallelConfig(pp=3))
+    assert "allowed pp up to the model's 36 layers: 1, 2, 4, 8, 16, 32;" in str(e.value)
+    assert "with pp 2, 4, 8, 16, 32 (the others" in str(e.value)
+    # the largest it offers passes the model's check (it is over memory here, a later check)
+    with pytest.raises(ConfigError, match="do not fit in device memory"):
+        plan(TOPOLOGIES / "ib4_roce4.toml", "7.5b", ParallelConfig(pp=32))
+
+
+def test_a_layout_that_fits_only_past_the_microbatch_cap_is_named():
+    """A global batch of 65536 fits 80 GB devices only with micro batches smaller than the search's
+    512 microbatches allow: 'no layout fits' named no way out, though a given count plans."""
+    model = ModelConfig(preset="39.1b", remat="full")
+    with pytest.raises(ConfigError) as e:
+        plan(TOPOLOGIES / "ib4_roce4.toml", model, global_batch=65536)
+    found = re.search(r"tp = (\d+), pp = (\d+) fits device memory only with more microbatches than the search "
+                      r"tries \(up to 512\): with microbatches = (\d+), schedule (\w+);", str(e.value))
+    assert found and "the plan CLI's --microbatches" in str(e.value)
+    tp, pp, m, schedule = found.groups()
+    given = ParallelConfig(tp=int(tp), pp=int(pp), microbatches=int(m), schedule=schedule)
+    p = plan(TOPOLOGIES / "ib4_roce4.toml", model, given, global_batch=65536)
+    assert p.prediction.fits and p.microbatches == int(m) > search.MAX_MICROBATCHES
+
+
+def test_a_given_split_over_memory_is_named_with_the_way_out():
+    """Memory is the longest stage's: 20,10 is over 21 GB where 15,15 is not. The error named the
+    layout but not the split that put it over."""
+    t = Topology((Cluster("big", "infiniband", 2, 8), Cluster("small", "roce", 2, 8, device_memory_gb=21)))
+    fixed = dict(tp=8, pp=2, microbatches=256, schedule="1f1b")
+    for given in (dict(stage_layers=(20, 10)), dict(partition="holmes-ratio")):
+        with pytest.raises(ConfigError) as e:
+            plan(t, "3.6b", ParallelConfig(**fixed, **given))
+        assert "schedule 1f1b, stage layers 20,10 do not fit in device memory" in str(e.value)
+        assert "or a more even split: partition auto picks one that fits)" in str(e.value)
+    assert plan(t, "3.6b", ParallelConfig(**fixed)).prediction.fits
+    with pytest.raises(ConfigError) as e:  # the even split itself over memory: no such advice
+        plan(t, "3.6b", ParallelConfig(**fixed, stage_layers=(15, 15)), global_batch=8192)
+    assert "stage layers 15,15 do not fit" in str(e.value) and "more even split" not in str(e.value)

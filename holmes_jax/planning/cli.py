@@ -63,6 +63,10 @@ def main(argv: list[str], draw: Callable[[Plan, str], None] | None = None) -> in
             raise ConfigError(f"--draw {args.draw!r} is not allowed; allowed: a file ending in "
                               f"{', '.join(PICTURE_SUFFIXES)} in an existing folder")
     given = {name: getattr(args, name) for name in SEARCHABLE}
+    if args.stage_layers and given["pp"] is not None and len(args.stage_layers) != given["pp"]:
+        # in the flags' words: ParallelConfig would name its own fields
+        raise ConfigError(f"--stage-layers {','.join(map(str, args.stage_layers))} is not allowed with --pp "
+                          f"{given['pp']}; allowed: {given['pp']} layer counts, one per stage (or leave --pp out)")
     pp = given["pp"] or (len(args.stage_layers) if args.stage_layers else 1)
     parallel = ParallelConfig(tp=given["tp"] or 1, pp=pp, dp=given["dp"], microbatches=given["microbatches"] or 1,
                               stage_layers=args.stage_layers, partition=args.partition,

@@ -52,10 +52,16 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _fitting_pp(topology: Topology, tp: int) -> list[int]:
-    """pp values for which every cluster holds whole stages of tp-wide tensor groups."""
+def _dividing_pp(topology: Topology, tp: int, max_pp: int | None = None) -> list[int]:
+    """pp values with pp * tp dividing the devices, up to `max_pp` (None: no limit)."""
+    return [pp for pp in divisors(topology.num_devices // tp) if max_pp is None or pp <= max_pp]
+
+
+def _fitting_pp(topology: Topology, tp: int, max_pp: int | None = None) -> list[int]:
+    """pp values for which every cluster holds whole stages of tp-wide tensor groups, up to `max_pp`."""
     n = topology.num_devices
-    return [pp for pp in divisors(n // tp) if all(c.num_devices % (n // pp) == 0 for c in topology.clusters)]
+    return [pp for pp in _dividing_pp(topology, tp, max_pp)
+            if all(c.num_devices % (n // pp) == 0 for c in topology.clusters)]
 
 
 def scheduler_order(topology: Topology) -> np.ndarray:
@@ -85,6 +91,12 @@ def route(topology: Topology, src, dst) -> Link:
     return Link(float(rate[worst] / share[worst]), float(latency.max()), via, int(share[worst]))
 
 
+def _layers_limit(topology: Topology, tp: int, max_pp: int | None, joiner: str = " ") -> str:
+    """Words saying that the pp offered stop at the model's layers, where that leaves some out."""
+    cut = max_pp is not None and max_pp < topology.num_devices // tp
+    return f"{joiner}up to the model's {max_pp} layers" if cut else ""
+
+
 def check_dp(devices: int, tp: int, dp: int) -> None:
     """A ConfigError naming dp where dp * tp does not divide the devices (no pp then fills them)."""
     if devices % (dp * tp):
@@ -92,8 +104,9 @@ def check_dp(devices: int, tp: int, dp: int) -> None:
                           f"allowed dp: {', '.join(map(str, divisors(devices // tp)))}")
 
 def place(topology: Topology, tp: int, pp: int, dp: int | None = None, method: str = "holmes",
-          allow_mixed: bool = False) -> Placement:
-    """The (pp, dp, tp) device grid; ConfigError when the sizes do not fit the topology."""
+          allow_mixed: bool = False, max_pp: int | None = None) -> Placement:
+    """The (pp, dp, tp) device grid; ConfigError when the sizes do not fit the topology.
+    `max_pp` (the model's layers): the largest pp an error may offer (None: no limit)."""
     if method not in PLACEMENTS:
         raise ConfigError(f"placement = {method!r} is not allowed; choose one of {', '.join(map(repr, PLACEMENTS))}")
     for name, value in (("tp", tp), ("pp", pp), ("dp", dp)):
@@ -109,13 +122,16 @@ def place(topology: Topology, tp: int, pp: int, dp: int | None = None, method: s
     if n % (pp * tp):
         if dp is not None:  # the search derives pp from a given dp: name the dp
             check_dp(n, tp, dp)
-        allowed = divisors(n // tp)
+        allowed = _dividing_pp(topology, tp, max_pp)
         # say which of them fit the clusters: the others are refused next as mixed stages
-        fitting = _fitting_pp(topology, tp) if method == "holmes" and not allow_mixed else allowed
+        fitting = _fitting_pp(topology, tp, max_pp) if method == "holmes" and not allow_mixed else allowed
         raise ConfigError(f"pp = {pp} is not allowed with tp = {tp}: pp * tp must divide the {n} devices; "
-                          f"allowed pp: {', '.join(map(str, allowed))}" + ("" if fitting == allowed else
-                          f"; every cluster holds whole stages only with pp {', '.join(map(str, fitting)) or 'none'} "
-                          f"(the others need allow_mixed=True, --allow-mixed)"))
+                          f"allowed pp{_layers_limit(topology, tp, max_pp)}: {', '.join(map(str, allowed)) or 'none'}"
+                          + ("" if fitting == allowed else
+                             f"; every cluster holds whole stages only with pp {', '.join(map(str, fitting))} "
+                             f"(the others need allow_mixed=True, --allow-mixed)" if fitting else
+                             "; with none of them does every cluster hold whole stages (they need allow_mixed=True, "
+                             "--allow-mixed)"))
     if dp is not None and pp * dp * tp != n:
         raise ConfigError(f"dp = {dp} is not allowed: pp * dp * tp = {pp} * {dp} * {tp} must equal the {n} devices; "
                           f"allowed with pp = {pp}, tp = {tp}: dp = {n // (pp * tp)}")
@@ -129,8 +145,8 @@ def place(topology: Topology, tp: int, pp: int, dp: int | None = None, method: s
         raise ConfigError(
             f"pp = {pp} is not allowed with tp = {tp}: stage {s} would span clusters "
             f"{', '.join(repr(c.name) for c in clusters[s])}, so its data groups would sync across clusters; "
-            f"allowed pp (every cluster holding whole stages): "
-            f"{', '.join(map(str, _fitting_pp(topology, tp))) or 'none'}; "
+            f"allowed pp (every cluster holding whole stages{_layers_limit(topology, tp, max_pp, ', ')}): "
+            f"{', '.join(map(str, _fitting_pp(topology, tp, max_pp))) or 'none'}; "
             f"or allow mixed stages (allow_mixed=True, --allow-mixed)")
 
     def joined(values) -> str:

@@ -495,13 +495,16 @@ def _candidates(topo: Topology, cfg: ModelConfig, par: ParallelConfig, free: set
     device memory; and why the others do not."""
     found, errors, misfits = [], [], []  # misfits: layouts the model or the topology refuse
     over = []  # (need / have, why) of the layouts over device memory
+    beyond = []  # layouts that fit memory only with more microbatches than the search tries
     remat_hint = "" if cfg.remat == "full" else ", or ModelConfig.remat = 'full', the plan CLI's --remat"
+    own_split = par.stage_layers is not None or par.partition != "auto"  # else the search picks one that fits
+    schedules = SCHEDULES if "schedule" in free else [par.schedule]
     for tp, pp, dp in _layouts(topo, cfg, par, free):
         try:
             if dp is not None:  # before the model's check of the pp derived from it
                 placement.check_dp(topo.num_devices, tp, dp)
             _check_model(cfg, tp, pp)
-            pl = placement.place(topo, tp, pp, dp, par.placement, allow_mixed)
+            pl = placement.place(topo, tp, pp, dp, par.placement, allow_mixed, max_pp=cfg.num_layers)
         except ConfigError as e:
             misfits.append(str(e))
             continue
@@ -518,7 +521,7 @@ def _candidates(topo: Topology, cfg: ModelConfig, par: ParallelConfig, free: set
         for group in (options, more):
             if len(found) > fitted:
                 break
-            for m, schedule in itertools.product(group, SCHEDULES if "schedule" in free else [par.schedule]):
+            for m, schedule in itertools.product(group, schedules):
                 model, notes = _cost_model(cfg, pl, global_batch, seq_len, m, schedule, par, prof, topo)
                 if par.stage_layers is not None or par.partition != "auto":
                     split = partition.split(par.partition, model, weights, par.stage_layers)
@@ -531,14 +534,40 @@ def _candidates(topo: Topology, cfg: ModelConfig, par: ParallelConfig, free: set
                 if bound == np.inf:
                     memory = model.stage_terms([split])["memory"][0]
                     s = int(np.argmax(memory / np.array(pl.device_memory)))
+                    # memory is the longest stage's: an uneven split of the user's may be what is over
+                    uneven = own_split and max(split) > -(-cfg.num_layers // pp)
                     over.append((memory[s] / pl.device_memory[s],
-                                 f"tp = {tp}, pp = {pp}, microbatches = {m}, schedule {schedule} do not fit in device "
-                                 f"memory: stage {s} needs {memory[s] / 1e9:.3g} GB, its devices have "
+                                 f"tp = {tp}, pp = {pp}, microbatches = {m}, schedule {schedule}"
+                                 f"{', stage layers ' + ','.join(map(str, split)) if own_split else ''} do not fit "
+                                 f"in device memory: stage {s} needs {memory[s] / 1e9:.3g} GB, its devices have "
                                  f"{pl.device_memory[s] / 1e9:.3g} GB; allowed: layouts that fit (or a larger "
-                                 f"device_memory_gb in the topology{remat_hint})"))
+                                 f"device_memory_gb in the topology{remat_hint}"
+                                 f"{', or a more even split: partition auto picks one that fits' if uneven else ''})"))
                     continue
                 found.append(_Candidate(bound, pl, model, weights, split, notes))
+        if "microbatches" in free and len(found) == fitted:
+            beyond += _past_the_cap(cfg, pl, global_batch, seq_len, schedules, par, prof, topo)
     # Batch and memory misfits first: a searched pp that does not fit the clusters is no news when
     # the layouts that do fit fail for another reason (--microbatches 7 is not an --allow-mixed problem).
     # Of the memory misfits, the nearest to fitting first: the one worth reading.
-    return found, errors + [text for _, text in sorted(over, key=lambda o: o[0])] + misfits
+    return found, errors + beyond + [text for _, text in sorted(over, key=lambda o: o[0])] + misfits
+
+
+def _past_the_cap(cfg: ModelConfig, pl: Placement, global_batch: int, seq_len: int, schedules: list,
+                  par: ParallelConfig, prof, topo: Topology) -> list[str]:
+    """Why a layout over memory at every microbatch count the search tries (up to MAX_MICROBATCHES)
+    is still worth giving: it fits with more, which a user may give (up to MAX_GIVEN_MICROBATCHES).
+    Memory alone is checked (no schedule is walked), the even split, fewest microbatches first."""
+    pp, dp, tp = pl.grid.shape
+    per_replica = global_batch // dp
+    for m in range(MAX_MICROBATCHES + 1, min(per_replica, MAX_GIVEN_MICROBATCHES) + 1):
+        if per_replica % m:
+            continue
+        for schedule in schedules:
+            model, _ = _cost_model(cfg, pl, global_batch, seq_len, m, schedule, par, prof, topo)
+            if model.stage_terms([partition.uniform(cfg.num_layers, pp)])["fits"][0]:
+                return [f"tp = {tp}, pp = {pp} fits device memory only with more microbatches than the search tries "
+                        f"(up to {MAX_MICROBATCHES}): with microbatches = {m}, schedule {schedule}; allowed: give "
+                        f"them (ParallelConfig.microbatches, the plan CLI's --microbatches; up to "
+                        f"{MAX_GIVEN_MICROBATCHES})"]
+    return []
