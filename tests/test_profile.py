@@ -25,7 +25,7 @@ def test_profile_measures_layers_and_links_and_round_trips(tmp_path, zero1):
     result = profile.profile(setup, repeats=2, splits=0 if zero1 else 2)
     analytic = workload.model_costs(cfgs.model, result.micro_batch, result.seq_len).layers[0].fwd_flops
     assert result.layer_fwd_flops == pytest.approx(analytic, rel=0.15)  # XLA also counts softmax and norms
-    assert result.layer_fwd_s > 0 and result.layer_bwd_s > 0 and result.achieved_tflops > 0
+    assert result.layer_fwd_s > 0 and result.layer_bwd_s > 0
     assert 0 < result.update_s_per_param < result.layer_fwd_s / 1000  # AdamW touches a parameter a few times
     assert (result.compute_dtype, result.remat) == ("float32", "none")  # what the layer times were measured with
     assert result.block == block_shape(setup.plan.model)  # and on what blocks

@@ -93,11 +93,6 @@ class Profile:
     # the profiled model's block_shape (older profiles: None, not recorded)
     block: dict | None = None
 
-    @property
-    def achieved_tflops(self) -> float:
-        """What one device sustains on a block's forward (its efficiency folded in)."""
-        return self.layer_fwd_flops / self.layer_fwd_s / 1e12
-
     def to_json(self) -> str:
         raw = dataclasses.asdict(self)
         raw["data_links"] = [_link_json(l) for l in self.data_links]
