@@ -10,9 +10,11 @@ from holmes_jax.config import TrainConfig
 
 
 def make_optimizer(tcfg: TrainConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """AdamW on a warm-up cosine schedule. Gradient clipping is not chained in: `apply_gradients`
-    clips by the one global norm it also reports (a chained clip beside a separately computed
-    norm for the metrics made the step about 30 ms slower on the 4-process emulated testbed)."""
+    """AdamW on a warm-up cosine schedule. Gradient clipping is not chained in: the train step
+    (`holmes_jax.pipeline.update.make_update`) clips by the one global norm it also reports, summed
+    over the mesh (a chained clip beside a separately computed norm for the metrics made the step
+    about 30 ms slower on the 4-process emulated testbed). `apply_gradients` is that update on one
+    device, unsharded."""
     schedule = optax.warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=tcfg.learning_rate, warmup_steps=tcfg.warmup_steps,
         decay_steps=max(tcfg.steps, tcfg.warmup_steps + 1), end_value=tcfg.learning_rate * tcfg.min_lr_ratio,

@@ -4,8 +4,9 @@ The large presets follow Megatron's GPT shapes used by the Holmes paper (vocabul
 51200, sequence 2048, learned positions, LayerNorm, GELU, tied embeddings); their parameter
 counts land within 2% of their names (350m has 357 million, 1.3b 1.32 billion). `gpt2-small` is
 GPT-2's smallest model exactly (biases, vocabulary 50257), `llama3-8b` Llama 3 8B's shapes and
-`llama-1b` Llama 3.2 1B's (both use the plain rotary frequencies: no long-context scaling), so
-their weights convert to and from Hugging Face (`holmes_jax.export`).
+`llama-1b` Llama 3.2 1B's; their runs export to Hugging Face (`holmes_jax.export`). Both use the
+plain rotary frequencies: Llama 3.2's long-context scaling is not implemented, so the published
+Llama 3.2 1B checkpoint, which asks for it, is refused on import (Llama 3 8B's asks for none).
 """
 
 from __future__ import annotations
