@@ -343,76 +343,19 @@ def test_layernorm_normalizes_an_input_whose_mean_dwarfs_its_spread():
     np.testing.assert_allclose(norm(jnp.asarray(x, jnp.float32)), expected, rtol=0, atol=1e-3)
 
 
-def _reference_logits(cfg, params, tokens):
-    """The textbook forward in float64 numpy: GPT-2 (LayerNorm, tanh GELU, learned positions) or
-    LLaMA (RMSNorm, SwiGLU, Hugging Face's `rotate_half` rotary, `repeat_kv` grouped-query heads)."""
-    p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
 
-    def norm(x, w):
-        if cfg.norm == "rmsnorm":
-            return x / np.sqrt((x ** 2).mean(-1, keepdims=True) + cfg.norm_eps) * w["scale"]
-        c = x - x.mean(-1, keepdims=True)
-        return c / np.sqrt((c ** 2).mean(-1, keepdims=True) + cfg.norm_eps) * w["scale"] + w["bias"]
-
-    def linear(x, w):
-        return x @ w["kernel"] + w.get("bias", 0.0)
-
-    def rotary(x):  # (batch, seq, heads, head_dim)
-        d = x.shape[-1]
-        angles = np.arange(x.shape[1])[:, None] / cfg.rope_base ** (np.arange(0, d, 2) / d)
-        angles = np.concatenate([angles, angles], -1)[None, :, None, :]
-        rotated = np.concatenate([-x[..., d // 2:], x[..., :d // 2]], -1)
-        return x * np.cos(angles) + rotated * np.sin(angles)
-
-    b, s = tokens.shape
-    heads, kv_heads, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    x = p["embed"]["tokens"]["embedding"][tokens]
-    if cfg.positions == "learned":
-        x = x + p["embed"]["positions"][:s]
-    for layer in range(cfg.num_layers):
-        w = jax.tree.map(lambda a: a[layer], p["blocks"])
-        h = norm(x, w["attn_norm"])
-        q = linear(h, w["q"]).reshape(b, s, heads, d)
-        k, v = (linear(h, w[name]).reshape(b, s, kv_heads, d) for name in ("k", "v"))
-        if cfg.positions == "rotary":
-            q, k = rotary(q), rotary(k)
-        k, v = (np.repeat(t, heads // kv_heads, axis=2) for t in (k, v))
-        scores = np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(d)
-        scores = np.where(np.tril(np.ones((s, s), bool)), scores, -np.inf)
-        weights = np.exp(scores - scores.max(-1, keepdims=True))
-        weights /= weights.sum(-1, keepdims=True)
-        x = x + linear(np.einsum("bhqk,bkhd->bqhd", weights, v).reshape(b, s, heads * d), w["o"])
-        h = norm(x, w["mlp_norm"])
-        if cfg.mlp == "swiglu":
-            gate = linear(h, w["gate"])
-            inner = gate / (1 + np.exp(-gate)) * linear(h, w["up"])
-        else:
-            up = linear(h, w["up"])
-            inner = 0.5 * up * (1 + np.tanh(np.sqrt(2 / np.pi) * (up + 0.044715 * up ** 3)))
-        x = x + linear(inner, w["down"])
-    out = p["embed"]["tokens"]["embedding"].T if cfg.tie_embeddings else p["head"]["out"]["kernel"]
-    return norm(x, p["head"]["norm"]) @ out
-
-
-@pytest.mark.parametrize("options", [
-    dict(preset="tiny", bias=True),  # GPT-2 style
-    dict(preset="llama-tiny"),  # 4 query heads over 2 kv heads, untied
-    dict(preset="llama-tiny", num_kv_heads=1, bias=True, tie_embeddings=True, rope_base=500000.0),
-])
-def test_logits_and_loss_match_the_reference_formulas(options):
-    cfg = presets.resolve(ModelConfig(num_layers=2, **options))
+def test_the_loss_is_the_mean_cross_entropy_of_the_next_token():
+    # The logits themselves are checked against the published formulas in test_export (read as
+    # transformers reads an exported folder).
+    cfg = presets.resolve(ModelConfig(preset="llama-tiny", num_layers=2))
     model = gpt.GPT(cfg)
-    # Every parameter random, norm scales and biases included, so that each one counts.
-    rng = np.random.default_rng(9)
-    params = jax.tree.map(lambda a: jnp.asarray(rng.normal(0, 0.3, a.shape), jnp.float32), model.init(0))
-    batch = rng.integers(0, cfg.vocab_size, (2, 21))
-    expected = _reference_logits(cfg, params, batch[:, :-1])
-    np.testing.assert_allclose(model.logits(params, jnp.asarray(batch[:, :-1])), expected, rtol=0, atol=1e-4)
-    top = expected.max(-1)
-    log_z = top + np.log(np.exp(expected - top[..., None]).sum(-1))
-    loss = np.mean(log_z - np.take_along_axis(expected, batch[:, 1:, None], -1)[..., 0])
-    assert float(model.loss(params, jnp.asarray(batch))) == pytest.approx(loss, rel=1e-5)
-
+    params = model.init(0)
+    batch = np.random.default_rng(9).integers(0, cfg.vocab_size, (2, 21))
+    logits = np.asarray(model.logits(params, jnp.asarray(batch[:, :-1])), np.float64)
+    top = logits.max(-1)
+    log_z = top + np.log(np.exp(logits - top[..., None]).sum(-1))
+    expected = np.mean(log_z - np.take_along_axis(logits, batch[:, 1:, None], -1)[..., 0])
+    assert float(model.loss(params, jnp.asarray(batch))) == pytest.approx(expected, rel=1e-5)
 
 def test_the_learning_rate_warms_up_linearly_then_decays_by_cosine_to_its_floor():
     from holmes_jax import optimizer
