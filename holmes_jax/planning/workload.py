@@ -103,8 +103,9 @@ def vocab_split_params(cfg: ModelConfig, tp: int) -> int:
 def zero1_whole(cfg: ModelConfig, dp: int, tp: int = 1) -> Zero1Whole:
     """The runtime's ZeRO-1 rule (holmes_jax.sharding) from the config alone: a parameter array is
     split over `data` along its first axis that tensor parallelism leaves alone and `dp` divides;
-    one with no such axis stays whole. Power-of-two models keep nearly everything whole with a dp
-    of 3 or 6, for instance. Arrays: (shape, the axis tensor parallelism splits or None)."""
+    one with no such axis stays whole, and with one replica (dp = 1) all do. Power-of-two models
+    keep nearly everything whole with a dp of 3 or 6, for instance. Arrays: (shape, the axis tensor
+    parallelism splits or None)."""
     h, f, v, kv = cfg.hidden, cfg.ffn_hidden, cfg.vocab_size, cfg.num_kv_heads * cfg.head_dim
     vocab = vocab_split_params(cfg, tp) > 0
     mlp_in = 2 if cfg.mlp == "swiglu" else 1  # up (and gate)
@@ -117,7 +118,7 @@ def zero1_whole(cfg: ModelConfig, dp: int, tp: int = 1) -> Zero1Whole:
 
     def whole(arrays):
         kept = [shape for shape, tensor in arrays
-                if not any(size % dp == 0 for axis, size in enumerate(shape) if axis != tensor)]
+                if dp == 1 or not any(size % dp == 0 for axis, size in enumerate(shape) if axis != tensor)]
         return sum(math.prod(shape) for shape in kept), len(kept)
 
     def total(arrays):
