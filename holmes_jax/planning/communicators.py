@@ -4,7 +4,8 @@ One entry per stage for its data groups and for its tensor groups (when that axi
 one device), and one per stage boundary (the pipeline hop s -> s + 1). `transport` is what NCCL
 uses for it: `nvlink` when every group stays inside a node, `ib` (NCCL's IB transport, InfiniBand
 and RoCE verbs alike) when the groups leave nodes but stay inside one RDMA cluster, `socket` (TCP)
-when a group spans clusters, whose fabrics do not reach each other, or its cluster is Ethernet.
+when a group spans clusters, whose fabrics do not reach each other, or its cluster is Ethernet
+(there NCCL takes a network plugin instead where one is installed: AWS EFA's, GCP's TCPX).
 A boundary whose pairs span clusters is one the runtime gives communicators of their own, created
 under NCCL_NET=Socket (docs/nccl.md).
 """
