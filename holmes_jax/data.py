@@ -17,7 +17,8 @@ Sources (`DataConfig.source`):
 has at least 256); `TokenData.check_model_vocab` rejects a model too small for the ids.
 
 Text is cached as a uint8 memmap under `DataConfig.cache_dir`, keyed by the files' absolute paths,
-sizes and modification times, so an edited file or another folder of the same name is read anew.
+sizes, modification and change times and inodes, so an edited or replaced file (its modification
+time set back, as `cp -p` or `touch -r` leave it) or another folder of the same name is read anew.
 The last `val_fraction` of the tokens is the validation split. The batch for step k is a pure
 function of (seed, split, k), so a resumed run sees exactly the batches an uninterrupted one would.
 """
@@ -119,7 +120,9 @@ def _cached_bytes(files: list[Path], cache_dir: Path, source: str) -> np.ndarray
     key = hashlib.sha256()
     stats = [f.stat() for f in files]
     for f, stat in zip(files, stats):
-        key.update(f"{f.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}\0".encode())
+        # The change time and inode too: a write or a replacing rename always changes them, while
+        # `cp -p`, `touch -r` or an unpacked archive can give new content the old size and mtime.
+        key.update(f"{f.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}\0{stat.st_ctime_ns}\0{stat.st_ino}\0".encode())
     if not any(stat.st_size for stat in stats):
         raise ConfigError(f"DataConfig.source = {source!r} holds no text: its files are empty")
     cache = cache_dir / f"bytes-{key.hexdigest()[:16]}.u8"
@@ -141,8 +144,8 @@ def _cached_bytes(files: list[Path], cache_dir: Path, source: str) -> np.ndarray
     return np.memmap(cache, dtype=np.uint8, mode="r")
 
 
-def _token_file(path: Path, dtype: str, source: str) -> np.ndarray:
-    """The ids of a flat token file; ConfigError when it is missing, empty or not whole ids."""
+def _token_file(path: Path, dtype: str, source: str, fix: str = "check DataConfig.token_dtype") -> np.ndarray:
+    """The ids of a flat token file; ConfigError when it is missing, empty or not whole ids (`fix` says what to do)."""
     if not path.is_file():
         raise ConfigError(f"DataConfig.source = {source!r}: token file {str(path)!r} not found")
     size, itemsize = path.stat().st_size, np.dtype(dtype).itemsize
@@ -150,7 +153,7 @@ def _token_file(path: Path, dtype: str, source: str) -> np.ndarray:
         raise ConfigError(f"DataConfig.source = {source!r}: token file {str(path)!r} is empty")
     if size % itemsize:
         raise ConfigError(f"DataConfig.source = {source!r}: token file {str(path)!r} holds {size} bytes, not a whole "
-                          f"number of {dtype} ids ({itemsize} bytes each); check DataConfig.token_dtype")
+                          f"number of {dtype} ids ({itemsize} bytes each); {fix}")
     return np.memmap(path, dtype=np.dtype(dtype).newbyteorder("<"), mode="r")
 
 
@@ -224,7 +227,8 @@ def load(cfg: DataConfig) -> TokenData:
         if cfg.vocab_size is not None and cfg.vocab_size != meta["vocab_size"]:
             raise ConfigError(f"DataConfig.vocab_size = {cfg.vocab_size} disagrees with {folder / META_FILE} "
                               f"(vocab_size {meta['vocab_size']}); leave it unset for a prepared folder")
-        tokens = _token_file(folder / TOKEN_FILE, meta["dtype"], cfg.source)
+        # Its dtype is meta.json's, not DataConfig.token_dtype: a part id is a cut-short file.
+        tokens = _token_file(folder / TOKEN_FILE, meta["dtype"], cfg.source, "prepare the folder again")
         if len(tokens) != meta["tokens"]:
             raise ConfigError(f"DataConfig.source = {cfg.source!r}: {TOKEN_FILE} holds {len(tokens):,} tokens, "
                               f"{META_FILE} says {meta['tokens']:,}; prepare the folder again")

@@ -1,16 +1,18 @@
 """Text to a prepared token folder: `python -m holmes_jax.data prepare SRC ... --out DIR --tokenizer T`.
 
-Inputs: text files, folders of them (every file under the folder, sorted, hidden paths skipped) and
-JSONL files (`*.jsonl`, one JSON object a line with a "text" string). Each text file is one
-document, each JSONL line one more; empty ones are skipped, and so are binary files (a NUL byte
-in their first 8 KiB, as git decides: compiled `.pyc` files, images). Text is read as UTF-8;
-bytes that are not UTF-8 become U+FFFD for the BPE tokenizers (the bytes tokenizer keeps them).
+Inputs: text files, folders of them (every file under the folder, linked folders included, sorted,
+hidden paths skipped) and JSONL files (`*.jsonl`, one JSON object a line with a "text" string).
+Each text file is one document, each JSONL line one more; empty ones are skipped, and so are
+binary files (a NUL byte in their first 8 KiB, as git decides: compiled `.pyc` files, images).
+Text is read as UTF-8; bytes that are not UTF-8 become U+FFFD for the BPE tokenizers (the bytes
+tokenizer keeps them).
 
 Tokenizers (T):
 - `bytes`: one token per byte (0-255) and end-of-text 256, so a vocabulary of 257.
 - `bpe:N`: a byte-level BPE of N tokens trained on the inputs (end-of-text is id 0).
 - a path to a Hugging Face `tokenizer.json`: its end-of-text token is the first of
   <|endoftext|>, <|end_of_text|>, </s>, <eos> it holds; without one, <|endoftext|> is added.
+  A truncation or padding setting it holds is dropped: every document is tokenized whole.
 
 DIR gets `tokens.bin` (every document followed by end-of-text, little-endian uint16 when the
 vocabulary fits, else uint32), `tokenizer.json` (not for bytes) and `meta.json`. It is written
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import codecs
 import json
+import os
 import re
 import sys
 import time
@@ -93,11 +96,18 @@ class Progress:
 
 def folder_files(folder: Path) -> list[Path]:
     """The files under `folder`, sorted, without hidden paths (a `.git` folder, say) and without
-    the prepared folders under it (prepare's own output, written into its source folder)."""
-    prepared = {m.parent for m in folder.rglob(META_FILE) if (m.parent / TOKEN_FILE).is_file()}
-    return sorted(f for f in folder.rglob("*") if f.is_file()
-                  and not any(part.startswith(".") for part in f.relative_to(folder).parts)
-                  and not prepared.intersection(f.parents))
+    the prepared folders under it (prepare's own output, written into its source folder). Linked
+    folders are read like linked files, each real folder once (a link to a folder above is a loop)."""
+    files, seen = [], set()
+    for root, dirs, names in os.walk(folder, followlinks=True):
+        real = os.path.realpath(root)
+        if real in seen or (META_FILE in names and TOKEN_FILE in names):
+            dirs.clear()  # met already (a symlink loop), or a prepared folder
+            continue
+        seen.add(real)
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))  # sorted: which link to a folder counts is fixed
+        files += [Path(root, n) for n in names if not n.startswith(".") and Path(root, n).is_file()]
+    return sorted(files)
 
 
 def is_binary(head: bytes) -> bool:
@@ -178,6 +188,10 @@ class HFTokenizer:
         # A "<|endoftext|>" (or any special token) written in the text is text: only the separator
         # this module puts after each document is the end-of-text id.
         tokenizer.encode_special_tokens = True
+        # A tokenizer.json may keep a truncation or padding setting (made for a model's inputs): it
+        # would cut every document to that length, or pad it.
+        tokenizer.no_truncation()
+        tokenizer.no_padding()
         self.tokenizer, self.eot_id, self.vocab_size = tokenizer, vocab[eot], max(vocab.values()) + 1
 
     def encode(self, docs: list[bytes]) -> list[np.ndarray]:
@@ -259,9 +273,13 @@ def prepare(sources: list[str], out: str, spec: str) -> dict:
         dtype = np.dtype("<u2" if tokenizer.vocab_size <= 1 << 16 else "<u4")
         progress = Progress("tokenizing", total)
         with open(tmp / TOKEN_FILE, "wb") as sink:
+            eot = np.asarray([tokenizer.eot_id], dtype)
             for batch in _batches(documents(files, progress), BATCH_BYTES):
-                ids = np.concatenate([part for d in tokenizer.encode(batch) for part in (d, [tokenizer.eot_id])])
-                ids.astype(dtype).tofile(sink)
+                # Joined straight into the file's dtype (the ids fit it): an int64 join held a huge
+                # document at 8 bytes a token besides its copy in the dtype.
+                ids = np.concatenate([part for d in tokenizer.encode(batch) for part in (d, eot)],
+                                     dtype=dtype, casting="unsafe")
+                ids.tofile(sink)
                 progress.advance(documents=len(batch), tokens=len(ids))
         progress.close()
         if progress.documents == 0:

@@ -254,3 +254,35 @@ def test_text_caches_written_at_once_under_one_pid_do_not_mix(tmp_path, monkeypa
     outer = data._cached_bytes(files, tmp_path / "cache", "t")
     assert bytes(outer) == bytes(nested["cache"]) == b"a" * 500 + b"b" * 500
     assert [p.name for p in (tmp_path / "cache").iterdir()] == [Path(outer.filename).name]
+
+
+def test_the_text_cache_reads_new_content_given_the_old_size_and_modification_time(tmp_path):
+    # `cp -p`, `touch -r`, rsync -t or an unpacked archive can leave new text with the old size and mtime.
+    corpus = tmp_path / "a.txt"
+    cfg = DataConfig(source=str(corpus), seq_len=8, cache_dir=str(tmp_path / "c"))
+    corpus.write_bytes(b"A" * 400)
+    assert set(np.unique(data.load(cfg).train)) == {ord("A")}
+    old = corpus.stat()
+    corpus.write_bytes(b"B" * 400)
+    os.utime(corpus, ns=(old.st_atime_ns, old.st_mtime_ns))
+    assert set(np.unique(data.load(cfg).train)) == {ord("B")}
+
+
+def test_a_prepared_folder_whose_tokens_bin_ends_in_part_of_an_id_says_prepare_it_again(tmp_path):
+    folder = tmp_path / "p"
+    _write(folder / "a.txt", b"hello world, " * 100)
+    data.prepare.prepare([str(folder / "a.txt")], str(tmp_path / "p" / "out"), "bytes")
+    with open(tmp_path / "p" / "out" / "tokens.bin", "r+b") as f:  # uint16 ids cut short by one byte
+        f.truncate(f.seek(0, 2) - 1)
+    with pytest.raises(ConfigError, match="not a whole number of uint16 ids .*; prepare the folder again"):
+        data.load(DataConfig(source=str(tmp_path / "p" / "out"), seq_len=8, cache_dir=str(tmp_path / "c")))
+
+
+def test_a_text_folder_reads_linked_folders_and_stops_at_a_symlink_loop(tmp_path):
+    corpus = tmp_path / "corpus"
+    _write(corpus / "a" / "x.txt", b"x" * 100)
+    _write(tmp_path / "elsewhere" / "y.txt", b"y" * 100)
+    (corpus / "linked").symlink_to(tmp_path / "elsewhere")  # a corpus assembled from links
+    (corpus / "a" / "loop").symlink_to(corpus)  # a link to a folder above
+    tokens = data.load(DataConfig(source=str(corpus), seq_len=8, val_fraction=0.1, cache_dir=str(tmp_path / "c")))
+    assert bytes(np.concatenate([tokens.train, tokens.val])) == b"x" * 100 + b"y" * 100

@@ -142,6 +142,57 @@ def test_jsonl_lines_are_documents_and_a_tokenizer_without_end_of_text_gets_one(
     assert [tok.decode(d[:-1].tolist()) for d in docs] == ["first document", "second, with ünïcode"]
 
 
+@pytest.mark.parametrize("setting", ["truncation", "padding"])
+def test_a_tokenizer_json_that_truncates_or_pads_tokenizes_each_document_whole(tmp_path, setting):
+    from tokenizers import Tokenizer
+
+    texts = ["a first document, long enough to be cut", "a second one"]
+    src = tmp_path / "docs.jsonl"
+    src.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    plain = _train_hf_tokenizer(tmp_path / "plain.json", texts * 10, ["<|endoftext|>"], size=300)
+    tok = Tokenizer.from_file(str(plain))
+    if setting == "truncation":  # as a tokenizer.json made for a model's inputs may hold it
+        tok.enable_truncation(max_length=4)
+    else:
+        tok.enable_padding(length=64, pad_id=0, pad_token="<|endoftext|>")
+    tok.save(str(tmp_path / "set.json"))
+    prepare.prepare([str(src)], str(tmp_path / "out"), str(tmp_path / "set.json"))
+    plain_tok = Tokenizer.from_file(str(plain))
+    _, docs = _documents(tmp_path / "out")
+    assert [d[:-1].tolist() for d in docs] == [plain_tok.encode(t, add_special_tokens=False).ids for t in texts]
+
+
+def test_a_huge_document_is_prepared_in_a_few_bytes_of_memory_per_byte(tmp_path):
+    import tracemalloc
+
+    size = 8 << 20
+    (tmp_path / "big.txt").write_bytes(b"the quick brown fox jumps over the lazy dog\n" * (size // 44))
+    tracemalloc.start()  # numpy reports its arrays to tracemalloc too
+    try:
+        prepare.prepare([str(tmp_path / "big.txt")], str(tmp_path / "out"), "bytes")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 * size, f"{peak / size:.1f} bytes of memory per byte of text"  # the text, its uint16 ids
+    ids = np.fromfile(tmp_path / "out" / "tokens.bin", "<u2")
+    assert len(ids) == (size // 44) * 44 + 1 and ids[-1] == 256
+    assert bytes(ids[:44].astype(np.uint8)) == b"the quick brown fox jumps over the lazy dog\n"
+
+
+def test_a_folder_reads_linked_folders_once_and_stops_at_a_symlink_loop(tmp_path):
+    corpus = tmp_path / "corpus"
+    (corpus / "a").mkdir(parents=True)
+    (corpus / "a" / "x.txt").write_text("x")
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "y.txt").write_text("y")
+    (corpus / "b-linked").symlink_to(tmp_path / "elsewhere")
+    (corpus / "c-linked-again").symlink_to(tmp_path / "elsewhere")  # the same folder: read once
+    (corpus / "a" / "loop").symlink_to(corpus)
+    assert [f.relative_to(corpus).as_posix() for f in prepare.folder_files(corpus)] == ["a/x.txt", "b-linked/y.txt"]
+    meta = prepare.prepare([str(corpus)], str(tmp_path / "out"), "bytes")
+    assert meta["documents"] == 2
+
+
 @pytest.mark.parametrize("spec", ["bpe:300", "tokenizer.json"])
 def test_end_of_text_written_in_the_text_is_text_not_a_document_break(tmp_path, spec):
     text = 'SEPARATOR = "<|endoftext|>"  # and </s> too\n' * 20
