@@ -91,9 +91,11 @@ class StepLogger:
         if step % self.setup.cfgs.train.eval_every == 0 or step == last:
             row["val_loss"] = evaluate(self.setup, self.eval_step, self.setup.settled(state)["params"],
                                        self.token_data)
-        self.log and self.log.write(row)
-        self.rows.append(row)
-        self.pending, self.t_last = [], time.perf_counter()
+        try:
+            self.log and self.log.write(row)
+        finally:  # even when the console's reader left (BrokenPipeError): its steps are not the next row's
+            self.rows.append(row)
+            self.pending, self.t_last = [], time.perf_counter()
 
     def exclude(self, seconds: float) -> None:
         """Leaves `seconds` spent outside the steps (a checkpoint save) out of the next row's step time."""
@@ -119,6 +121,15 @@ def prepare_workdir(path: str) -> Path:
         raise ConfigError(f"TrainConfig.workdir = {path!r} cannot be used: {reason}; "
                           "allowed: a directory this process can create and write") from None
     return workdir
+
+
+def saved_steps(checkpoints: Path) -> list[int]:
+    """The steps whose checkpoints `checkpoints` holds: orbax names each step's directory by its
+    number (a save in flight, `<step>.orbax-checkpoint-tmp`, and a damaged one set aside are not)."""
+    try:
+        return sorted(int(entry.name) for entry in checkpoints.iterdir() if entry.name.isdecimal() and entry.is_dir())
+    except OSError:  # none yet; a file or an unreadable directory is refused with its reason later
+        return []
 
 
 LOCK_FILE = ".lock"  # in a run's workdir, held by its process 0 (lock_workdir)
@@ -162,7 +173,14 @@ def run(cfgs: Configs, devices=None, quiet: bool = False) -> dict:
     say = (lambda *a: None) if quiet or not lead else (lambda *a: print(*a, flush=True))
     guard.injected_fault()  # a malformed HOLMES_FAULT is bad input: found before anything runs
     checkpoints = Path(cfgs.train.workdir) / "checkpoints"
-    if cfgs.model.init_from and not checkpoints.is_dir():  # a resumed run ignores it
+    if (saved := saved_steps(checkpoints)) and not cfgs.checkpoint.enabled:
+        # Such a run starts from step 1: it replaced the checkpointed run's metrics.jsonl rows and
+        # config.gin, and a later run with checkpoints resumed that run beside this one's rows.
+        raise ConfigError(f"TrainConfig.workdir = {cfgs.train.workdir!r} holds checkpoints (the newest at step "
+                          f"{saved[-1]}): with CheckpointConfig.enabled = False this run would start from step 1 "
+                          f"and replace their run's metrics.jsonl and config.gin; allowed: CheckpointConfig.enabled "
+                          f"= True (it resumes from them), another TrainConfig.workdir, or {checkpoints} moved away")
+    if cfgs.model.init_from and not saved:  # a resumed run ignores it
         export.check_hf_folder(cfgs.model.init_from, cfgs.model)
     setup = build(cfgs, devices)  # before the data: a layout that cannot work must not wait for a long prepare
     token_data = data.load(cfgs.data)
@@ -295,16 +313,21 @@ def evaluate(setup: Setup, eval_step, params, token_data: data.TokenData) -> flo
 
 def summarize(rows: list[dict], start: int, predicted_step_s: float, say) -> dict:
     timed = [r for r in rows if r["step"] > start + 1] or rows  # the first step pays for warm-up
+    step_time = float(np.median([r["step_time_s"] for r in timed]))
+    # Tokens/s and TFLOPS at that step time: medians of their own (of an even count of rows, the
+    # mean of two) disagreed with it. A row's figure times its step time is the same in every row.
+    tokens_per_step = rows[0]["tokens_per_s"] * rows[0]["step_time_s"]
+    tflop_per_step = rows[0]["tflops_per_device"] * rows[0]["step_time_s"]
     summary = {
         "steps": rows[-1]["step"],
         "first_loss": rows[0]["loss"],
         "final_loss": rows[-1]["loss"],
         "val_loss": rows[-1].get("val_loss"),
-        "step_time_s": float(np.median([r["step_time_s"] for r in timed])),
+        "step_time_s": step_time,
         "predicted_step_time_s": predicted_step_s,
+        "tokens_per_s": tokens_per_step / step_time,
+        "tflops_per_device": tflop_per_step / step_time,
     }
-    summary["tokens_per_s"] = float(np.median([r["tokens_per_s"] for r in timed]))
-    summary["tflops_per_device"] = float(np.median([r["tflops_per_device"] for r in timed]))
     say(f"done: step {summary['steps']}, loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f}"
         + (f", val {summary['val_loss']:.3f}" if summary["val_loss"] is not None else "")
         + f"; {metrics.milliseconds(summary['step_time_s'])} ms/step, {summary['tokens_per_s']:,.0f} tokens/s, "

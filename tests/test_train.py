@@ -315,3 +315,62 @@ def test_a_layout_that_cannot_work_is_refused_before_the_data_is_read(tmp_path, 
     with pytest.raises(ConfigError, match="pp = 3"):
         train.run(small_configs(tmp_path, "--gin.ParallelConfig.pp=3"), devices=jax.devices()[:2], quiet=True)
     assert read == []
+
+
+def test_a_run_without_checkpoints_on_a_workdir_holding_some_is_refused_before_it_writes(tmp_path):
+    # It started from step 1, replaced the checkpointed run's metrics rows and config.gin, and a
+    # later run with checkpoints resumed the old run beside the new one's rows.
+    train.run(small_configs(tmp_path, "--gin.TrainConfig.steps=4", "--gin.TrainConfig.stop_after=2"),
+              devices=jax.devices()[:1], quiet=True)
+    metrics, config = (tmp_path / "metrics.jsonl").read_text(), (tmp_path / "config.gin").read_text()
+    with pytest.raises(ConfigError, match=r"TrainConfig.workdir = .* holds checkpoints \(the newest at step 2\): "
+                                          r"with CheckpointConfig.enabled = False .*; allowed: "):
+        train.run(small_configs(tmp_path, "--gin.TrainConfig.steps=4", "--gin.CheckpointConfig.enabled=False",
+                                "--gin.TrainConfig.learning_rate=0.03"), devices=jax.devices()[:1], quiet=True)
+    assert (tmp_path / "metrics.jsonl").read_text() == metrics and (tmp_path / "config.gin").read_text() == config
+
+
+def test_init_from_is_checked_before_the_data_where_checkpoints_holds_no_step(tmp_path, monkeypatch):
+    """A run killed before its first save leaves checkpoints/ empty: the rerun starts afresh from
+    `init_from`, so a wrong folder must be found before a long data prepare, as on a first run."""
+    (tmp_path / "checkpoints").mkdir()
+    read = []
+    monkeypatch.setattr(train.data, "load", lambda cfg: read.append(cfg))
+    with pytest.raises(ConfigError, match="ModelConfig.init_from"):
+        train.run(small_configs(tmp_path, f"--gin.ModelConfig.init_from={tmp_path / 'no-such-model'}"),
+                  devices=jax.devices()[:1], quiet=True)
+    assert read == []
+
+
+def test_the_summarys_tokens_per_second_and_tflops_are_those_of_its_step_time():
+    # Each was a median of its own: of two rows, a mean that disagreed with the median step time.
+    rows = [{"step": step, "loss": 2.0, "step_time_s": seconds, "tokens_per_s": 512 / seconds,
+             "tflops_per_device": 0.002 / seconds} for step, seconds in ((1, 0.5), (2, 0.02), (3, 0.04))]
+    summary = train.summarize(rows, start=0, predicted_step_s=0.01, say=lambda line: None)
+    assert summary["step_time_s"] == pytest.approx(0.03)
+    assert summary["tokens_per_s"] == pytest.approx(512 / 0.03)
+    assert summary["tflops_per_device"] == pytest.approx(0.002 / 0.03)
+
+
+def test_a_row_whose_console_line_finds_no_reader_is_not_counted_again_in_the_next(tmp_path):
+    # The loop goes on to the next step after a BrokenPipeError (then stops): that row's steps
+    # stayed pending, so the next row counted its skipped step again, and the summary lost it.
+    class LeftReader:
+        def __init__(self):
+            self.rows = []
+
+        def write(self, row):
+            self.rows.append(row)  # on disk; then the console's print fails once
+            if len(self.rows) == 1:
+                raise BrokenPipeError
+
+    setup = build.build(small_configs(tmp_path, "--gin.ParallelConfig.dp=1"), jax.devices()[:1])
+    state, log = setup.init_state(), LeftReader()
+    logger = train.StepLogger(setup, None, None, log, peak_tflops_per_device=1.0)
+    logger.collect({"loss": np.nan, "grad_norm": np.nan, "skipped": True})
+    with pytest.raises(BrokenPipeError):
+        logger.row(1, state, last=6)
+    logger.collect({"loss": 2.0, "grad_norm": 1.0, "skipped": False})
+    logger.row(2, state, last=6)
+    assert [row["skipped"] for row in log.rows] == [1, 0]
+    assert [row["step"] for row in logger.rows] == [1, 2]
