@@ -248,11 +248,13 @@ def _bindings(text: str) -> dict[str, str]:
 
 def changed_settings(old: str, new: str) -> list[str]:
     """'Class.field OLD -> NEW' for each setting that differs between two config.gin texts, but
-    `TrainConfig.stop_after`, which a run ended early and resumed changes by design."""
+    `TrainConfig.stop_after`, which a run ended early and resumed changes by design, and
+    `TrainConfig.workdir`, the folder both texts were read from however it is spelt (`runs/x/`,
+    an absolute path, a moved folder)."""
     before, after = _bindings(old), _bindings(new)
     return [f"{k} {before.get(k, '(unset)')} -> {after.get(k, '(unset)')}"
             for k in sorted(before.keys() | after.keys())
-            if before.get(k) != after.get(k) and k != "TrainConfig.stop_after"]
+            if before.get(k) != after.get(k) and k not in ("TrainConfig.stop_after", "TrainConfig.workdir")]
 
 
 def field_meanings() -> dict[str, str]:

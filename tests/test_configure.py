@@ -319,3 +319,9 @@ def test_a_changed_macro_is_a_changed_setting_on_resume():
     saved = "# Macros:\nSTEPS = 7\n\n# Parameters for TrainConfig:\nTrainConfig.steps = %STEPS\n"
     # `TrainConfig.steps = %STEPS` reads the same in both: the longer run went unmentioned
     assert configure.changed_settings(saved, saved.replace("STEPS = 7", "STEPS = 9")) == ["STEPS 7 -> 9"]
+
+
+def test_the_workdir_spelt_otherwise_is_no_changed_setting_on_resume():
+    saved = "TrainConfig.workdir = '/tmp/runs/a'\nTrainConfig.steps = 7\n"
+    resumed = "TrainConfig.workdir = '/tmp/runs/a/'\nTrainConfig.steps = 9\n"  # was listed as a change
+    assert configure.changed_settings(saved, resumed) == ["TrainConfig.steps 7 -> 9"]
