@@ -199,7 +199,7 @@ class TrainConfig:
     steps: int = 300  # the length of the run; the learning-rate schedule spans it
     stop_after: int | None = None  # end early after this step (a time-limited job); a rerun resumes
     seed: int = 0  # parameters' initialisation and the batch order
-    workdir: str = "runs/default"  # metrics.jsonl, tensorboard/, config.gin, plan.json, checkpoints/
+    workdir: str = "runs/default"  # metrics.jsonl, tensorboard/, config.gin, plan.json, checkpoints/, data copies
     learning_rate: float = 3e-3  # peak, reached after warmup_steps
     warmup_steps: int = 20  # linear warm-up from 0
     min_lr_ratio: float = 0.1  # cosine decays to learning_rate * min_lr_ratio

@@ -249,10 +249,15 @@ def _resume_and_train(cfgs: Configs, setup: Setup, token_data, workdir: Path, ck
         # Each file whole or not at all: a full disk mid-write must not leave half of the config
         # that export, generate and the next resume read.
         cli.replace_file(saved, settings)
-        if folder := data.prepared_folder(cfgs.data.source):  # export and generate read these here, from any folder
-            cli.replace_file(workdir / data.RUN_META_FILE, (folder / data.META_FILE).read_bytes())
-        if tokenizer := data.tokenizer_path(cfgs.data):
-            cli.replace_file(workdir / "tokenizer.json", tokenizer.read_bytes())
+        # Export and generate read the data's meta.json and tokenizer here, from any folder; a run
+        # resumed on other data drops the copies it no longer has, or they would speak for it.
+        folder = data.prepared_folder(cfgs.data.source)
+        for name, source in ((data.RUN_META_FILE, folder and folder / data.META_FILE),
+                             ("tokenizer.json", data.tokenizer_path(cfgs.data))):
+            if source:
+                cli.replace_file(workdir / name, source.read_bytes())
+            else:
+                (workdir / name).unlink(missing_ok=True)
         cli.replace_file(workdir / "plan.json", setup.plan.to_json(indent=1))  # what `holmes_jax.report` compares against
 
     t0 = time.perf_counter()

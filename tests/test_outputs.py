@@ -94,3 +94,16 @@ def test_a_run_on_prepared_bytes_keeps_its_end_of_text_when_its_data_folder_move
     assert inference.load(workdir).end_of_text == 256
     code, out, err = _generate("--workdir", workdir, "--prompt", "", "--max-tokens", 2, "--greedy")
     assert code == 0, err  # was 'error: --prompt is empty'
+
+
+def test_a_run_resumed_on_other_data_drops_the_copies_of_the_data_it_left(tmp_path):
+    (tmp_path / "doc.txt").write_text("hello world\n" * 40)
+    prepare.prepare([str(tmp_path / "doc.txt")], str(tmp_path / "data"), "bytes")
+    workdir = tmp_path / "run"
+    for source, steps in ((tmp_path / "data", 1), (tmp_path / "doc.txt", 2)):  # then text read as bytes
+        train.run(small_configs(workdir, f"--gin.DataConfig.source='{source}'", "--gin.ParallelConfig.dp=1",
+                                f"--gin.TrainConfig.steps={steps}", "--gin.DataConfig.seq_len=16",
+                                "--gin.ModelConfig.vocab_size=384", "--gin.CheckpointConfig.every=1"),
+                  devices=jax.devices()[:1], quiet=True)
+    assert not (workdir / "data_meta.json").exists()
+    assert inference.load(workdir).end_of_text is None  # was 256: the first data's, kept in the workdir
