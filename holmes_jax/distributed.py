@@ -18,6 +18,8 @@
 4. otherwise a single process, and `jax.distributed` is not started at all.
 
 Processes that have not all met within `INIT_TIMEOUT_S` end with one error line and status 1.
+`check_same_settings` ends processes that were given different settings (flags, gin files) with
+one error line each, where they would otherwise wait for each other's collectives for ever.
 
 On CPU the backend's device count (`HOLMES_CPU_DEVICES`, else the argument) and gloo collectives
 are configured first, so this must run before anything touches a JAX backend. So are the network
@@ -29,6 +31,7 @@ communicators of their own. They are set on every platform: without NCCL they do
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import errno
 import json
 import os
@@ -49,6 +52,7 @@ COORDINATOR, NUM_PROCESSES, PROCESS_ID, CPU_DEVICES = (
 LOCAL_DEVICE_IDS = "JAX_LOCAL_DEVICE_IDS"  # the devices each process uses (JAX reads it), e.g. 0,1,2,3
 INIT_TIMEOUT_S = 300  # how long processes wait for each other at start-up (JAX's own default)
 FACTS_BYTES = 1024  # one process's facts as JSON; hostnames are at most 253 characters
+SHOWN_SETTINGS = 4  # differing settings lines named when processes were given different settings
 # A collective-permute's clique spans only the devices it connects (not every device), and no
 # clique is split from another: a split communicator keeps its parent's network.
 XLA_NETWORK_FLAGS = ("--xla_gpu_collective_permute_connected_components=true",
@@ -351,3 +355,38 @@ def exchange_process_facts(info: ProcessInfo) -> list[dict]:
     rows = np.asarray(multihost_utils.process_allgather(row)).reshape(info.process_count, FACTS_BYTES)
     # JSON escapes NUL, so the padding is all that rstrip removes.
     return sorted((json.loads(bytes(r).rstrip(b"\0")) for r in rows), key=lambda f: f["process_index"])
+
+
+def _every_process(name: str, text: str) -> list[str]:
+    """Every process's `text`, in process order (all processes call it, each `name` once), through
+    jax.distributed's key-value store, as JAX's own multihost_utils and orbax use it: no device
+    collective, so no NCCL communicator, which across NIC classes could not connect."""
+    from jax._src import distributed as jax_distributed
+
+    client = jax_distributed.global_state.client
+    client.key_value_set(f"holmes_jax/{name}/{jax.process_index()}", text)
+    return [client.blocking_key_value_get(f"holmes_jax/{name}/{i}", INIT_TIMEOUT_S * 1000)
+            for i in range(jax.process_count())]
+
+
+def check_same_settings(settings: str) -> None:
+    """Raises `ConfigError` on every process when any process's `settings` (its operative
+    config.gin text) differ from process 0's. All processes must call it, once the configs are
+    read. Processes given other flags or gin files (a wrapper that adds flags per rank, a gin file
+    that differs between hosts) build other steps, or evaluate and save at other steps, and then
+    wait for each other's collectives for ever."""
+    if jax.process_count() == 1:
+        return
+    texts = _every_process("settings", settings)
+    differ = [i for i, text in enumerate(texts) if text != texts[0]]
+    if not differ:
+        return
+    first = differ[0]
+    diff = list(difflib.unified_diff(texts[0].splitlines(), texts[first].splitlines(), lineterm="", n=0))[2:]
+
+    def lines(sign: str) -> str:
+        return "; ".join([line[1:] for line in diff if line.startswith(sign)][:SHOWN_SETTINGS]) or "nothing"
+
+    raise ConfigError(f"the processes were given different settings: process {first} has {lines('+')} where "
+                      f"process 0 has {lines('-')} (processes that differ from process 0: {', '.join(map(str, differ))}); "
+                      "allowed: the same command, flags and gin files (with the same contents) for every process")

@@ -415,6 +415,7 @@ def main(argv: list[str]) -> int:
         raise
     # Before any backend starts: jax.distributed for several processes (as train does), the CPU device count.
     distributed.initialize(cfgs.parallel.cpu_devices)
+    distributed.check_same_settings(configure.operative_config(cfgs))  # else ranks would wait on each other for ever
     # Progress on stderr, the profile alone on stdout: `... > profile.json` is clean JSON too.
     say = functools.partial(print, file=sys.stderr) if jax.process_index() == 0 else (lambda *a: None)
     if cfgs.parallel.profile:

@@ -345,6 +345,7 @@ def main(argv: list[str]) -> int:
     cfgs = load_configs(argv)
     # Before any backend starts: jax.distributed for several processes, the CPU device count.
     distributed.initialize(cfgs.parallel.cpu_devices)
+    distributed.check_same_settings(configure.operative_config(cfgs))  # else ranks would wait on each other for ever
     run(cfgs)
     return 0
 

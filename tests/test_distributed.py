@@ -242,6 +242,23 @@ def test_four_processes_pp2_match_one_process(tmp_path, one_process_losses):
     assert losses == pytest.approx(one_process_losses, abs=1e-5)
 
 
+def test_processes_given_different_settings_end_in_one_error_line_each(tmp_path):
+    # Different settings (here a wrapper that adds a flag for one rank) made the ranks evaluate and
+    # save at other steps, and wait for each other's collectives for ever.
+    steps = '--gin.TrainConfig.steps=$((6 + 2 * HOLMES_PROCESS_ID))'
+    r = subprocess.run([sys.executable, "-m", "holmes_jax.launch", "-n", "2", "--devices-per-process", "1",
+                        "--timeout", "100", "--", "sh", "-c",
+                        f'exec "$0" -m holmes_jax.train --gin.TrainConfig.workdir={tmp_path} {steps}', sys.executable],
+                       capture_output=True, text=True, timeout=120, cwd=REPO, env=_env())
+    assert r.returncode == 2, r.stdout[-3000:] + r.stderr[-3000:]
+    errors = sorted(line for line in r.stderr.splitlines() if "error:" in line)
+    expected = ("error: the processes were given different settings: process 1 has TrainConfig.steps = 8 where "
+                "process 0 has TrainConfig.steps = 6 (processes that differ from process 0: 1); allowed: the same "
+                "command, flags and gin files (with the same contents) for every process")
+    assert errors == [f"[rank 0] {expected}", f"[rank 1] {expected}"]
+    assert "Traceback" not in r.stderr and not tmp_path.joinpath("config.gin").exists()
+
+
 PROFILE = """
 import sys
 from pathlib import Path
