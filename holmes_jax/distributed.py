@@ -30,6 +30,7 @@ communicators of their own. They are set on every platform: without NCCL they do
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import difflib
 import errno
@@ -41,7 +42,6 @@ import sys
 import threading
 
 import jax
-import numpy as np
 
 from holmes_jax.cli import RunError
 from holmes_jax.config import ConfigError, check_positive
@@ -51,7 +51,6 @@ COORDINATOR, NUM_PROCESSES, PROCESS_ID, CPU_DEVICES = (
     "HOLMES_COORDINATOR", "HOLMES_NUM_PROCESSES", "HOLMES_PROCESS_ID", "HOLMES_CPU_DEVICES")
 LOCAL_DEVICE_IDS = "JAX_LOCAL_DEVICE_IDS"  # the devices each process uses (JAX reads it), e.g. 0,1,2,3
 INIT_TIMEOUT_S = 300  # how long processes wait for each other at start-up (JAX's own default)
-FACTS_BYTES = 1024  # one process's facts as JSON; hostnames are at most 253 characters
 SHOWN_SETTINGS = 4  # differing settings lines named when processes were given different settings
 # A collective-permute's clique spans only the devices it connects (not every device), and no
 # clique is split from another: a split communicator keeps its parent's network.
@@ -341,32 +340,33 @@ def initialize(cpu_devices_per_process: int | None = None) -> ProcessInfo:
 
 def exchange_process_facts(info: ProcessInfo) -> list[dict]:
     """Every process's `info.facts()`, ordered by process index, the same list on every process.
-    A collective: all processes must call it."""
-    mine = info.facts()
+    All processes must call it."""
     if info.process_count == 1:
-        return [mine]
-    from jax.experimental import multihost_utils
-
-    blob = json.dumps(mine).encode()
-    if len(blob) > FACTS_BYTES:
-        raise ConfigError(f"process facts take {len(blob)} bytes, more than {FACTS_BYTES}: hostname {info.hostname!r}?")
-    row = np.zeros(FACTS_BYTES, np.uint8)
-    row[:len(blob)] = np.frombuffer(blob, np.uint8)
-    rows = np.asarray(multihost_utils.process_allgather(row)).reshape(info.process_count, FACTS_BYTES)
-    # JSON escapes NUL, so the padding is all that rstrip removes.
-    return sorted((json.loads(bytes(r).rstrip(b"\0")) for r in rows), key=lambda f: f["process_index"])
+        return [info.facts()]
+    return [json.loads(text) for text in every_process("facts", json.dumps(info.facts()))]
 
 
-def _every_process(name: str, text: str) -> list[str]:
-    """Every process's `text`, in process order (all processes call it, each `name` once), through
-    jax.distributed's key-value store, as JAX's own multihost_utils and orbax use it: no device
-    collective, so no NCCL communicator, which across NIC classes could not connect."""
+def exchange_nics(local: nic.Nic) -> list[nic.Nic]:
+    """Every process's Nic, in process order. All processes must call it."""
+    if jax.process_count() == 1:
+        return [local]
+    return [nic.Nic(**json.loads(text)) for text in every_process("nic", json.dumps(dataclasses.asdict(local)))]
+
+
+_exchanges: collections.Counter = collections.Counter()  # calls of every_process per name, in this process
+
+
+def every_process(name: str, text: str) -> list[str]:
+    """Every process's `text`, in process order (all processes call it, in the same order),
+    through jax.distributed's key-value store, as JAX's own multihost_utils and orbax use it: no
+    device collective, so no NCCL communicator, which across NIC classes could not connect."""
     from jax._src import distributed as jax_distributed
 
     client = jax_distributed.global_state.client
-    client.key_value_set(f"holmes_jax/{name}/{jax.process_index()}", text)
-    return [client.blocking_key_value_get(f"holmes_jax/{name}/{i}", INIT_TIMEOUT_S * 1000)
-            for i in range(jax.process_count())]
+    _exchanges[name] += 1
+    prefix = f"holmes_jax/{name}/{_exchanges[name]}"  # a key is set once: each call has its own
+    client.key_value_set(f"{prefix}/{jax.process_index()}", text)
+    return [client.blocking_key_value_get(f"{prefix}/{i}", INIT_TIMEOUT_S * 1000) for i in range(jax.process_count())]
 
 
 def check_same_settings(settings: str) -> None:
@@ -377,7 +377,7 @@ def check_same_settings(settings: str) -> None:
     wait for each other's collectives for ever."""
     if jax.process_count() == 1:
         return
-    texts = _every_process("settings", settings)
+    texts = every_process("settings", settings)
     differ = [i for i, text in enumerate(texts) if text != texts[0]]
     if not differ:
         return

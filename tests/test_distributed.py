@@ -12,6 +12,7 @@ import pytest
 
 from holmes_jax import distributed
 from holmes_jax.config import ConfigError
+from holmes_jax.mesh import nic
 from helpers import REPO, read_metrics
 
 # --------------------------------------------------------------------------- launch detection
@@ -130,6 +131,7 @@ def test_single_process_initialize_is_idempotent():
     assert (info.process_index, info.process_count, info.local_devices, info.method) == (0, 1, 8, "single")
     assert distributed.initialize() is info
     assert distributed.exchange_process_facts(info) == [info.facts()]
+    assert distributed.exchange_nics(nic.Nic("roce", 100.0)) == [nic.Nic("roce", 100.0)]
 
 
 # --------------------------------------------------------------------------- several processes
@@ -177,12 +179,15 @@ def _launch(n: int, devices: int, *cmd: str, extra: tuple = (), timeout: int = 2
 FACTS = """
 import json
 from holmes_jax import distributed
+from holmes_jax.mesh import nic
 info = distributed.initialize()
 import jax
 # flushed at once, not at exit: CI once saw three lines of four with every process exiting 0
 # (not reproduced); a line left in the pipe's buffer is lost if the exit is cut short
 print("FACTS", json.dumps({"me": info.process_index, "count": info.process_count, "devices": jax.device_count(),
-                           "method": info.method, "all": distributed.exchange_process_facts(info)}), flush=True)
+                           "method": info.method, "all": distributed.exchange_process_facts(info),
+                           "nics": [n.nic_class for n in distributed.exchange_nics(nic.detect())],
+                           "again": distributed.every_process("again", str(info.process_index))}), flush=True)
 """
 
 
@@ -197,6 +202,7 @@ def test_every_process_sees_every_process_facts():
         assert [f["nic"] for f in s["all"]] == nics
         assert [f["local_devices"] for f in s["all"]] == [2] * 4
         assert s["all"] == seen[0]["all"]
+        assert s["nics"] == nics and s["again"] == ["0", "1", "2", "3"]
 
 
 TRAIN_ARGS = [

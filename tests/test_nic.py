@@ -87,11 +87,6 @@ def test_environment_overrides_sysfs(tmp_path):
         nic.detect(tmp_path, env={nic.ENV: "ib"})
 
 
-def test_exchange_in_one_process_is_the_local_answer():
-    local = nic.Nic("roce", 100.0)
-    assert nic.exchange(local) == [local]
-
-
 def test_nccl_env_of_an_infiniband_host_names_its_active_ib_ports_and_the_default_route(tmp_path):
     sysfs, proc = tmp_path / "sys", tmp_path / "proc"
     _rdma_port(sysfs, "mlx5_0", 1, "InfiniBand", "200 Gb/sec (4X HDR)")
@@ -293,31 +288,39 @@ def test_nccl_conf_keeps_the_spaces_nccl_keeps(tmp_path):
     assert nic.apply_nccl_env(ROCE_DERIVED, env)[1] == 'NCCL_IB_HCA="=mlx5_0:1" (derived)'
 
 
-def test_processes_exchange_their_nic_classes_over_sockets(monkeypatch):
-    # the exchange is an all-gather over every device, so across clusters: over IB it would join an
-    # InfiniBand HCA to a RoCE one, which cannot connect, and leave that communicator cached
+def test_processes_exchange_their_nic_classes_without_a_device_collective(monkeypatch):
+    # It was an all-gather over every device: on GPUs a communicator of them all, which over IB
+    # joins an InfiniBand HCA to a RoCE one and cannot connect. Now it goes through
+    # jax.distributed's key-value store.
     from types import SimpleNamespace
 
+    import jax
     import numpy as np
+    from jax._src import distributed as jax_distributed
+    from jax.experimental import multihost_utils
 
     from holmes_jax.mesh import devices as real
     from holmes_jax.planning.topology import Cluster, Topology
 
-    seen = []
+    class Store:  # this is process 0; process 1's answer is set beside its own
+        values = {}
 
-    def exchange(local):
-        seen.append(os.environ.get("NCCL_NET"))
-        return [nic.Nic("roce", None), nic.Nic("infiniband", None)]
+        def key_value_set(self, key, value):
+            assert key not in self.values  # a key is set once
+            self.values[key] = value
+            self.values[key[:-1] + "1"] = '{"nic_class": "infiniband", "gbps": null}'
 
+        def blocking_key_value_get(self, key, timeout_ms):
+            return self.values[key]
+
+    monkeypatch.setattr(jax_distributed.global_state, "client", Store())
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(jax, "process_index", lambda: 0)
+    monkeypatch.setattr(multihost_utils, "process_allgather", lambda *a: pytest.fail("a device collective"))
     monkeypatch.setattr(nic, "detect", lambda: nic.Nic("roce", None))
-    monkeypatch.setattr(nic, "exchange", exchange)
     t = Topology((Cluster("ib", "infiniband", nodes=1, devices_per_node=2),
                   Cluster("roce", "roce", nodes=1, devices_per_node=2)))
     devices = [SimpleNamespace(process_index=p, id=2048 * p + k) for p in range(2) for k in range(2)]
-    monkeypatch.setenv("NCCL_NET", "IB")
-    placed = real.device_array(np.arange(4), t, devices)
-    assert [d.process_index for d in placed] == [1, 1, 0, 0]
-    assert seen == ["Socket"] and os.environ["NCCL_NET"] == "IB"  # put back as it was
-    monkeypatch.delenv("NCCL_NET")
-    real.device_array(np.arange(4), t, devices)
-    assert seen == ["Socket"] * 2 and "NCCL_NET" not in os.environ
+    for _ in range(2):  # twice: each exchange has keys of its own
+        placed = real.device_array(np.arange(4), t, devices)
+        assert [d.process_index for d in placed] == [1, 1, 0, 0]

@@ -12,6 +12,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from holmes_jax import distributed
 from holmes_jax.config import ConfigError
 from holmes_jax.mesh import nic
 from holmes_jax.planning.placement import AXES
@@ -55,9 +56,8 @@ def _match_processes(topology: Topology, by_process: dict, process_nics) -> list
     if process_nics is None:  # with one class there is nothing to match on, so no collective
         if len(classes) == 1:
             process_nics = classes * len(by_process)
-        else:  # over every device, so across clusters, whose RDMA fabrics do not reach each other
-            with nic.over_sockets():
-                process_nics = nic.exchange(nic.detect())
+        else:
+            process_nics = distributed.exchange_nics(nic.detect())
     process_nics = [getattr(x, "nic_class", x) for x in process_nics]
     if len(process_nics) != len(by_process):
         raise ConfigError(f"{len(process_nics)} NIC classes given for {len(by_process)} processes")
@@ -108,7 +108,7 @@ def local_topology(devices=None, nic_class: str | None = None, device_tflops: fl
     sizes = {len(d) for d in by_process.values()}
     if len(sizes) != 1:
         raise ConfigError(f"processes have {sorted(sizes)} devices each; allowed: the same count on every process")
-    found = nic.Nic(nic_class, None) if nic_class else nic.exchange(nic.detect())[0]
+    found = nic.Nic(nic_class, None) if nic_class else distributed.exchange_nics(nic.detect())[0]
     extra = {} if device_tflops is None else {"device_tflops": device_tflops}
     cluster = Cluster("local", found.nic_class, nodes=len(by_process), devices_per_node=sizes.pop(),
                       nic_gbps=found.gbps, **extra)

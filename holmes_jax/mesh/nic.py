@@ -111,22 +111,6 @@ def over_sockets():
             os.environ["NCCL_NET"] = saved
 
 
-def exchange(local: Nic) -> list[Nic]:
-    """Every process's Nic, in process order (a collective: all processes must call it). On GPUs
-    it is an all-gather over every device, so a communicator of them all: where processes may
-    differ in NIC class, call it inside `over_sockets()`."""
-    import jax
-
-    if jax.process_count() == 1:
-        return [local]
-    import numpy as np
-    from jax.experimental import multihost_utils
-
-    mine = np.array([NIC_CLASSES.index(local.nic_class), -1.0 if local.gbps is None else local.gbps], np.float32)
-    rows = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, 2)
-    return [Nic(NIC_CLASSES[int(code)], None if gbps < 0 else float(gbps)) for code, gbps in rows]
-
-
 def _roce_v2_gid(port: Path) -> int | None:
     """The lowest GID index of `port` that is RoCE v2 and holds an IPv4 address (NCCL's default
     address family), else the lowest RoCE v2 one that is set; None when sysfs does not say."""
