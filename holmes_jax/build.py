@@ -10,10 +10,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from holmes_jax import data, export, metrics, planning
+from holmes_jax import data, distributed, export, metrics, planning
 from holmes_jax.config import ConfigError
 from holmes_jax.configure import Configs
 from holmes_jax.mesh.devices import build_mesh, local_topology, ordered_devices
@@ -45,7 +44,7 @@ def _measured_peak(devices: tuple) -> float:
     peak = metrics.measure_matmul_peak_tflops(list(devices))
     if jax.process_count() == 1:
         return peak
-    return float(np.median(multihost_utils.process_allgather(np.float32(peak))))
+    return float(np.median([float(text) for text in distributed.every_process("peak", repr(peak))]))
 
 
 def make_plan(cfgs: Configs, devices) -> Plan:
