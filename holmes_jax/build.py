@@ -42,8 +42,6 @@ def _measured_peak(devices: tuple) -> float:
     """The median over processes of what each measures: the figure prices the plan (the emulated
     topology's device speed), and every process must make the same plan."""
     peak = metrics.measure_matmul_peak_tflops(list(devices))
-    if jax.process_count() == 1:
-        return peak
     return float(np.median([float(text) for text in distributed.every_process("peak", repr(peak))]))
 
 

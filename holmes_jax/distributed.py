@@ -341,15 +341,11 @@ def initialize(cpu_devices_per_process: int | None = None) -> ProcessInfo:
 def exchange_process_facts(info: ProcessInfo) -> list[dict]:
     """Every process's `info.facts()`, ordered by process index, the same list on every process.
     All processes must call it."""
-    if info.process_count == 1:
-        return [info.facts()]
     return [json.loads(text) for text in every_process("facts", json.dumps(info.facts()))]
 
 
 def exchange_nics(local: nic.Nic) -> list[nic.Nic]:
     """Every process's Nic, in process order. All processes must call it."""
-    if jax.process_count() == 1:
-        return [local]
     return [nic.Nic(**json.loads(text)) for text in every_process("nic", json.dumps(dataclasses.asdict(local)))]
 
 
@@ -360,6 +356,8 @@ def every_process(name: str, text: str) -> list[str]:
     """Every process's `text`, in process order (all processes call it, in the same order),
     through jax.distributed's key-value store, as JAX's own multihost_utils and orbax use it: no
     device collective, so no NCCL communicator, which across NIC classes could not connect."""
+    if jax.process_count() == 1:  # no jax.distributed, nothing to exchange
+        return [text]
     from jax._src import distributed as jax_distributed
 
     client = jax_distributed.global_state.client
@@ -375,8 +373,6 @@ def check_same_settings(settings: str) -> None:
     read. Processes given other flags or gin files (a wrapper that adds flags per rank, a gin file
     that differs between hosts) build other steps, or evaluate and save at other steps, and then
     wait for each other's collectives for ever."""
-    if jax.process_count() == 1:
-        return
     texts = every_process("settings", settings)
     differ = [i for i, text in enumerate(texts) if text != texts[0]]
     if not differ:

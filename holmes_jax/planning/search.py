@@ -523,7 +523,7 @@ def _candidates(topo: Topology, cfg: ModelConfig, par: ParallelConfig, free: set
                 break
             for m, schedule in itertools.product(group, schedules):
                 model, notes = _cost_model(cfg, pl, global_batch, seq_len, m, schedule, par, prof, topo)
-                if par.stage_layers is not None or par.partition != "auto":
+                if own_split:
                     split = partition.split(par.partition, model, weights, par.stage_layers)
                 else:
                     split = partition.time_balanced(model)
