@@ -54,12 +54,16 @@ def measure_matmul_peak_tflops(devices, size: int = 512, repeats: int = 5) -> fl
     return 2.0 * size**3 / best / 1e12
 
 
+RESUMED_FROM = "resumed_from"  # in a resumed run's first metrics.jsonl row: the step of its checkpoint
+
+
 class MetricsLog:
     """Appends one JSON object per logged step to `path` (an earlier run's rows from `first` on
     dropped), writes each of its numbers as a TensorBoard scalar (tag = the JSON key) under
     `path`'s folder/tensorboard, and, unless quiet, prints a progress line with an ETA. `first` is
     the step this run starts at (a resumed run's checkpoint + 1), `stop` the step it ends at
-    (default `total_steps`)."""
+    (default `total_steps`). A resumed run's first row says so: `resumed_from` (`RESUMED_FROM`),
+    the checkpoint's step, for readers that tell its warm-up from its steady steps."""
 
     RECENT = 5  # logged windows the ETA averages over
 
@@ -80,8 +84,10 @@ class MetricsLog:
     def write(self, row: dict) -> None:
         if self._last_step is None:
             self._take_over()
+        resumed = {RESUMED_FROM: self.first - 1} if self._last_step is None and self.first > 1 else {}
         with open(self.path, "a") as f:
-            f.write(json.dumps(strict_json(row), allow_nan=False) + "\n")
+            f.write(json.dumps(strict_json(row | resumed), allow_nan=False) + "\n")
+        # `row`'s numbers, not the marker: TensorBoard marks the resume with its START event below
         values = [scalar(key, value).value[0] for key, value in row.items() if key != "step" and value is not None]
         if self._last_step is None:
             # A resumed run logs again the steps a stopped one logged after its checkpoint.

@@ -287,9 +287,11 @@ def _mark_not_finite(ax, steps: np.ndarray, marker: str, label: str) -> None:
 
 
 def typical_step_s(rows: list[dict]) -> float:
-    """The median step time of metrics rows, the first left out (it pays for warm-up) where there
-    are more."""
-    return float(np.median([r["step_time_s"] for r in rows[1:] or rows]))
+    """The median step time of metrics rows, where there are others without the run's first row
+    and a resumed run's first (`metrics.RESUMED_FROM`, not imported: it would load TensorBoard's
+    writer): they pay for compiling and warm-up."""
+    return float(np.median([r["step_time_s"] for r in rows[1:] if "resumed_from" not in r] or
+                           [r["step_time_s"] for r in rows]))
 
 
 @_as_typed

@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import fcntl
 import os
+import re
 import signal
 import socket
 import tempfile
@@ -225,6 +226,18 @@ def run(cfgs: Configs, devices=None, quiet: bool = False) -> dict:
                     ckpt.close()
 
 
+def run_config(cfgs: Configs, setup: Setup) -> str:
+    """The operative config as this run used it, for config.gin: on CPU, `ParallelConfig.cpu_devices`
+    is the device count the backend has, which HOLMES_CPU_DEVICES (a launcher's --devices-per-process)
+    sets over the config's (distributed.initialize). A rerun from config.gin, without the launcher
+    or under one not given --devices-per-process, then gets the devices this run had."""
+    text = configure.operative_config(cfgs)
+    if setup.mesh.devices.flat[0].platform != "cpu":
+        return text  # the setting does nothing on other devices
+    line = f"ParallelConfig.cpu_devices = {len(jax.local_devices(backend='cpu'))}"
+    return re.sub(r"^ParallelConfig\.cpu_devices = .*$", lambda _: line, text, flags=re.MULTILINE)
+
+
 def _resume_and_train(cfgs: Configs, setup: Setup, token_data, workdir: Path, ckpt: Checkpointer | None, say,
                       quiet: bool) -> dict:
     lead, tcfg = jax.process_index() == 0, cfgs.train
@@ -241,7 +254,7 @@ def _resume_and_train(cfgs: Configs, setup: Setup, token_data, workdir: Path, ck
         say(f"nothing to do: the checkpoint is at step {start}, the run ends at step {last}")
         return {"steps": start}
     if lead:  # only now: a checkpoint that does not fit must not leave this run's config behind
-        settings, saved = configure.operative_config(cfgs), workdir / "config.gin"
+        settings, saved = run_config(cfgs, setup), workdir / "config.gin"
         if resumed and saved.is_file() and (changed := configure.changed_settings(saved.read_text(), settings)):
             # Legitimate (a longer run, a new learning rate), but new data or seq_len means other
             # batches than an uninterrupted run's: say which, before config.gin forgets the old.
@@ -333,7 +346,11 @@ def summarize(rows: list[dict], start: int, predicted_step_s: float, say) -> dic
         "tokens_per_s": tokens_per_step / step_time,
         "tflops_per_device": tflop_per_step / step_time,
     }
-    say(f"done: step {summary['steps']}, loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f}"
+    losses = f"loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f}"
+    if start:  # the first loss is of the first step after the checkpoint, not of step 1
+        losses = (f"loss {summary['first_loss']:.3f} (step {rows[0]['step']}) -> {summary['final_loss']:.3f} "
+                  f"(step {summary['steps']})")
+    say(f"done: step {summary['steps']}, {losses}"
         + (f", val {summary['val_loss']:.3f}" if summary["val_loss"] is not None else "")
         + f"; {metrics.milliseconds(summary['step_time_s'])} ms/step, {summary['tokens_per_s']:,.0f} tokens/s, "
         f"{summary['tflops_per_device']:.3g} TFLOPS/device (Megatron formula); "

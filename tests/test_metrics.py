@@ -228,7 +228,7 @@ def test_a_last_row_cut_short_is_skipped_by_the_report_and_dropped_on_resume(tmp
     log = metrics.MetricsLog(tmp_path / "metrics.jsonl", total_steps=4, quiet=True, first=3)  # the resumed run
     log.write(dict(row, step=3))
     log.close()
-    assert (tmp_path / "metrics.jsonl").read_text() == whole + json.dumps(dict(row, step=3)) + "\n"
+    assert (tmp_path / "metrics.jsonl").read_text() == whole + json.dumps(dict(row, step=3, resumed_from=2)) + "\n"
     assert [r["step"] for r in report.read_rows(tmp_path)] == [1, 2, 3]
 
 
@@ -321,3 +321,18 @@ def test_a_resumed_run_replaces_the_earlier_runs_rows_from_its_first_step(tmp_pa
     drawn = [(r["step"], r["loss"]) for r in report.read_rows(tmp_path)]
     assert drawn == tensorboard_view(tmp_path / "tensorboard", "loss")
     assert not (tmp_path / "metrics.jsonl.tmp").exists()
+
+
+def test_the_reports_median_step_time_leaves_out_a_resumed_runs_first_step(tmp_path):
+    # A resumed run's first step compiles and warms up as a fresh run's first does: counted as an
+    # ordinary step, it pulled the median up.
+    row = {"loss": 3.0, "tokens_per_s": 1.0, "tflops_per_device": 1.0}
+    for first, times in ((1, {1: 9.0, 2: 0.1}), (3, {3: 9.0, 4: 0.3})):  # stopped after step 2, then resumed
+        log = metrics.MetricsLog(tmp_path / "metrics.jsonl", total_steps=4, quiet=True, first=first)
+        for step, seconds in times.items():
+            log.write(dict(row, step=step, step_time_s=seconds))
+        log.close()
+    assert [r.get("resumed_from") for r in read_metrics(tmp_path)] == [None, None, 2, None]
+    assert "resumed_from" not in read_scalars(tmp_path / "tensorboard")  # a marker, not a number to draw
+    code, out, err = _report(tmp_path, "--out", tmp_path / "r.png")
+    assert code == 0 and "step time 200 ms (median)" in out, out + err  # of steps 2 and 4

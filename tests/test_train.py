@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from holmes_jax import build, optimizer, train
+from holmes_jax import build, configure, optimizer, train
 from holmes_jax.config import ConfigError
 from helpers import read_metrics, run_module, small_configs
 
@@ -143,6 +143,7 @@ def test_stop_and_resume_gives_the_uninterrupted_losses(tmp_path):
     want = {r["step"]: r["loss"] for r in read_metrics(full)}
     got = {r["step"]: r["loss"] for r in read_metrics(split)}
     assert sorted(got) == [1, 2, 3, 4, 5, 6]
+    assert [r.get("resumed_from") for r in read_metrics(split)] == [None] * 3 + [3, None, None]  # for the report
     for step in range(1, 7):
         assert got[step] == pytest.approx(want[step], abs=1e-6), step
     assert (split / "config.gin").read_text().count("TrainConfig.steps = 6") == 1
@@ -374,3 +375,33 @@ def test_a_row_whose_console_line_finds_no_reader_is_not_counted_again_in_the_ne
     logger.row(2, state, last=6)
     assert [row["skipped"] for row in log.rows] == [1, 0]
     assert [row["step"] for row in logger.rows] == [1, 2]
+
+
+def _done_line(start: int) -> str:
+    rows = [{"step": step, "loss": loss, "step_time_s": 0.1, "tokens_per_s": 5120.0, "tflops_per_device": 0.01}
+            for step, loss in ((start + 1, 3.21), (start + 2, 3.0), (16, 2.8))]
+    said = []
+    train.summarize(rows, start=start, predicted_step_s=0.1, say=said.append)
+    return said[0]
+
+
+def test_a_resumed_runs_done_line_says_which_steps_its_losses_are_of():
+    # Its first loss is of the first step after the checkpoint: read as step 1's, the run looked
+    # as if it had barely learnt.
+    assert _done_line(start=8).startswith("done: step 16, loss 3.210 (step 9) -> 2.800 (step 16); ")
+    assert _done_line(start=0).startswith("done: step 16, loss 3.210 -> 2.800; ")  # a fresh run's from step 1
+
+
+def test_config_gin_records_the_cpu_devices_the_launcher_gave(tmp_path, monkeypatch):
+    # HOLMES_CPU_DEVICES (launch --devices-per-process) wins over ParallelConfig.cpu_devices: config.gin
+    # said 8, and a rerun from it without the launcher trained on 8 devices, dp = 8, not this run's 2.
+    monkeypatch.setenv("HOLMES_CPU_DEVICES", "2")
+    r = run_module("holmes_jax.train", "--gin.ParallelConfig.pp=1", "--gin.ModelConfig.num_layers=2",
+                   "--gin.ModelConfig.hidden=64", "--gin.ModelConfig.num_heads=4", "--gin.ModelConfig.ffn_hidden=128",
+                   "--gin.DataConfig.seq_len=32", "--gin.DataConfig.global_batch=16", "--gin.TrainConfig.steps=1",
+                   "--gin.TrainConfig.eval_batches=1", "--gin.CheckpointConfig.enabled=False",
+                   f"--gin.TrainConfig.workdir={tmp_path}", timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "on 2 cpu devices" in r.stdout
+    rerun = configure.load_configs(["--no_default_gin", "--gin_file", str(tmp_path / "config.gin")])
+    assert rerun.parallel.cpu_devices == 2
