@@ -16,6 +16,7 @@ import re
 import shutil
 import textwrap
 import tokenize
+import typing
 from pathlib import Path
 
 import gin
@@ -60,6 +61,12 @@ logging.getLogger().addFilter(_QuietGinLookups())  # gin logs with logging.error
 _SEARCHED: set[str] = set()  # folders put on gin's search path (gin keeps them for the process)
 
 
+def _text_fields() -> set[str]:
+    """'Class.field' of every field that holds text (`str` or `str | None`)."""
+    return {f"{cls.__name__}.{name}" for cls in CLASSES for name, kind in typing.get_type_hints(cls).items()
+            if kind in (str, str | None)}
+
+
 def _gin_value(name: str, text: str) -> str:
     """A gin literal for `text`; bare words (paths, 'gpipe') become strings so users need no quotes."""
     if text.startswith(("@", "%")):
@@ -71,6 +78,12 @@ def _gin_value(name: str, text: str) -> str:
     except TypeError as e:  # a literal that builds no value, as {[1]: 2} (a list as a key)
         raise ConfigError(f"--gin.{name}={text}: not a value ({e}); allowed: a Python literal, "
                           f"as in 3, 0.1, 'runs/x' or (2, 2)") from None
+    # A number is a number, as in gin (the bare-word rule covers words only): for a text field say
+    # how to quote it, where the field's own check said only that the number is not allowed.
+    field = ".".join(name.rpartition("/")[2].split(".")[-2:])
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and field in _text_fields():
+        raise ConfigError(f"{field} = {text} is a number, and {field} holds text; allowed: text, quoted where it "
+                          f"could be read as a number, as in --gin.{name}=\"'{text}'\" (the shell drops the outer quotes)")
     # repr(inf) is a word gin cannot parse; from the text (1e999) gin reads inf, which validate() refuses
     return text if isinstance(value, float) and not math.isfinite(value) else repr(value)
 

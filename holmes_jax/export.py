@@ -10,8 +10,9 @@ checkpoint as a folder `transformers` loads with `AutoModelForCausalLM.from_pret
   no permutation.
 
 The folder holds model.safetensors (float32), config.json and, when the run trained with one, its
-tokenizer.json (the run's copy, else its data folder's). Other mixes (say rmsnorm with gelu) have
-no Hugging Face class: ConfigError.
+tokenizer.json (the run's copy, else its data folder's) with a tokenizer_config.json saying how
+that tokenizer was used (`tokenizer_config`). Other mixes (say
+rmsnorm with gelu) have no Hugging Face class: ConfigError.
 
 `ModelConfig.init_from = DIR` starts a fresh run from such a folder (ours or one downloaded
 beforehand); `import_hf` reads it and checks that it fits the run's ModelConfig.
@@ -67,6 +68,17 @@ def hf_config(cfg: ModelConfig, end_of_text: int | None = None) -> dict:
                 intermediate_size=cfg.ffn_hidden, max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps,
                 rope_theta=cfg.rope_base, rope_parameters=dict(rope_type="default", rope_theta=cfg.rope_base),
                 rope_scaling=None, hidden_act="silu", attention_bias=cfg.bias, mlp_bias=cfg.bias)
+
+
+def tokenizer_config(cfg: ModelConfig, end_of_text: str | None) -> dict:
+    """tokenizer_config.json: without one, `AutoTokenizer` takes the model type's tokenizer
+    class, whose defaults our runs did not train with (LLaMA's adds a begin-of-text '<s>', GPT-2's
+    names '<|endoftext|>', which a trained BPE may lack). The generic fast tokenizer uses
+    tokenizer.json as it is, as prepare encoded the text: no begin-of-text, `end_of_text` (its
+    name) only after each document, and a special token's name written in the text is plain text."""
+    return dict(tokenizer_class="PreTrainedTokenizerFast", bos_token=None, eos_token=end_of_text,
+                add_bos_token=False, add_eos_token=False, split_special_tokens=True,
+                clean_up_tokenization_spaces=False, model_max_length=cfg.max_seq_len)
 
 
 def _fields(hf: dict) -> dict:
@@ -340,8 +352,16 @@ def save_hf(params: dict, cfg: ModelConfig, out: str | Path, tokenizer: Path | N
             raise OSError(str(e)) from None
         if tokenizer is not None:
             shutil.copyfile(tokenizer, tmp / "tokenizer.json")
+            name = None if end_of_text is None else _token_name(tokenizer, end_of_text)
+            (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(cfg, name), indent=2) + "\n")
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return Path(out).expanduser().resolve()
+
+
+def _token_name(tokenizer: Path, token_id: int) -> str:
+    import tokenizers
+
+    return tokenizers.Tokenizer.from_file(str(tokenizer)).id_to_token(token_id)
 
 
 def export(workdir: str | Path, out: str | Path, step: int | None = None) -> Path:

@@ -132,6 +132,23 @@ def test_values_that_failed_later_or_silently_are_config_errors_naming_the_field
         configure.load_configs(["--gin.ParallelConfig.pp=1", f"--gin.{binding}"])
 
 
+@pytest.mark.parametrize("binding, field, quoted", [
+    ("DataConfig.source=123", "DataConfig.source", "--gin.DataConfig.source=\"'123'\""),
+    ("TrainConfig.workdir=5", "TrainConfig.workdir", "--gin.TrainConfig.workdir=\"'5'\""),
+    ("DataConfig.cache_dir=1.50", "DataConfig.cache_dir", "--gin.DataConfig.cache_dir=\"'1.50'\""),  # as typed
+])
+def test_a_number_for_a_text_field_says_how_to_quote_it(binding, field, quoted):
+    with pytest.raises(ConfigError) as e:
+        configure.load_configs([f"--gin.{binding}"])
+    assert str(e.value).startswith(f"{field} = ") and quoted in str(e.value)
+
+
+def test_a_quoted_number_is_text_and_a_number_field_takes_numbers():
+    # the shell turns --gin.TrainConfig.workdir="'5'" into this argument
+    cfgs = configure.load_configs(["--gin.TrainConfig.workdir='5'", "--gin.TrainConfig.steps=5"])
+    assert cfgs.train.workdir == "5" and cfgs.train.steps == 5
+
+
 def test_an_odd_rotary_head_size_names_the_fields():
     with pytest.raises(ConfigError, match=r"^ModelConfig.hidden = 120 / ModelConfig.num_heads = 8 = 15 must be even"):
         configure.load_configs(["--gin.ModelConfig.positions='rotary'", "--gin.ModelConfig.hidden=120",

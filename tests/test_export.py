@@ -105,6 +105,29 @@ def test_the_files_follow_transformers_names_shapes_and_config(tmp_path, name, o
     jax.tree.map(np.testing.assert_array_equal, export.import_hf(out, cfg), params)
 
 
+@pytest.mark.parametrize("preset", ["tiny", "llama-tiny"])
+def test_a_folder_says_how_its_tokenizer_was_used(tmp_path, preset):
+    # Without tokenizer_config.json, AutoTokenizer would pick the model type's tokenizer class:
+    # LLaMA's adds '<s>', GPT-2's names special tokens a trained BPE may lack.
+    import tokenizers
+
+    _tokenizer_json("def f(x): return x\n" * 20, tmp_path / "bpe.json")
+    tok = tokenizers.Tokenizer.from_file(str(tmp_path / "bpe.json"))
+    tok.add_special_tokens([prepare.EOT_TEXT])  # as holmes-data prepare adds it
+    tok.save(str(tmp_path / "tokenizer.json"))
+    eot = tok.token_to_id(prepare.EOT_TEXT)
+    cfg = presets.resolve(ModelConfig(preset=preset, num_layers=2, hidden=64, num_heads=4, ffn_hidden=96))
+    params = jax.tree.map(np.asarray, gpt.GPT(cfg).init(0))
+    out = export.save_hf(params, cfg, tmp_path / "hf", tmp_path / "tokenizer.json", eot)
+    assert json.loads((out / "tokenizer_config.json").read_text()) == {
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None, "eos_token": "<|endoftext|>",
+        "add_bos_token": False, "add_eos_token": False, "split_special_tokens": True,
+        "clean_up_tokenization_spaces": False, "model_max_length": cfg.max_seq_len}
+    assert json.loads((out / "config.json").read_text())["eos_token_id"] == eot
+    no_tokenizer = export.save_hf(params, cfg, tmp_path / "bytes")  # a run that read bytes has neither file
+    assert sorted(f.name for f in no_tokenizer.iterdir()) == ["config.json", "model.safetensors"]
+
+
 @pytest.mark.slow
 def test_export_of_a_run_imports_back_to_its_checkpoint(run, tmp_path):
     cfg, _ = inference.read_configs(run)
@@ -308,7 +331,8 @@ def test_greedy_generation_is_the_argmax_of_the_logits(run):
 def test_the_command_lines(run, tmp_path):
     done = run_module("holmes_jax.export", "--workdir", str(run), "--out", str(tmp_path / "hf"))
     assert done.returncode == 0, done.stderr
-    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["config.json", "model.safetensors", "tokenizer.json"]
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == [
+        "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
     done = run_module("holmes_jax.generate", "--workdir", str(run), "--prompt", "import ", "--max-tokens", "3", "--greedy")
     assert done.returncode == 0, done.stderr
     m = inference.load(run)
