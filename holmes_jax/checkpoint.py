@@ -4,13 +4,16 @@ restore onto any mesh (the restore target's shardings decide where each array la
 Resuming checks what it restores: a checkpoint that cannot be read is set aside
 (`<step>.damaged`) and the next older one is used, unless the error is this run's (no permission,
 no memory), which ends the run and leaves the checkpoint; one whose array shapes do not fit the
-configured model is a `ConfigError`, found from its metadata before any data is read. A save that
-fails (a full disk) is a `RunError`. One run at a time writes a checkpoints directory: the run holds
-its workdir's lock (`holmes_jax.train.lock_workdir`) before it makes a `Checkpointer`."""
+configured model is a `ConfigError`, found from its metadata before any data is read. Several
+processes agree: they restore the newest step every one of them could read, and set aside each
+step any of them could not. A save that fails (a full disk) is a `RunError`. One run at a time
+writes a checkpoints directory: the run holds its workdir's lock (`holmes_jax.train.lock_workdir`)
+before it makes a `Checkpointer`."""
 
 from __future__ import annotations
 
 import gc
+import json
 import logging
 import os
 import re
@@ -22,6 +25,7 @@ from pathlib import Path
 import jax
 import orbax.checkpoint as ocp
 
+from holmes_jax import distributed
 from holmes_jax.cli import RunError
 from holmes_jax.config import CheckpointConfig, ConfigError
 
@@ -152,26 +156,43 @@ class Checkpointer:
                                f"before it in the background): {reason(e)}") from None
 
     def restore(self, step: int, target):
-        """`target`: arrays or `jax.ShapeDtypeStruct`s carrying the shardings to restore onto."""
+        """`target`: arrays or `jax.ShapeDtypeStruct`s carrying the shardings to restore onto.
+        Read with orbax's handler, not its manager: the manager's restore ends with a barrier of
+        every process's devices, where the others would wait for ever on a process whose read
+        failed. `restore_newest` has the processes agree on the outcome instead."""
         abstract = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), target
         )
-        return self._manager.restore(step, args=ocp.args.StandardRestore(abstract))
+        handler = ocp.StandardCheckpointHandler()
+        try:
+            return handler.restore(self.directory / str(step) / STATE_FOLDER, args=ocp.args.StandardRestore(abstract))
+        finally:
+            handler.close()
 
     def restore_newest(self, target, say) -> tuple[int, dict] | None:
-        """(step, state) of the newest checkpoint that reads, or None when there is none. Says in
-        one line each which checkpoint could not be read and which one is used instead."""
-        steps = sorted(self._manager.all_steps(), reverse=True)
+        """(step, state) of the newest checkpoint that every process reads, or None when there is
+        none. Says in one line each which checkpoint could not be read (and on which processes,
+        where only some could not) and which one is used instead. Every process calls it."""
+        # Each process's own listing can lag (an NFS client): the steps are those any process sees.
+        seen = sorted(self._manager.all_steps())
+        listed = distributed.every_process("checkpoint steps", json.dumps(seen))
+        steps = sorted({step for text in listed for step in json.loads(text)}, reverse=True)
         damaged = []
         try:
-            return self._restore_newest(steps, damaged, target, say)
+            return self._restore_newest(steps, set(seen), damaged, target, say)
         finally:
             if damaged:
                 _close_failed_reads()
 
-    def _restore_newest(self, steps: list[int], damaged: list[int], target, say) -> tuple[int, dict] | None:
+    def _restore_newest(self, steps: list[int], seen: set[int], damaged: list[int], target,
+                        say) -> tuple[int, dict] | None:
+        # Every process takes the same path through this loop, decided by the verdicts all of them
+        # exchanged, so each makes the same `every_process` calls in the same order.
         for step in steps:
+            saved, error = None, None
             try:
+                if step not in seen:
+                    raise FileNotFoundError("this process does not list it")
                 # orbax's own error for this names a missing handler, not a missing folder
                 if not (self.directory / str(step) / STATE_FOLDER).is_dir():
                     raise FileNotFoundError(f"its {STATE_FOLDER}/ folder is missing")
@@ -179,17 +200,21 @@ class Checkpointer:
                 if saved is None:
                     raise FileNotFoundError("its metadata is missing")
             except Exception as e:
-                self._unreadable(step, e, damaged, say)
+                error = e
+            if self._unreadable(step, error, damaged, say):
                 continue
             if wrong := mismatches(saved.tree, target):
                 more = f" (and {len(wrong) - SHOWN_MISMATCHES} more)" if len(wrong) > SHOWN_MISMATCHES else ""
                 raise ConfigError(f"checkpoint step {step} in {self.directory} does not fit the configured model: "
                                   f"{'; '.join(wrong[:SHOWN_MISMATCHES])}{more}. Set the ModelConfig the run that "
                                   f"wrote it used, or choose another TrainConfig.workdir")
+            state, error = None, None
             try:
                 state = self.restore(step, target)
             except Exception as e:
-                self._unreadable(step, e, damaged, say)
+                error = e
+            if self._unreadable(step, error, damaged, say):
+                del state  # read here, but not by every process
                 continue
             if damaged:
                 self._set_aside(damaged)
@@ -200,22 +225,40 @@ class Checkpointer:
                            "move that directory away to start afresh")
         return None
 
-    def _unreadable(self, step: int, error: Exception, damaged: list[int], say) -> None:
-        """Counts `step` as damaged and says so, or ends the run where the error is this run's."""
-        if _not_damage(error):
-            raise RunError(f"checkpoint step {step} in {self.directory} cannot be read here "
-                           f"({reason(error)}); it is left as it is") from None
+    def _unreadable(self, step: int, error: Exception | None, damaged: list[int], say) -> bool:
+        """Whether any process could not read `step` (`error`: this process's, None when it could).
+        Then counts it as damaged and says so, naming the processes that could not read it where
+        others could; or ends the run on every process where an error is a run's own."""
+        verdict = "" if error is None else json.dumps({"reason": reason(error), "damage": not _not_damage(error)})
+        texts = distributed.every_process("checkpoint read", verdict)
+        verdicts = [json.loads(text) if text else None for text in texts]
+        failed = [i for i, v in enumerate(verdicts) if v]
+        if not failed:
+            return False
+        here = jax.process_index()
+        if not_damage := [i for i in failed if not verdicts[i]["damage"]]:  # no process may set it aside
+            i = here if here in not_damage else not_damage[0]
+            where = "here" if i == here else f"on process {i}"
+            raise RunError(f"checkpoint step {step} in {self.directory} cannot be read {where} "
+                           f"({verdicts[i]['reason']}); it is left as it is") from None
         damaged.append(step)
-        say(f"checkpoint step {step} cannot be read ({reason(error)}); trying an older one")
+        i = here if here in failed else failed[0]
+        where = ("" if len(failed) == len(verdicts)
+                 else f" on process{'es' * (len(failed) > 1)} {', '.join(map(str, failed))}")
+        say(f"checkpoint step {step} cannot be read{where} ({verdicts[i]['reason']}); trying an older one")
+        return True
 
     def _set_aside(self, steps: list[int]) -> None:
         """Renames damaged step directories so that orbax ignores them and the run can save those
-        steps again. Process 0 renames; every process waits for it."""
+        steps again. Process 0 renames; every process waits for it. A step with no directory here
+        (listed by another process only) is left: there is nothing to rename."""
         from jax.experimental import multihost_utils
 
         multihost_utils.sync_global_devices("holmes_jax: restored")
         if jax.process_index() == 0:
             for step in steps:
+                if not (self.directory / str(step)).exists():
+                    continue
                 aside, n = self.directory / f"{step}.damaged", 1
                 while aside.exists():  # set aside before, at the same step
                     aside, n = self.directory / f"{step}.damaged{n}", n + 1

@@ -48,11 +48,17 @@ def restore_params(workdir: str | Path, cfg: ModelConfig, step: int | None = Non
     if step is not None and (isinstance(step, bool) or not isinstance(step, numbers.Integral)):
         raise ConfigError(f"step = {step!r} is not allowed; allowed: None (the newest checkpoint) or an int")
     directory = (Path(workdir) / "checkpoints").absolute()
-    steps = []
-    if directory.is_dir():
-        options = ocp.CheckpointManagerOptions(create=False)
-        manager = ocp.CheckpointManager(directory, options=options)
-        steps = list(manager.all_steps())
+    if not directory.is_dir():
+        raise ConfigError(f"--workdir {str(workdir)!r} has no checkpoint under {directory}")
+    manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(create=False))
+    try:  # closed on every path: a library caller (`holmes_jax.load`) keeps running
+        return _restore_params(manager, workdir, directory, cfg, step, device)
+    finally:
+        manager.close()
+
+
+def _restore_params(manager, workdir, directory: Path, cfg: ModelConfig, step: int | None, device) -> tuple[dict, int]:
+    steps = list(manager.all_steps())
     if not steps:
         raise ConfigError(f"--workdir {str(workdir)!r} has no checkpoint under {directory}")
     step = max(steps) if step is None else int(step)
@@ -70,8 +76,6 @@ def restore_params(workdir: str | Path, cfg: ModelConfig, step: int | None = Non
         others = " or ".join(str(s) for s in sorted(steps) if s != step)
         allowed = f"allowed: --step {others}" if others else "there is no other checkpoint"
         raise ConfigError(f"checkpoint step {step} in {directory} cannot be read ({reason(e)}); {allowed}") from None
-    finally:
-        manager.close()
     return params, step
 
 
@@ -126,7 +130,7 @@ def run_tokens(workdir: str | Path, data: DataConfig) -> tuple[Any, int | None, 
         return tokenizer, next((vocab[name] for name in prepare.EOT_NAMES if name in vocab), None), None
     if (Path(workdir) / data_sources.RUN_META_FILE).is_file() or data_sources.prepared_folder(data.source):
         return None, prepare.BYTE_VOCAB, None  # prepared as bytes: ids 0-255 and end-of-text 256
-    return None, None, data.source if data.source.endswith(".bin") else None
+    return None, None, data.source if data_sources.is_token_file(data.source) else None
 
 
 def load(workdir: str | Path, step: int | None = None) -> Model:

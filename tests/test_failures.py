@@ -596,3 +596,52 @@ def test_only_orbaxs_closed_loop_callbacks_are_kept_off_stderr():
     except RuntimeError as e:
         ours = e
     assert not checkpoint._is_closed_loop(ours)
+
+
+RESTORE_WHERE_PROCESS_1_CANNOT_READ_STEP_3 = """
+import sys
+from holmes_jax import distributed
+info = distributed.initialize()
+import jax
+import jax.numpy as jnp
+from holmes_jax.checkpoint import Checkpointer
+from holmes_jax.config import CheckpointConfig
+
+restore = Checkpointer.restore
+def truncated_on_process_1(self, step, target):  # as where only process 1's host sees a truncated file
+    if step == 3 and info.process_index == 1:
+        raise ValueError("DATA_LOSS: truncated on this host")
+    return restore(self, step, target)
+Checkpointer.restore = truncated_on_process_1
+ckpt = Checkpointer(sys.argv[1], CheckpointConfig())
+sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+target = {"w": jax.ShapeDtypeStruct((4,), jnp.float32, sharding=sharding)}
+step, state = ckpt.restore_newest(target, lambda line: print("said:", line, flush=True))
+ckpt.close()
+print("restored", step, float(state["w"][0]), flush=True)
+"""
+
+
+def test_two_processes_restore_the_newest_step_both_can_read(tmp_path):
+    # each process chose on its own: process 0 restored step 3, process 1 step 2, then they waited
+    # on each other for ever
+    import jax.numpy as jnp
+
+    from holmes_jax.config import CheckpointConfig
+
+    ckpt = Checkpointer(tmp_path, CheckpointConfig())
+    for step in (2, 3):
+        ckpt.save(step, lambda: {"w": jnp.full(4, float(step))}, force=True)
+    ckpt.close()
+    env = {k: v for k, v in dict(os.environ, PYTHONPATH=str(REPO)).items() if not k.startswith(("HOLMES_", "JAX_"))}
+    script = RESTORE_WHERE_PROCESS_1_CANNOT_READ_STEP_3
+    r = subprocess.run([sys.executable, "-m", "holmes_jax.launch", "-n", "2", "--devices-per-process", "1",
+                        "--timeout", "60", "--grace", "5", "--", sys.executable, "-c", script, str(tmp_path)],
+                       capture_output=True, text=True, timeout=100, cwd=REPO, env=env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    lines = r.stdout.splitlines()
+    restored = sorted(line for line in lines if "restored" in line)
+    assert restored == ["[rank 0] restored 2 2.0", "[rank 1] restored 2 2.0"]
+    assert ("[rank 0] said: checkpoint step 3 cannot be read on process 1 (DATA_LOSS: truncated on this host); "
+            "trying an older one") in lines, lines
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["2", "3.damaged"]
