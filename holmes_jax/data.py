@@ -5,8 +5,8 @@ Sources (`DataConfig.source`):
   path order. Every Python install has them, so the default run downloads nothing.
 - a text file, or a folder of text files (the files under it, sorted, without hidden paths and
   binary files, as `prepare` reads a folder), read as bytes.
-- a flat token file ending in `.bin`: a headerless little-endian array of `DataConfig.token_dtype`
-  (uint16 or uint32) token ids, e.g. written with `np.asarray(ids, np.uint16).tofile(path)`;
+- a flat token file ending in `.bin` (`.BIN` too): a headerless little-endian array of
+  `DataConfig.token_dtype` (uint16 or uint32) token ids, e.g. written with `np.asarray(ids, np.uint16).tofile(path)`;
   `DataConfig.vocab_size` gives its vocabulary (default: unknown; its ids are scanned once).
 - a prepared folder (it holds `meta.json`), written by `python -m holmes_jax.data prepare`
   (holmes_jax.prepare): `tokens.bin` in the dtype and vocabulary its meta.json names.
@@ -31,6 +31,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import shutil
 import sysconfig
 import uuid
 from pathlib import Path
@@ -42,6 +43,7 @@ from holmes_jax.config import ConfigError, DataConfig
 from holmes_jax.prepare import BYTE_VOCAB, META_FILE, TOKEN_FILE, TOKENIZER_FILE
 
 SCAN_CHUNK = 1 << 24  # token ids read at a time when scanning a file for its largest id
+COPY_CHUNK = 1 << 20  # bytes read at a time when copying text files into the cache
 # A prepared source's meta.json as a run keeps it in its workdir (its end-of-text id, for export and
 # generate, also where the data folder is not found from there).
 RUN_META_FILE = "data_meta.json"
@@ -134,7 +136,8 @@ def _cached_bytes(files: list[Path], cache_dir: Path, source: str) -> np.ndarray
             cache_dir.mkdir(parents=True, exist_ok=True)
             with open(partial, "xb") as out:
                 for f in files:
-                    out.write(f.read_bytes())
+                    with open(f, "rb") as text:  # in pieces: a file may be larger than memory
+                        shutil.copyfileobj(text, out, COPY_CHUNK)
             os.replace(partial, cache)  # atomic: a crash never leaves a half-written cache behind
         except OSError as e:
             with contextlib.suppress(OSError):  # nothing to remove when the folder itself failed
@@ -192,7 +195,12 @@ def vocab_size(cfg: DataConfig) -> int | None:
     folder = prepared_folder(cfg.source)
     if folder:
         return read_meta(folder)["vocab_size"]
-    return cfg.vocab_size if cfg.source.endswith(".bin") else None
+    return cfg.vocab_size if is_token_file(cfg.source) else None
+
+
+def is_token_file(source: str) -> bool:
+    """Whether `source` names a flat token file: NAME.bin, the suffix in any case (TOKENS.BIN too)."""
+    return source.lower().endswith(".bin")
 
 
 def tokenizer_path(cfg: DataConfig) -> Path | None:
@@ -213,7 +221,7 @@ def load(cfg: DataConfig) -> TokenData:
     if cfg.source == "stdlib":
         tokens = _cached_bytes(_stdlib_files(), cache_dir, cfg.source)
         vocab, what = BYTE_VOCAB, "python stdlib sources (bytes)"
-    elif cfg.source.endswith(".bin") and not folder:
+    elif is_token_file(cfg.source) and not folder:
         path = Path(cfg.source).expanduser()
         tokens = _token_file(path, cfg.token_dtype, cfg.source)
         top = _max_id(tokens)

@@ -13,6 +13,9 @@ Tokenizers (T):
 - a path to a Hugging Face `tokenizer.json`: its end-of-text token is the first of
   <|endoftext|>, <|end_of_text|>, </s>, <eos> it holds; without one, <|endoftext|> is added.
   A truncation or padding setting it holds is dropped: every document is tokenized whole.
+A long document goes to the BPE tokenizers in pieces of about 64K characters cut before a space,
+which gives the ids of the whole text wherever the tokenizer pre-tokenizes (a tokenizer.json
+without a pre-tokenizer gets each document in one piece).
 
 DIR gets `tokens.bin` (every document followed by end-of-text, little-endian uint16 when the
 vocabulary fits, else uint32), `tokenizer.json` (not for bytes) and `meta.json`. It is written
@@ -48,7 +51,18 @@ def count_documents(n: int) -> str:
 EOT_TEXT = "<|endoftext|>"
 EOT_NAMES = (EOT_TEXT, "<|end_of_text|>", "</s>", "<eos>")
 BINARY_SNIFF = 8192  # a NUL byte among a file's first bytes marks it binary
-BATCH_BYTES = 4 << 20  # text encoded per tokenizer call: large enough to keep its threads busy
+# A tokenizer call holds about 250 bytes per character of its text (a 20 MB document in one call
+# peaked at 4-5 GB), so it gets about BATCH_BYTES of text, a longer document cut in pieces of about
+# PIECE_CHARS characters: 16 pieces a call keep its threads busy.
+BATCH_BYTES = 1 << 20
+PIECE_CHARS = 1 << 16
+# Where a piece may end: before a space that follows a non-space character. Whitespace-splitting
+# pre-tokenizers (ByteLevel's GPT-2 pattern, Llama-3's, Whitespace, a splitting Metaspace) start a new
+# pre-token there (a space only ever leads a pre-token) and never look back past it, and the BPE
+# model merges only inside a pre-token, so the pieces' ids joined are the whole text's ids. (Not a
+# newline: Llama-3's pattern keeps ".\n" together.)
+PIECE_END = re.compile(r".*\S(?= )", re.DOTALL)  # matched from a piece's start: up to its last such space
+NEXT_PIECE_END = re.compile(r"\S ")
 BPE_MAX = 1 << 20  # bpe:N's largest N: 4x the largest released vocabularies; the trainer aborts the process on a huge N
 # The BPE trainer's time grows with the square of a word's length (a 300,000-letter line: 48 s, 3 MB:
 # over 12 minutes, silent and deaf to Ctrl-C), so it learns from runs of non-space characters cut
@@ -195,9 +209,34 @@ class HFTokenizer:
         self.tokenizer, self.eot_id, self.vocab_size = tokenizer, vocab[eot], max(vocab.values()) + 1
 
     def encode(self, docs: list[bytes]) -> list[np.ndarray]:
-        # No special tokens: a tokenizer's template (a leading <s>, say) is not part of the text.
-        texts = [d.decode("utf-8", "replace") for d in docs]
-        return [np.asarray(e.ids, np.int64) for e in self.tokenizer.encode_batch(texts, add_special_tokens=False)]
+        # Every document in pieces (see PIECE_END), the pieces encoded about BATCH_BYTES at a time,
+        # so memory stays bounded however long one document is.
+        pieces = [(n, piece) for n, d in enumerate(docs) for piece in self._pieces(d.decode("utf-8", "replace"))]
+        ids = [[np.zeros(0, np.uint32)] for _ in docs]
+        for group in _batches(iter(pieces), BATCH_BYTES, size=lambda piece: len(piece[1])):
+            # No special tokens: a tokenizer's template (a leading <s>, say) is not part of the text.
+            encodings = self.tokenizer.encode_batch([text for _, text in group], add_special_tokens=False)
+            for (n, _), e in zip(group, encodings):
+                ids[n].append(np.asarray(e.ids, np.uint32))  # the library's ids are 32-bit
+        return [np.concatenate(parts) for parts in ids]
+
+    def _pieces(self, text: str) -> Iterator[str]:
+        """`text` cut before spaces into pieces of about PIECE_CHARS characters (longer where a run
+        has no space to cut at), or whole where the tokenizer has no pre-tokenizer: such a model
+        (Llama-2's, with a normalizer that puts "▁" before the text) sees the text as one word."""
+        start = 0
+        while self.tokenizer.pre_tokenizer is not None and len(text) - start > PIECE_CHARS:
+            last = PIECE_END.match(text, start, start + PIECE_CHARS)
+            if last:
+                cut = last.end()
+            else:  # no space in this piece's length: up to the next one
+                later = NEXT_PIECE_END.search(text, start + PIECE_CHARS - 1)
+                if later is None:
+                    break
+                cut = later.start() + 1
+            yield text[start:cut]
+            start = cut
+        yield text[start:]
 
     def save(self, folder: Path) -> None:
         self.tokenizer.save(str(folder / TOKENIZER_FILE))
@@ -250,15 +289,15 @@ def make_tokenizer(spec: str, docs: Callable[[Progress], Iterator[bytes]], total
         raise ConfigError(f"--tokenizer {spec!r}: not a tokenizer.json the tokenizers library reads ({e})") from None
 
 
-def _batches(docs: Iterator[bytes], limit: int) -> Iterator[list[bytes]]:
-    """`docs` in lists of about `limit` bytes."""
-    batch, size = [], 0
+def _batches(docs: Iterator, limit: int, size: Callable = len) -> Iterator[list]:
+    """`docs` in lists of about `limit` bytes (as `size` counts them)."""
+    batch, total = [], 0
     for doc in docs:
         batch.append(doc)
-        size += len(doc)
-        if size >= limit:
+        total += size(doc)
+        if total >= limit:
             yield batch
-            batch, size = [], 0
+            batch, total = [], 0
     if batch:
         yield batch
 

@@ -1,6 +1,7 @@
 import dataclasses
 import json
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -43,6 +44,32 @@ def test_token_file_format(tmp_path):
     assert tokens.vocab_size == 1000
     batch = tokens.batch("train", 0, 0, 2, 16)
     np.testing.assert_array_equal(np.diff(batch, axis=1) % 1000, 1)
+
+
+@pytest.mark.parametrize("name", ["TOKENS.BIN", "tokens.Bin"])
+def test_a_token_file_suffix_in_upper_or_mixed_case_is_a_token_file(tmp_path, name):
+    # was read as text, and refused as a binary file
+    path = _write(tmp_path / name, (np.arange(10_000) % 1000).astype("<u2").tobytes())
+    assert data.vocab_size(DataConfig(source=path, vocab_size=1000)) == 1000
+    tokens = data.load(DataConfig(source=path, seq_len=16, cache_dir=str(tmp_path)))
+    assert tokens.vocab_size == 1000 and "token file" in tokens.description
+    np.testing.assert_array_equal(np.diff(tokens.batch("train", 0, 0, 2, 16), axis=1) % 1000, 1)
+
+
+def test_the_text_cache_copies_a_large_file_in_pieces(tmp_path):
+    import tracemalloc
+
+    size = 16 << 20
+    path = _write(tmp_path / "big.txt", b"a line of text\n" * (size // 15))
+    tracemalloc.start()
+    try:
+        tokens = data.load(DataConfig(source=path, seq_len=16, cache_dir=str(tmp_path / "cache")))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < size / 4, f"{peak / size:.2f} bytes of memory per byte of text"  # was the whole file
+    assert len(tokens.train) + len(tokens.val) == (size // 15) * 15
+    assert bytes(tokens.train[:30]) == b"a line of text\n" * 2
 
 
 @pytest.mark.parametrize("source", ["/nonexistent/corpus", "/nonexistent/tokens.bin"])
@@ -242,15 +269,15 @@ def test_text_caches_written_at_once_under_one_pid_do_not_mix(tmp_path, monkeypa
     # Processes on two hosts sharing the cache folder can have the same pid: here a second build
     # starts (same pid) while the first is between its files.
     files = [Path(_write(tmp_path / "t" / name, name.encode() * 500)) for name in ("a", "b")]
-    read, nested = Path.read_bytes, {}
+    copy, nested = shutil.copyfileobj, {}
 
-    def read_bytes(self):
-        if self.name == "b" and not nested:
+    def copyfileobj(source, out, length):
+        if Path(source.name).name == "b" and not nested:
             nested["started"] = True
             nested["cache"] = data._cached_bytes(files, tmp_path / "cache", "t")
-        return read(self)
+        return copy(source, out, length)
 
-    monkeypatch.setattr(Path, "read_bytes", read_bytes)
+    monkeypatch.setattr(shutil, "copyfileobj", copyfileobj)
     outer = data._cached_bytes(files, tmp_path / "cache", "t")
     assert bytes(outer) == bytes(nested["cache"]) == b"a" * 500 + b"b" * 500
     assert [p.name for p in (tmp_path / "cache").iterdir()] == [Path(outer.filename).name]

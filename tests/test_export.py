@@ -501,6 +501,12 @@ def test_a_prompt_becomes_the_ids_the_training_text_did(tmp_path):
     assert "<|endoftext|>" in generate.decode(m, prompt)  # printed as given, not dropped as a special token
 
 
+@pytest.mark.parametrize("name", ["tokens.bin", "TOKENS.BIN"])
+def test_a_run_on_a_token_file_is_read_as_ids_whatever_the_suffix_case(tmp_path, name):
+    # No tokenizer: generate takes ids, and reads the file for its vocabulary's end.
+    assert inference.run_tokens(tmp_path, DataConfig(source=str(tmp_path / name))) == (None, None, str(tmp_path / name))
+
+
 @pytest.mark.parametrize("unk_token", ["<unk>", None])
 def test_a_prompt_the_tokenizer_cannot_spell_is_refused(tmp_path, unk_token):
     import tokenizers
