@@ -368,3 +368,19 @@ def test_the_command_loads_matplotlib_only_to_draw(tmp_path):
                            timeout=120)
         assert r.returncode == 0 and r.stdout.splitlines()[-1] == drawn, r.stderr
     assert (tmp_path / "plan.png").stat().st_size > 0
+
+
+def test_given_microbatches_that_split_no_replica_name_every_dp_tried():
+    # it named the first layout's dp = 32 alone ("each data replica's 16 samples ... a divisor of 16")
+    code, _, err = _cli("--topology", IB4_ROCE4, "--model", "7.5b", "--microbatches", "7", "--global-batch", "512")
+    assert code == 2 and err.count("\n") == 1
+    assert "microbatches = 7 is not allowed" in err and "with dp = 1, 2, 4, 8, 16, 32 they do not" in err
+    assert "allowed: a divisor of 512 (dp = 1), 256 (dp = 2), 128 (dp = 4), 64 (dp = 8), 32 (dp = 16), 16 (dp = 32)" in err
+
+
+def test_given_microbatches_that_split_some_replicas_name_what_stopped_those_layouts():
+    # 720720 = 16 * 45045: dp 32 and 64 do not divide it, dp 16 and below take 7 microbatches and are
+    # over memory; it named dp = 32's batch misfit
+    code, _, err = _cli("--topology", IB4_ROCE4, "--model", "7.5b", "--microbatches", "7", "--global-batch", "720720")
+    assert code == 2 and "global_batch = 720720 is not allowed" not in err
+    assert re.search(r"first: tp = \d+, pp = \d+, microbatches = 7, schedule \w+ do not fit in device memory", err)

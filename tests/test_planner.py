@@ -1,3 +1,4 @@
+import dataclasses
 import re
 import subprocess
 import sys
@@ -174,7 +175,7 @@ def test_when_nothing_fits_memory_the_error_names_the_layout_nearest_to_fitting(
     with pytest.raises(ConfigError, match="no layout fits") as e:
         plan(t, "7.5b")
     cfg = presets.resolve(ModelConfig(preset="7.5b"))
-    _, errors = search._candidates(t, cfg, ParallelConfig(), set(search.SEARCHABLE), 512, cfg.max_seq_len, False, None)
+    _, errors, _ = search._candidates(t, cfg, ParallelConfig(), set(search.SEARCHABLE), 512, cfg.max_seq_len, False, None)
     nearest = min(_need_over_have(m) for m in errors if "device memory" in m)
     assert _need_over_have(str(e.value)) == pytest.approx(nearest)  # it named the 4.5 TB pp = 1 layout before
     assert "ModelConfig.remat = 'full', the plan CLI's --remat" in str(e.value)
@@ -247,3 +248,78 @@ def test_a_given_split_over_memory_is_named_with_the_way_out():
     with pytest.raises(ConfigError) as e:  # the even split itself over memory: no such advice
         plan(t, "3.6b", ParallelConfig(**fixed, stage_layers=(15, 15)), global_batch=8192)
     assert "stage layers 15,15 do not fit" in str(e.value) and "more even split" not in str(e.value)
+
+
+def test_the_screen_walks_no_tick_table_and_balances_no_split_where_nothing_fits_memory(monkeypatch):
+    # the planner screened thousands of layouts over memory by replaying each one's schedule and
+    # time-balancing its layers: most of a 10 s search with a batch of many divisors
+    from holmes_jax.planning import cost, partition
+    t = Topology((Cluster("a", "infiniband", nodes=1, devices_per_node=8, device_memory_gb=24),
+                  Cluster("b", "roce", nodes=1, devices_per_node=8, device_memory_gb=24)))
+    balanced, real = [], partition.time_balanced
+    monkeypatch.setattr(partition, "time_balanced", lambda model: balanced.append(model) or real(model))
+    cost._ticks.cache_clear()
+    with pytest.raises(ConfigError, match="do not fit in device memory"):
+        plan(t, "7.5b", global_batch=720)
+    assert cost._ticks.cache_info().misses == 0 and balanced == []
+
+
+def test_lower_bounds_over_memory_are_infinite_without_the_tick_table():
+    from holmes_jax.planning import cost
+    cfg = presets.resolve(ModelConfig(preset="7.5b"))
+    t = Topology((Cluster("a", "infiniband", nodes=2, devices_per_node=8, device_memory_gb=1),))
+    pl = placement.place(t, tp=8, pp=2)
+    model, _ = search._cost_model(cfg, pl, 64, cfg.max_seq_len, 8, "1f1b", ParallelConfig())
+    cost._ticks.cache_clear()
+    assert np.all(model.lower_bounds([(18, 18), (10, 26)]) == np.inf)
+    assert cost._ticks.cache_info().misses == 0
+    roomy = model.with_stages([dataclasses.replace(s, memory_bytes=np.inf) for s in model.stages])
+    bound = roomy.lower_bounds([(18, 18)])[0]
+    assert np.isfinite(bound) and bound <= roomy.step_times([(18, 18)])[0]
+
+
+def _two_clusters(memory_gb=80.0):
+    """1 + 2 nodes of 8: every cluster holds whole stages only with pp 3, 6, 12 or 24."""
+    return Topology((Cluster("ib", "infiniband", nodes=1, devices_per_node=8, device_memory_gb=memory_gb),
+                     Cluster("roce", "roce", nodes=2, devices_per_node=8, device_memory_gb=memory_gb)))
+
+
+def test_where_only_stages_spanning_clusters_fit_the_error_says_allow_mixed_would_find_one():
+    two_layers = ModelConfig(preset="tiny", num_layers=2)  # too few layers for pp 3
+    with pytest.raises(ConfigError) as e:
+        plan(_two_clusters(), two_layers, global_batch=48)
+    mixed = plan(_two_clusters(), two_layers, global_batch=48, allow_mixed=True)
+    hint = re.search(r"with stages spanning clusters tp = (\d+), pp = (\d+), dp = (\d+), microbatches = (\d+), "
+                     r"(\w+) fits \(([0-9.e+-]+) s a step; allow_mixed=True, --allow-mixed\)$", str(e.value))
+    assert hint, str(e.value)
+    tp, pp, dp, m = map(int, hint.groups()[:4])
+    assert (mixed.tp, mixed.pp, mixed.dp, mixed.microbatches, mixed.schedule) == (tp, pp, dp, m, hint.group(5))
+    assert mixed.prediction.step_time_s <= float(hint.group(6)) * 1.001
+
+
+def test_where_stages_spanning_clusters_would_not_fit_either_the_error_does_not_offer_them():
+    with pytest.raises(ConfigError) as e:
+        plan(_two_clusters(memory_gb=24), "7.5b", global_batch=48)
+    with pytest.raises(ConfigError):  # allow_mixed finds nothing either
+        plan(_two_clusters(memory_gb=24), "7.5b", global_batch=48, allow_mixed=True)
+    assert "spanning clusters" not in str(e.value)
+
+
+def test_a_plan_notes_a_faster_one_with_stages_spanning_clusters():
+    topology = REPO / "configs" / "topologies" / "cpu_2x4.toml"
+    p = plan(topology, "tiny", global_batch=96)
+    mixed = plan(topology, "tiny", global_batch=96, allow_mixed=True)
+    assert mixed.placement.mixed_stages and mixed.prediction.step_time_s < p.prediction.step_time_s
+    (note,) = [n for n in p.notes if "spanning clusters" in n]
+    assert f"tp = {mixed.tp}, pp = {mixed.pp}, dp = {mixed.dp}" in note and "--allow-mixed" in note
+    assert not [n for n in mixed.notes if "spanning clusters" in n]  # they were allowed
+
+
+def test_a_plan_notes_no_stages_spanning_clusters_where_they_would_not_change_it():
+    topology = REPO / "configs" / "topologies" / "ib4_roce4.toml"
+    model = ModelConfig(preset="7.5b", compute_dtype="bfloat16", remat=True)
+    p = plan(topology, model)
+    assert search._candidates(load(topology), presets.resolve(model), ParallelConfig(), set(search.SEARCHABLE), 512,
+                              2048, False, None)[2]  # some layouts were refused as spanning clusters
+    assert plan(topology, model, allow_mixed=True).prediction.step_time_s == p.prediction.step_time_s
+    assert not [n for n in p.notes if "spanning clusters" in n]

@@ -241,13 +241,16 @@ class CostModel:
         self._dp = np.array([s.dp for s in stages])
         self._dp_link = Link(np.array([s.dp_link.bytes_per_s for s in stages]),
                              np.array([s.dp_link.latency_s for s in stages]))
-        tp_allreduce = np.array([float(allreduce_s(work.boundary_bytes, s.tp, s.tp_link)) for s in stages])
+        # per stage, as arrays: the planner builds thousands of these
+        tp_links = Link(np.array([s.tp_link.bytes_per_s for s in stages], dtype=float),
+                        np.array([s.tp_link.latency_s for s in stages], dtype=float))
+        tp_allreduce = allreduce_s(work.boundary_bytes, self._tp, tp_links)
         self._tp_fwd, self._tp_bwd = work.tp_allreduces_fwd * tp_allreduce, work.tp_allreduces_bwd * tp_allreduce
         # each tp rank sends its 1/tp slice of the activations (the route's rate is already its
         # share of the NIC), and the receiving stage all-gathers the slices over `tensor` inside
         # its node (a ring all-gather takes a reduce-scatter's time)
-        gather = [max(float(reduce_scatter_s(work.boundary_bytes, tp, stages[b + k].tp_link)) for k in (0, 1))
-                  for b in range(len(boundaries))]
+        stage_gather = reduce_scatter_s(work.boundary_bytes, tp, tp_links)
+        gather = np.maximum(stage_gather[:-1], stage_gather[1:])
         self._p2p = np.array([link.time(work.boundary_bytes / tp) + g for link, g in zip(boundaries, gather)])
         # the embedding's and head's float32 gradients (ZeRO-1: each device's shard, after the
         # reduction over `data`) summed over `stage`: a ring through every boundary, the slowest
@@ -374,8 +377,11 @@ class CostModel:
         since no tick is shorter than any one stage's work in it. Infinite where a stage does not
         fit in memory."""
         t = self.stage_terms(splits)
-        transfers = _ticks(self.schedule, self.num_stages, self.microbatches)[3].sum()
-        hops = transfers * self._p2p.max() if self.num_stages > 1 else 0.0
+        if not t["fits"].any():  # no tick table to replay (the planner screens thousands of layouts)
+            return np.full(len(t["fits"]), np.inf)
+        hops = 0.0
+        if self.num_stages > 1:
+            hops = _ticks(self.schedule, self.num_stages, self.microbatches)[3].sum() * self._p2p.max()
         busy = t["gather"] + self._all_microbatches(t)
         busy[:, 0] = np.maximum(busy[:, 0], busy.max(axis=1) + hops)
         bound = self._finish(busy, t).max(axis=1)

@@ -352,10 +352,7 @@ def _microbatch_options(par: ParallelConfig, free: set, global_batch: int, dp: i
         # only up to the cap: listing every divisor of a huge batch would take forever
         allowed = [m for m in range(1, min(cap, per_replica) + 1) if per_replica % m == 0]
         return [m for m in allowed if m >= pp] or allowed[-1:]
-    if per_replica % par.microbatches:
-        raise ConfigError(f"microbatches = {par.microbatches} is not allowed: each data replica's {per_replica} "
-                          f"samples must split evenly; allowed: a divisor of {per_replica}")
-    return [par.microbatches]
+    return [par.microbatches]  # that it splits per_replica is checked by the caller (_unsplit_microbatches)
 
 
 def _more_microbatches(per_replica: int, tried: list[int]) -> list[int]:
@@ -424,11 +421,14 @@ def plan(topology, model, parallel: ParallelConfig | None = None, *, global_batc
     prof = (_load_profile(profile, cfg) if profile is not None
             else _load_profile(par.profile, cfg, "ParallelConfig.profile"))
 
-    candidates, errors = _candidates(topo, cfg, par, free, global_batch, seq_len, allow_mixed, ratios, prof)
+    candidates, errors, mixed = _candidates(topo, cfg, par, free, global_batch, seq_len, allow_mixed, ratios, prof)
+    # what allow_mixed would add: the layouts refused for a stage spanning clusters, screened with it
+    mixed = _candidates(topo, cfg, par, free, global_batch, seq_len, True, ratios, prof, mixed)[0] if mixed else []
     if not candidates:
         errors = list(dict.fromkeys(errors))
-        raise ConfigError(errors[0] if len(errors) == 1 else
-                          f"no layout fits ({len(errors)} kinds of misfit); first: {errors[0]}")
+        message = errors[0] if len(errors) == 1 else f"no layout fits ({len(errors)} kinds of misfit); first: {errors[0]}"
+        hint = _mixed_hint(mixed)
+        raise ConfigError(message + (f"; {hint}" if hint else ""))
     # Simulate in lower-bound order, stopping once no bound can beat the FULL_SEARCH-th best time.
     timed = []
     for c in sorted(candidates, key=lambda c: c.bound):
@@ -443,6 +443,8 @@ def plan(topology, model, parallel: ParallelConfig | None = None, *, global_batc
     prediction, c = best
     partitions = {m: c.model.predict(partition.split(m, c.model, c.weights)) for m in partition.METHODS}
     notes = c.notes
+    hint = _mixed_hint(mixed, prediction.step_time_s)
+    notes += (hint,) if hint else ()
     if prof is not None and par.partition == "auto" and par.stage_layers is None:
         timed, note = _timed_split(prof, cfg, c, workload.micro_batch(global_batch, c.placement.grid.shape[1],
                                                                       c.model.microbatches), seq_len)
@@ -453,6 +455,28 @@ def plan(topology, model, parallel: ParallelConfig | None = None, *, global_batc
                 "explicit" if par.stage_layers is not None else par.partition, c.model.schedule, c.model.microbatches,
                 global_batch, seq_len, c.model.zero1, par.grad_reduce_dtype, par.update_gather_dtype, prediction,
                 partitions, notes)
+
+
+def _mixed_hint(mixed: list["_Candidate"], than: float | None = None) -> str | None:
+    """A line on what allow_mixed (--allow-mixed) would change, from the candidates only it allows
+    (their screening split): the fastest, where nothing fits without it (`than` None) or where it is
+    predicted faster than `than`, this plan's step; else None."""
+    best, best_time = None, math.inf
+    for c in sorted(mixed, key=lambda c: c.bound):  # simulated in lower-bound order, as the search does
+        if c.bound >= min(best_time, math.inf if than is None else than):
+            break
+        step = float(c.model.step_times([c.split])[0])
+        if step < best_time:
+            best, best_time = c, step
+    if best is None or (than is not None and best_time >= than):
+        return None
+    pp, dp, tp = best.placement.grid.shape
+    layout = f"tp = {tp}, pp = {pp}, dp = {dp}, microbatches = {best.model.microbatches}, {best.model.schedule}"
+    if than is None:
+        return (f"with stages spanning clusters {layout} fits ({best_time:.3g} s a step; allow_mixed=True, "
+                f"--allow-mixed)")
+    return (f"with stages spanning clusters {layout} would be faster: {best_time:.3g} s a step against this plan's "
+            f"{than:.3g} s (allow_mixed=True, --allow-mixed)")
 
 
 def _timed_split(prof: Profile, cfg: ModelConfig, c: "_Candidate", micro_batch: int,
@@ -490,30 +514,47 @@ class _Candidate:
 
 
 def _candidates(topo: Topology, cfg: ModelConfig, par: ParallelConfig, free: set, global_batch: int, seq_len: int,
-                allow_mixed: bool, ratios, prof=None) -> tuple[list[_Candidate], list[str]]:
+                allow_mixed: bool, ratios, prof=None,
+                layouts: Iterable[tuple] | None = None) -> tuple[list[_Candidate], list[str], list[tuple]]:
     """Every (layout, microbatches, schedule) that fits the topology, the model, the batch and
-    device memory; and why the others do not."""
+    device memory; why the others do not; and the (tp, pp, dp) the holmes placement refused only
+    because a stage would span clusters (what allow_mixed would add). `layouts`: only these
+    (default: every one `_layouts` yields)."""
     found, errors, misfits = [], [], []  # misfits: layouts the model or the topology refuse
+    mixed = []  # layouts refused only for a stage spanning clusters
+    unsplit = {}  # dp -> a replica's samples, where the given microbatches do not split them
     over = []  # (need / have, why) of the layouts over device memory
     beyond = []  # layouts that fit memory only with more microbatches than the search tries
     remat_hint = "" if cfg.remat == "full" else ", or ModelConfig.remat = 'full', the plan CLI's --remat"
     own_split = par.stage_layers is not None or par.partition != "auto"  # else the search picks one that fits
     schedules = SCHEDULES if "schedule" in free else [par.schedule]
-    for tp, pp, dp in _layouts(topo, cfg, par, free):
+    same_layers = len({layer.params for layer in workload.model_costs(cfg, 1, seq_len).layers}) == 1
+    for tp, pp, dp in _layouts(topo, cfg, par, free) if layouts is None else layouts:
         try:
             if dp is not None:  # before the model's check of the pp derived from it
                 placement.check_dp(topo.num_devices, tp, dp)
             _check_model(cfg, tp, pp)
-            pl = placement.place(topo, tp, pp, dp, par.placement, allow_mixed, max_pp=cfg.num_layers)
         except ConfigError as e:
             misfits.append(str(e))
             continue
         try:
-            options = _microbatch_options(par, free, global_batch, pl.grid.shape[1], pp)
+            pl = placement.place(topo, tp, pp, dp, par.placement, allow_mixed, max_pp=cfg.num_layers)
+        except ConfigError as e:
+            misfits.append(str(e))
+            if _refused_as_mixed(topo, tp, pp, dp, par, allow_mixed, cfg.num_layers):
+                mixed.append((tp, pp, dp))
+            continue
+        replicas = pl.grid.shape[1]
+        if "microbatches" not in free and global_batch % replicas == 0 and (global_batch // replicas) % par.microbatches:
+            unsplit[replicas] = global_batch // replicas  # one error for all of them, below
+            continue
+        try:
+            options = _microbatch_options(par, free, global_batch, replicas, pp)
         except ConfigError as e:
             errors.append(str(e))
             continue
         weights = _stage_ratios(topo, pl, ratios)
+        even = partition.uniform(cfg.num_layers, pp)
         # Past the microbatch cap only where nothing under it fits memory: smaller micro batches
         # then are what makes the layout fit at all.
         more = _more_microbatches(global_batch // pl.grid.shape[1], options) if "microbatches" in free else []
@@ -525,11 +566,15 @@ def _candidates(topo: Topology, cfg: ModelConfig, par: ParallelConfig, free: set
                 model, notes = _cost_model(cfg, pl, global_batch, seq_len, m, schedule, par, prof, topo)
                 if own_split:
                     split = partition.split(par.partition, model, weights, par.stage_layers)
+                elif same_layers and not model.stage_terms([even])["fits"][0]:
+                    # with identical layers a stage's memory grows with the longest stage only, which
+                    # the even split keeps shortest: no split fits, so skip the balancing
+                    split = even
                 else:
                     split = partition.time_balanced(model)
                     if not model.stage_terms([split])["fits"][0]:
                         # more layers on a fast stage can be over memory where the even split is not
-                        split = partition.uniform(cfg.num_layers, pp)
+                        split = even
                 bound = float(model.lower_bounds([split])[0])
                 if bound == np.inf:
                     memory = model.stage_terms([split])["memory"][0]
@@ -547,10 +592,39 @@ def _candidates(topo: Topology, cfg: ModelConfig, par: ParallelConfig, free: set
                 found.append(_Candidate(bound, pl, model, weights, split, notes))
         if "microbatches" in free and len(found) == fitted:
             beyond += _past_the_cap(cfg, pl, global_batch, seq_len, schedules, par, prof, topo)
-    # Batch and memory misfits first: a searched pp that does not fit the clusters is no news when
-    # the layouts that do fit fail for another reason (--microbatches 7 is not an --allow-mixed problem).
-    # Of the memory misfits, the nearest to fitting first: the one worth reading.
-    return found, errors + beyond + [text for _, text in sorted(over, key=lambda o: o[0])] + misfits
+    if unsplit:
+        errors.append(_unsplit_microbatches(par.microbatches, global_batch, unsplit))
+    # What stopped the layouts that divide the batch first (over memory, the nearest to fitting
+    # first: the one worth reading), then batch misfits: another layout's dp not dividing the batch
+    # is no news when those that do fail on memory. A searched pp that does not fit the clusters
+    # comes last (--microbatches 7 is not an --allow-mixed problem).
+    tried = beyond + [text for _, text in sorted(over, key=lambda o: o[0])]
+    return found, tried + errors + misfits, mixed
+
+
+def _refused_as_mixed(topo: Topology, tp: int, pp: int, dp: int | None, par: ParallelConfig, allow_mixed: bool,
+                      max_pp: int) -> bool:
+    """Whether the holmes placement refused (tp, pp, dp) only because a stage would span clusters."""
+    if allow_mixed or par.placement != "holmes" or len(topo.clusters) < 2:
+        return False
+    try:
+        placement.place(topo, tp, pp, dp, par.placement, True, max_pp=max_pp)
+    except ConfigError:
+        return False
+    return True
+
+
+def _unsplit_microbatches(microbatches: int, global_batch: int, unsplit: Mapping[int, int]) -> str:
+    """The error for given microbatches that split no tried layout's replica samples evenly, naming
+    each tried dp and its replica's samples (not just the first layout's)."""
+    if len(unsplit) == 1:
+        (replica,) = unsplit.values()
+        return (f"microbatches = {microbatches} is not allowed: each data replica's {replica} samples must split "
+                f"evenly; allowed: a divisor of {replica}")
+    each = ", ".join(f"{replica} (dp = {dp})" for dp, replica in sorted(unsplit.items()))
+    return (f"microbatches = {microbatches} is not allowed: each data replica's samples (global_batch {global_batch} "
+            f"/ dp) must split evenly, and with dp = {', '.join(map(str, sorted(unsplit)))} they do not; "
+            f"allowed: a divisor of {each}")
 
 
 def _past_the_cap(cfg: ModelConfig, pl: Placement, global_batch: int, seq_len: int, schedules: list,
