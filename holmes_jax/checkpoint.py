@@ -31,6 +31,7 @@ from holmes_jax.config import CheckpointConfig, ConfigError
 
 SHOWN_MISMATCHES = 4  # arrays named in the error when a checkpoint does not fit
 STATE_FOLDER = "default"  # in a step's directory: orbax's folder for the one item we save
+READ_WAIT_S = 4 * 3600  # how long processes wait for each other's checkpoint reads: a big one on slow storage
 
 
 class _QuietOrbax(logging.Filter):
@@ -230,7 +231,8 @@ class Checkpointer:
         Then counts it as damaged and says so, naming the processes that could not read it where
         others could; or ends the run on every process where an error is a run's own."""
         verdict = "" if error is None else json.dumps({"reason": reason(error), "damage": not _not_damage(error)})
-        texts = distributed.every_process("checkpoint read", verdict)
+        # the wait covers the slowest process's read of its shards (orbax's own barrier has no limit)
+        texts = distributed.every_process("checkpoint read", verdict, timeout_s=READ_WAIT_S)
         verdicts = [json.loads(text) if text else None for text in texts]
         failed = [i for i, v in enumerate(verdicts) if v]
         if not failed:

@@ -352,10 +352,11 @@ def exchange_nics(local: nic.Nic) -> list[nic.Nic]:
 _exchanges: collections.Counter = collections.Counter()  # calls of every_process per name, in this process
 
 
-def every_process(name: str, text: str) -> list[str]:
+def every_process(name: str, text: str, timeout_s: float = INIT_TIMEOUT_S) -> list[str]:
     """Every process's `text`, in process order (all processes call it, in the same order),
     through jax.distributed's key-value store, as JAX's own multihost_utils and orbax use it: no
-    device collective, so no NCCL communicator, which across NIC classes could not connect."""
+    device collective, so no NCCL communicator, which across NIC classes could not connect.
+    `timeout_s`: how long a process waits for the slowest one to get there."""
     if jax.process_count() == 1:  # no jax.distributed, nothing to exchange
         return [text]
     from jax._src import distributed as jax_distributed
@@ -364,7 +365,7 @@ def every_process(name: str, text: str) -> list[str]:
     _exchanges[name] += 1
     prefix = f"holmes_jax/{name}/{_exchanges[name]}"  # a key is set once: each call has its own
     client.key_value_set(f"{prefix}/{jax.process_index()}", text)
-    return [client.blocking_key_value_get(f"{prefix}/{i}", INIT_TIMEOUT_S * 1000) for i in range(jax.process_count())]
+    return [client.blocking_key_value_get(f"{prefix}/{i}", int(timeout_s * 1000)) for i in range(jax.process_count())]
 
 
 def check_same_settings(settings: str) -> None:

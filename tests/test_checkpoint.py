@@ -46,7 +46,7 @@ def _two_processes(monkeypatch, other_steps=None, other_reads=()):
     lists) and gives `other_reads` as its read verdicts, in order, then reads everything else."""
     other_reads = list(other_reads)
 
-    def every_process(name, text):
+    def every_process(name, text, timeout_s=None):
         if name == "checkpoint steps":
             return [text, text if other_steps is None else json.dumps(other_steps)]
         assert name == "checkpoint read", name
