@@ -204,3 +204,25 @@ def test_one_cluster_has_nothing_to_warm_up_whatever_its_hlo_holds(tmp_path):
 def test_groups_that_do_not_add_up_are_named_as_unreadable(groups):
     with pytest.raises(ValueError, match=r"cannot read the groups of: %g = f32\[\] all-reduce"):
         warmup.collectives(f"  %g = f32[] all-reduce(%x), {groups}")
+
+
+def test_the_naive_placements_data_groups_across_clusters_get_their_communicators_too(tmp_path):
+    # Two nodes a cluster: the naive rank order interleaves the clusters, so each stage's data
+    # group spans both. The warm-up left those groups (the gradients' reduce-scatter and the
+    # updates' all-gather) to the host's IB network, which does not reach the other cluster.
+    topology = tmp_path / "two_by_two.toml"
+    topology.write_text(Path(CPU_2X4).read_text().replace("nodes = 1", "nodes = 2")
+                        .replace("devices_per_node = 4", "devices_per_node = 2"))
+    setup, state, batch = _setup(tmp_path, 2, f"--gin.ParallelConfig.topology='{topology}'",
+                                 "--gin.ParallelConfig.placement='naive'")
+    hlo, clusters = _step_hlo(setup, state, batch), _clusters(setup)
+    spans = lambda g: len({int(clusters[i]) for i in g}) > 1  # noqa: E731
+    needed = {frozenset(g) for op, groups in warmup.collectives(hlo) if op != "collective-permute"
+              for g in groups if spans(g)}
+    assert needed >= {frozenset(g) for g in ((0, 1, 2, 3), (4, 5, 6, 7))}  # both stages' data groups
+    lines = []
+    fn, args = warmup.program(setup, hlo, lines.append)
+    made = {frozenset(g) for op, groups in warmup.collectives(fn.lower(*args).compile().as_text())
+            if op == "all-reduce" for g in groups}
+    assert needed <= made and not lines
+    assert all(spans(g) for g in made)  # no group inside one cluster is put on sockets

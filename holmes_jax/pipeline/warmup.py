@@ -9,7 +9,8 @@ other one keeps the RDMA network of its class. `warm_up` runs, before the first 
 NCCL_NET=Socket, one program holding collectives over exactly the step's groups that span
 clusters: the boundary hops' ppermutes (the runtime keeps them apart from the other hops) and
 sums over the mesh axes whose groups the step reduces across clusters (the tied embedding's
-gradient and the loss over `stage`, the global gradient norm). NCCL_NET is put back afterwards,
+gradient and the loss over `stage`, the global gradient norm, and the gradient reductions of
+data groups that span clusters, as the naive placement's do). NCCL_NET is put back afterwards,
 and the step's other collectives are created later under the host's own network. The XLA flags
 in `distributed.XLA_NETWORK_FLAGS` make this hold: clique keys are the devices, and nothing is
 split from a parent created on another network (docs/nccl.md).
@@ -102,12 +103,15 @@ def reduction_axes(hlo: str, shape: tuple[int, ...], clusters: np.ndarray) -> tu
     chosen, covered = [], set()
     for r in (1, 2, 3):
         for axes in itertools.combinations(AXES, r):
-            if "stage" not in axes or any(shape[AXES.index(a)] == 1 for a in axes):
+            if any(shape[AXES.index(a)] == 1 for a in axes):
                 continue
-            groups = axis_groups(shape, axes) & needed
-            if groups:
+            groups = axis_groups(shape, axes)
+            # The warm-up's sum puts every group of `axes` on sockets. Sums without `stage` hold
+            # gradient reductions (data groups spanning clusters: the naive placement), so they
+            # are taken only where every group spans clusters: none inside a cluster slows down.
+            if groups & needed and ("stage" in axes or all(_spans(g, clusters) for g in groups)):
                 chosen.append(axes)
-                covered |= groups
+                covered |= groups & needed
     return tuple(chosen), needed - covered
 
 
@@ -166,5 +170,5 @@ def warm_up(setup, hlo: str, say=print) -> bool:
         _run(compiled, args)
     hops = setup.pipeline.boundary_hops
     say(f"network: communicators across clusters created over sockets (stage hops "
-        f"{', '.join(f'{s}->{s + 1}' for s in hops) or 'none'}{'; cross-stage sums' if args[1] is not None else ''})")
+        f"{', '.join(f'{s}->{s + 1}' for s in hops) or 'none'}{'; sums over mesh axes' if args[1] is not None else ''})")
     return True
