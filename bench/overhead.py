@@ -3,6 +3,8 @@
 Both run the same GPT, optimizer, batch size and data on the same 8 CPU devices (data parallel),
 alternating in rounds so machine noise hits both alike; each round times `--steps` steps including
 the host work of building each batch. Prints both throughputs and their ratio (target >= 0.95).
+Gin bindings set the model, optimizer and data of both; ParallelConfig's pp, tp and microbatches
+must stay 1 (the minimal step has no pipeline, tensor split or accumulation).
 
     python bench/overhead.py [--steps 20] [--rounds 5] [--gin.NAME=VALUE ...]
 
@@ -60,6 +62,11 @@ def main(argv):
         if str(e).startswith("unknown argument"):
             raise ConfigError(f"{e}, --steps N, --rounds N") from None
         raise
+    par = cfgs.parallel
+    if (par.pp, par.tp, par.microbatches) != (1, 1, 1):  # else the ratio would price that layout, not the framework
+        raise ConfigError(f"ParallelConfig pp = {par.pp}, tp = {par.tp}, microbatches = {par.microbatches} is not "
+                          f"allowed here; allowed: 1 each, as the minimal step it is timed against is data parallel, "
+                          f"one batch a step (bench/pipeline.py measures the pipeline)")
     tokens = data.load(cfgs.data)
     devices = ordered_devices()
     d, seed = cfgs.data, cfgs.train.seed

@@ -11,13 +11,17 @@ Beside them, the plan's prediction of each from a profile measured here first (`
 holmes_jax.profile`: layer times and the link between the stages), and the 1F1B / GPipe ratio of
 both.
 
-    python bench/schedules.py [--rounds 3] [--microbatches 8]     Last line: one JSON object.
+    python bench/schedules.py [--rounds 3] [--microbatches 8]
+
+Last line: one JSON object: `microbatches`, `measured_s` and `predicted_s` (each schedule's step
+time in seconds, by name), `ratio` (1F1B / GPipe: `measured` and `predicted`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import statistics
 import sys
@@ -50,8 +54,18 @@ def gin_args(workdir: Path, schedule: str, m: int) -> list[str]:
     ]
 
 
+def stage_cores() -> list[int]:
+    """The two cores the stages are pinned to: the first two this process may use (a container's
+    cpuset need not hold cores 0 and 1, and taskset refuses a core outside it)."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        raise cli.RunError(f"schedules needs 2 cores, one a stage; this process may use only core {cores[0]}")
+    return cores[:2]
+
+
 def run(module_args: list[str]) -> None:
-    pin = lambda rank: ["taskset", "-c", str(rank)]  # noqa: E731
+    cores = stage_cores()
+    pin = lambda rank: ["taskset", "-c", str(cores[rank])]  # noqa: E731
     rc = launch.launch([sys.executable, "-m", *module_args], n=2, devices_per_process=1, wrap=pin, timeout_s=900)
     if rc - 128 in cli.STOP_SIGNALS:  # Ctrl-C (or a TERM, HUP) passed on to the processes: we were stopped, not failed
         raise cli.Stopped(rc - 128, f"schedules: stopped by {signal.Signals(rc - 128).name}")

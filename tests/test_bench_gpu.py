@@ -64,6 +64,10 @@ def test_the_minimal_step_updates_in_place_as_the_holmes_step_does(tmp_path, nam
     ("gpu.py", ["--cpu-setting", "--steps", "0"], "--steps"),
     ("overhead.py", ["--rounds", "0"], "--rounds"),
     ("overhead.py", ["--gin.Nope.x=1"], "Nope"),
+    # a pipeline against the data-parallel minimal step priced the pipeline as framework overhead
+    ("overhead.py", ["--steps", "1", "--rounds", "1", "--gin.ParallelConfig.pp=2", "--gin.ParallelConfig.dp=4"],
+     "pp = 2"),
+    ("overhead.py", ["--steps", "1", "--rounds", "1", "--gin.ParallelConfig.microbatches=2"], "microbatches = 2"),
     ("pipeline.py", ["--microbatches", "6"], "--microbatches"),
     ("schedules.py", ["--microbatches", "0"], "--microbatches"),
     ("paper_scenarios.py", ["--rounds", "1"], "--rounds"),

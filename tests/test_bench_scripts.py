@@ -1,6 +1,7 @@
 """The bench scripts' own logic, run through their functions (bench/ is not a package)."""
 
 import json
+import os
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -30,6 +31,29 @@ def test_schedules_a_failed_launch_is_still_a_failure(monkeypatch):
     with pytest.raises(SystemExit) as stop:
         bench.run(["holmes_jax.train"])
     assert stop.value.code == "schedules: holmes_jax.train failed with status 1"
+
+
+def test_schedules_pins_the_stages_to_cores_this_process_may_use(monkeypatch):
+    """The stages were pinned to cores 0 and 1, which taskset refuses in a container whose cpuset
+    holds other cores: the bench failed with 'holmes_jax.profile failed with status 1'."""
+    bench = load_bench("schedules")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {7, 4, 9})
+    launched = []
+    monkeypatch.setattr(bench.launch, "launch", lambda cmd, n, wrap, **kwargs: launched.append(
+        [wrap(rank) for rank in range(n)]) or 0)
+    bench.run(["holmes_jax.profile"])
+    assert launched == [[["taskset", "-c", "4"], ["taskset", "-c", "7"]]]
+
+
+def test_schedules_with_one_core_says_it_needs_two(monkeypatch, capsys):
+    bench = load_bench("schedules")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3})
+    monkeypatch.setattr(bench.launch, "launch", lambda *args, **kwargs: pytest.fail("launched with one core"))
+    with pytest.raises(SystemExit) as stop:
+        cli.run(lambda argv: bench.run(["holmes_jax.profile"]), [])
+    assert stop.value.code == 1
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: schedules needs 2 cores, one a stage; this process may use only core 3"]
 
 
 def test_schedules_help_prints_its_whole_first_sentence(capsys):
@@ -145,8 +169,17 @@ def run_paper_scenarios(bench, monkeypatch) -> None:
     bench.main([])  # the cost model only: a few seconds
 
 
+def run_schedules(bench, monkeypatch) -> None:
+    """No launch: the profile, both schedules' runs and the predictions are fakes."""
+    monkeypatch.setattr(bench, "run", lambda module_args: None)
+    monkeypatch.setattr(bench, "step_s", lambda workdir, schedule, m: 1.0)
+    monkeypatch.setattr(bench, "predicted_s", lambda profile, schedule, m: 1.0)
+    bench.main(["--rounds", "1"])
+
+
 @pytest.mark.parametrize("name, run", [("planner_scale", run_planner_scale), ("pipeline", run_pipeline),
-                                       ("overhead", run_overhead), ("paper_scenarios", run_paper_scenarios)])
+                                       ("overhead", run_overhead), ("paper_scenarios", run_paper_scenarios),
+                                       ("schedules", run_schedules)])
 def test_a_bench_docstring_names_every_key_of_its_json_line(monkeypatch, capsys, name, run):
     """Their docstrings (and so --help) did not say that the last line is JSON, nor what its keys are."""
     bench = load_bench(name)
