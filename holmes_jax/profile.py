@@ -37,11 +37,12 @@ ParallelConfig.profile, if set, is not read: this profile replaces it). Its keys
 `device_kind`, `compute_dtype`, `remat`, `block` (what was measured: the devices, the model's
 dtype, remat and block shape); `micro_batch`, `seq_len` (the microbatch timed); `layer_fwd_flops`,
 `layer_fwd_s`, `layer_bwd_s` (one block on one microbatch: XLA's forward flops, forward seconds,
-backward seconds); `stage_layer_scale` (per stage, its layer time over the slowest stage's; empty
-with one stage, or where a process holds several); `update_s_per_param`; `data_links` (per stage,
-null with one replica) and `stage_links` (per boundary), each `gbps`, `bytes_per_s`, `latency_s`;
-`step_probes` and `split_probes` (the whole steps and timed splits: `stage_layers`, `dp`, `tp`,
-`microbatches`, `schedule`, `step_s`, the median step in seconds).
+backward seconds); `stage_layer_scale` (per stage, its layer time over the slowest stage's; empty,
+and not timed, with one stage or where a stage has no process that holds it alone);
+`update_s_per_param`; `data_links` (per stage, null with one replica) and `stage_links` (per
+boundary), each `gbps`, `bytes_per_s`, `latency_s`; `step_probes` and `split_probes` (the whole
+steps and timed splits: `stage_layers`, `dp`, `tp`, `microbatches`, `schedule`, `step_s`, the
+median step in seconds).
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from holmes_jax import build, cli, configure, data, distributed, planning, train
 from holmes_jax.config import ConfigError
+from holmes_jax.models import gpt
 from holmes_jax.pipeline import warmup
 from holmes_jax.pipeline.update import make_update
 from holmes_jax.planning.measured import Profile, StepProbe, block_shape
@@ -97,13 +99,21 @@ def _per_device(mesh: Mesh, shape: tuple, dtype=jnp.float32) -> jax.Array:
                           NamedSharding(mesh, P(*mesh.axis_names)))
 
 
+def _stage_stack(model, mesh: Mesh, layers: int) -> dict:
+    """A stack of `layers` initialised blocks on every device of `mesh`, from a model of that
+    depth: the whole model's init would first make every layer on one device, more than the run
+    (which splits them over stages) may hold there."""
+    stack = gpt.GPT(dataclasses.replace(model.cfg, num_layers=layers)).init(0)["blocks"]
+    return jax.device_put(stack, NamedSharding(mesh, P()))
+
+
 def profile_layer(model, mesh: Mesh, layers: int, micro_batch: int, seq_len: int,
                   repeats: int = 5) -> tuple[float, float, float]:
     """(XLA forward flops, forward seconds, backward seconds) per block, timed over a stage's stack
     of `layers` blocks on every device of `mesh` at once. Each call ends with a one-number `psum`
     over `stage`, the sync a pipeline tick's ppermute makes: a tick lasts as long as the slower
     stage of each pair, so that is what is timed (the psum's own time, measured alone, taken off)."""
-    blocks = jax.device_put(jax.tree.map(lambda x: x[:layers], model.init(0)["blocks"]), NamedSharding(mesh, P()))
+    blocks = _stage_stack(model, mesh, layers)
     spec = P(*mesh.axis_names)
     dtype = jnp.dtype(model.cfg.compute_dtype)
     x = _per_device(mesh, (micro_batch, seq_len, model.cfg.hidden), dtype)
@@ -126,7 +136,7 @@ def profile_layer(model, mesh: Mesh, layers: int, micro_batch: int, seq_len: int
     def over_mesh(fn, out_specs):
         return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P(), spec), out_specs=out_specs, check_vma=False))
 
-    one = jax.eval_shape(lambda: jax.tree.map(lambda v: v[:1], model.init(0)["blocks"]))
+    one = jax.eval_shape(lambda: jax.tree.map(lambda v: v[:1], blocks))  # one block's shapes
     local_x = jax.ShapeDtypeStruct((micro_batch, seq_len, model.cfg.hidden), dtype)
     flops = float(jax.jit(model.blocks).lower(one, local_x).compile().cost_analysis()["flops"])
     t_sync = _lockstep_time(over_mesh(sync_only, spec), blocks, x, repeats=repeats)
@@ -136,14 +146,34 @@ def profile_layer(model, mesh: Mesh, layers: int, micro_batch: int, seq_len: int
     return flops, max(t_fwd, 1e-9) / layers, max(t_both - t_fwd, 0.0) / layers
 
 
+def _stage_processes(mesh: Mesh) -> dict[int, set[int]]:
+    """The stages each process holds devices of (the mesh lists every process's devices)."""
+    held: dict[int, set[int]] = {}
+    for s in range(mesh.shape["stage"]):
+        for d in mesh.devices[s].flat:
+            held.setdefault(d.process_index, set()).add(s)
+    return held
+
+
+def stage_speeds_timed(mesh: Mesh) -> bool:
+    """Whether `profile_stage_scale` can time each stage: more than one, and each held alone by
+    some process (a process holding several would time them together). Every process decides the
+    same from the mesh."""
+    alone = {next(iter(stages)) for stages in _stage_processes(mesh).values() if len(stages) == 1}
+    return mesh.shape["stage"] > 1 and len(alone) == mesh.shape["stage"]
+
+
 def profile_stage_scale(model, mesh: Mesh, layers: int, micro_batch: int, seq_len: int,
                         repeats: int = 5) -> tuple[float, ...]:
     """Per stage, its layers' forward + backward time over the slowest stage's, every device at
     once but none waiting for another (a tick waits for the slowest, so `profile_layer` times
-    that one). Empty when some process holds devices of several stages (its time is theirs together)."""
+    that one). Empty, and nothing timed, where `stage_speeds_timed` says no (one stage, or a
+    stage whose every process holds several: its time would be theirs together)."""
+    if not stage_speeds_timed(mesh):  # the result would be empty: no compile, no timing for nothing
+        return ()
     stages = mesh.shape["stage"]
-    mine = {s for s in range(stages) for d in mesh.devices[s].flat if d.process_index == jax.process_index()}
-    blocks = jax.device_put(jax.tree.map(lambda x: x[:layers], model.init(0)["blocks"]), NamedSharding(mesh, P()))
+    mine = _stage_processes(mesh).get(jax.process_index(), set())
+    blocks = _stage_stack(model, mesh, layers)
     spec = P(*mesh.axis_names)
     x = _per_device(mesh, (micro_batch, seq_len, model.cfg.hidden), jnp.dtype(model.cfg.compute_dtype))
     lead, first = (None,) * len(mesh.axis_names), (0,) * len(mesh.axis_names)
@@ -155,8 +185,6 @@ def profile_stage_scale(model, mesh: Mesh, layers: int, micro_batch: int, seq_le
     fn = jax.jit(jax.shard_map(both, mesh=mesh, in_specs=(P(), spec), out_specs=spec, check_vma=False))
     t = _lockstep_time(fn, blocks, x, repeats=repeats)
     times = _median_over_processes(np.array([t if s in mine and len(mine) == 1 else np.nan for s in range(stages)]))
-    if stages == 1 or np.isnan(times).any():
-        return ()
     return tuple(float(v) for v in times / times.max())
 
 
@@ -344,8 +372,12 @@ def profile(setup, repeats: int = 5, splits: int = 0, say=print) -> Profile:
     stages, deepest = mesh.shape["stage"], max(setup.pipeline.stage_layers)
     depths = probe_depths(setup.pipeline.stage_layers)
     # Each part compiles and times for seconds (minutes on a large model): say which one runs, and of how many.
-    parts = [f"a stage's {deepest} layer(s), forward and backward", "each stage's speed", "the optimizer step",
-             "the data groups' sync", "the links between stages",
+    # a part with nothing to time says so, rather than seem to time it
+    one_stage = ": skipped, one stage" if stages == 1 else ""
+    speeds = one_stage or ("" if stage_speeds_timed(mesh) else ": skipped, a process holds several stages")
+    syncs = "" if mesh.shape["data"] > 1 else ": skipped, one replica a stage"
+    parts = [f"a stage's {deepest} layer(s), forward and backward", f"each stage's speed{speeds}",
+             "the optimizer step", f"the data groups' sync{syncs}", f"the links between stages{one_stage}",
              f"whole steps at {depths[0]} and {depths[1]} layers a stage"]
     parts += [f"the model's own step at the {splits} splits ranked fastest"] if splits > 0 else []
 
@@ -361,7 +393,8 @@ def profile(setup, repeats: int = 5, splits: int = 0, say=print) -> Profile:
     t_fwd, t_bwd, update = (float(v) for v in _median_over_processes(np.array([t_fwd, t_bwd, update])))
     # each process measured its own stages' groups and its own side of each boundary: share them
     measuring(3)
-    data_links = _share_links(profile_data_groups(mesh, cfgs.parallel.zero1, repeats=repeats))
+    data_links = (_share_links(profile_data_groups(mesh, cfgs.parallel.zero1, repeats=repeats))
+                  if mesh.shape["data"] > 1 else (None,) * stages)  # no group anywhere: nothing to share
     measuring(4)
     stage_links = _share_links([profile_stage_boundary(mesh, s, repeats=repeats) for s in range(stages - 1)])
     measuring(5)
@@ -443,7 +476,7 @@ def _replaceable(out: Path) -> bool:
         return False
     try:
         raw = json.loads(out.read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # RecursionError: brackets nested too deep
         return False
     return isinstance(raw, dict) and "layer_fwd_s" in raw
 

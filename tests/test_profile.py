@@ -1,7 +1,9 @@
 import dataclasses
 import errno
 import json
+import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import jax
 import numpy as np
@@ -114,6 +116,41 @@ def test_a_zero1_data_group_of_three_is_timed():
     assert len(links) == 2 and all(l.gbps > 0 for l in links)
 
 
+def test_stage_speeds_are_not_timed_where_one_process_holds_every_stage(tmp_path, monkeypatch):
+    """One process holds both stages here (as in every one-process run): its time would be theirs
+    together and the result is empty, but it compiled and timed the stack for that."""
+    setup = build.build(small_configs(tmp_path, "--gin.ParallelConfig.pp=2"))
+    monkeypatch.setattr(profile, "_lockstep_time", lambda *args, **kwargs: pytest.fail("timed for nothing"))
+    assert profile.profile_stage_scale(setup.model, setup.mesh, 1, 1, 32, repeats=1) == ()
+
+
+@pytest.mark.parametrize("owners, timed", [
+    ([[0, 0], [1, 1]], True),  # a process a stage
+    ([[0, 1], [2, 3]], True),  # several processes a stage
+    ([[0, 1], [0, 1]], False),  # each process holds both stages
+    ([[0, 0], [0, 1]], False),  # stage 0 only with process 0, which holds stage 1 too
+    ([[0, 1]], False),  # one stage: nothing to compare
+])
+def test_stage_speeds_are_timed_where_every_stage_has_a_process_of_its_own(owners, timed):
+    devices = np.array([[[SimpleNamespace(process_index=p)] for p in stage] for stage in owners])
+    mesh = SimpleNamespace(shape={"stage": len(owners)}, devices=devices)
+    assert profile.stage_speeds_timed(mesh) == timed
+
+
+def test_a_stages_stack_is_made_without_the_whole_model(tmp_path, monkeypatch):
+    """The layer and stage-speed timings need one stage's layers; they made every layer of the
+    model (and its embedding) on one device first: more than a large model's run holds there."""
+    setup = build.build(small_configs(tmp_path, "--gin.ParallelConfig.pp=2", "--gin.ModelConfig.num_layers=8"))
+    monkeypatch.setattr(profile, "_lockstep_time", lambda *args, **kwargs: 1.0)
+    monkeypatch.setattr(profile, "stage_speeds_timed", lambda mesh: True)
+    initialised, init = [], profile.gpt.GPT.init
+    monkeypatch.setattr(profile.gpt.GPT, "init", lambda self, seed: initialised.append(self.cfg.num_layers) or
+                        init(self, seed))
+    profile.profile_layer(setup.model, setup.mesh, 2, 1, 32, repeats=1)
+    profile.profile_stage_scale(setup.model, setup.mesh, 2, 1, 32, repeats=1)
+    assert initialised == [2, 2]  # was [8, 8]
+
+
 def test_the_update_is_per_parameter_of_the_deepest_stage(tmp_path, monkeypatch):
     """The optimizer step over the whole mesh lasts as long as the stage with the most layers to
     update (the others skip their padding), whichever stage device 0 is on."""
@@ -152,6 +189,14 @@ def test_an_out_that_is_not_a_profile_is_refused_before_profiling_and_a_profile_
     _fake_profiling(monkeypatch)
     assert profile.main(["--out", str(earlier)]) == 0
     assert profile.Profile.load(earlier) == measured
+
+
+def test_an_out_of_brackets_nested_too_deep_is_refused_before_profiling(tmp_path, monkeypatch):
+    _fake_profiling(monkeypatch, after=lambda: pytest.fail("profiled before --out was checked"))
+    nested = tmp_path / "nested.json"
+    nested.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ConfigError, match="exists and is not a profile"):  # was a RecursionError traceback
+        profile.main(["--out", str(nested)])
 
 
 def test_a_failed_write_is_one_error_and_the_profile_is_not_lost(tmp_path, monkeypatch, capsys):
@@ -249,6 +294,37 @@ def test_each_part_is_said_before_it_is_timed(tmp_path, monkeypatch):
     for number, (line, part) in enumerate(zip(said[::2], parts), 1):
         assert line.startswith(f"profile: {number}/{len(parts)} timing "), said
     assert "2 layer(s)" in said[0] and "1 and 2 layers a stage" in said[10] and "2 splits" in said[12]
+    assert said[2].endswith("each stage's speed: skipped, a process holds several stages")  # one process here
+
+
+def test_a_part_with_nothing_to_time_says_it_is_skipped(tmp_path, monkeypatch):
+    # one stage of one device: no stage speeds to compare, no data group, no boundary (each was "timing ...")
+    setup = build.build(small_configs(tmp_path), jax.devices()[:1])
+    monkeypatch.setattr(profile, "profile_layer", lambda *args: (1.3e7, 1e-3, 2e-3))
+    monkeypatch.setattr(profile, "profile_update", lambda *args: 1e-9)
+    monkeypatch.setattr(profile, "profile_steps", lambda *args, **kwargs: [])
+    monkeypatch.setattr(profile.data, "load", lambda cfg: None)
+    said = []
+    result = profile.profile(setup, repeats=1, say=said.append)
+    assert (result.stage_layer_scale, result.data_links, result.stage_links) == ((), (None,), ())
+    assert said[1:5] == ["profile: 2/6 timing each stage's speed: skipped, one stage",
+                         "profile: 3/6 timing the optimizer step",
+                         "profile: 4/6 timing the data groups' sync: skipped, one replica a stage",
+                         "profile: 5/6 timing the links between stages: skipped, one stage"]
+
+
+def test_several_processes_without_data_groups_profile_without_a_warning(tmp_path, monkeypatch):
+    # each process shared its links of no data group: numpy's "All-NaN slice encountered" on every rank
+    setup = build.build(small_configs(tmp_path), jax.devices()[:1])
+    monkeypatch.setattr(profile, "profile_layer", lambda *args: (1.3e7, 1e-3, 2e-3))
+    monkeypatch.setattr(profile, "profile_update", lambda *args: 1e-9)
+    monkeypatch.setattr(profile, "profile_steps", lambda *args, **kwargs: [])
+    monkeypatch.setattr(profile.data, "load", lambda cfg: None)
+    monkeypatch.setattr(profile.jax, "process_count", lambda: 2)  # two processes that measured alike
+    monkeypatch.setattr(profile.multihost_utils, "process_allgather", lambda values: np.stack([values, values]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert profile.profile(setup, repeats=1, say=lambda *a: None).data_links == (None,)
 
 
 def test_the_runs_own_profile_setting_is_not_read(tmp_path, monkeypatch):

@@ -307,6 +307,14 @@ def test_cli_bad_profile_file_is_exit_2(tmp_path, content):
     assert err.startswith(f"error: profile {str(path)!r}: ") and err.count("\n") == 1 and "Traceback" not in err
 
 
+def test_cli_profile_of_brackets_nested_too_deep_is_exit_2(tmp_path):
+    path = tmp_path / "p.json"
+    path.write_text("[" * 100_000 + "]" * 100_000)  # was a RecursionError traceback, exit 1
+    code, out, err = _cli(*CLI, "--profile", str(path))
+    assert code == 2 and out == ""
+    assert err.startswith(f"error: profile {str(path)!r}: not a readable holmes_jax profile") and "Traceback" not in err
+
+
 def test_a_profile_error_names_the_setting_that_gave_the_file(tmp_path):
     missing = str(tmp_path / "missing.json")  # was "--profile ...", the plan CLI's flag, for the training config too
     with pytest.raises(ConfigError, match=f"^ParallelConfig.profile '{missing}': not a readable holmes_jax profile"):

@@ -106,7 +106,7 @@ class Profile:
         where = f"{setting} {str(path)!r}"
         try:
             raw = json.loads(Path(path).read_text())
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, RecursionError) as e:  # RecursionError: brackets nested too deep
             raise ConfigError(f"{where}: not a readable holmes_jax profile ({e})") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"{where}: not a holmes_jax profile; allowed: a JSON table of its fields, "
