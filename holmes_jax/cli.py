@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import os
 import shutil
 import signal
@@ -54,7 +55,7 @@ class Parser(argparse.ArgumentParser):
 
 def positive_int(text: str) -> int:
     """An argparse `type` for positive integer flags."""
-    if not text.isdigit() or int(text) < 1:
+    if not text.isdecimal() or int(text) < 1:  # isdigit: also "²", which int() refuses
         raise argparse.ArgumentTypeError(f"{text!r} is not allowed; allowed: a positive integer")
     return int(text)
 
@@ -99,6 +100,7 @@ def run(main: Callable[[list[str]], int | None], argv: list[str] | None = None) 
                 if any(signal.getsignal(sig) is h for h in untouched)}
     try:
         code = main(sys.argv[1:] if argv is None else argv)
+        _flush_output()
     except Signalled as e:
         print(f"stopped by {signal.Signals(e.signum).name}", file=sys.stderr)
         raise SystemExit(128 + e.signum) from None
@@ -121,9 +123,21 @@ def run(main: Callable[[list[str]], int | None], argv: list[str] | None = None) 
     raise SystemExit(code or 0)
 
 
+def _flush_output() -> None:
+    """Writes what stdout still holds now: at exit, a failure (a reader that left, a full disk) is
+    Python's 'Exception ignored ...' and status 120. A reader that left stays a BrokenPipeError."""
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        raise
+    except OSError as e:
+        drop_output()  # or the exit's flush fails again
+        raise RunError(f"cannot write the output: {e.strerror or e}") from None
+
+
 def non_negative_int(text: str) -> int:
     """An argparse `type` for integer flags that may be 0."""
-    if not text.isdigit():
+    if not text.isdecimal():
         raise argparse.ArgumentTypeError(f"{text!r} is not allowed; allowed: a non-negative integer")
     return int(text)
 
@@ -146,7 +160,7 @@ def _remove_leftovers(folder: Path, prefix: str) -> None:
     (its `finally` never ran), which nothing else would ever remove."""
     for old in folder.iterdir():
         pid = old.name[len(prefix):-len(".tmp")]
-        if old.name.startswith(prefix) and old.name.endswith(".tmp") and pid.isdigit() and not _alive(int(pid)):
+        if old.name.startswith(prefix) and old.name.endswith(".tmp") and pid.isdecimal() and not _alive(int(pid)):
             shutil.rmtree(old, ignore_errors=True)
 
 
@@ -182,7 +196,9 @@ def output_folder(out: str | Path, last: str) -> Iterator[Path]:
         else:
             os.replace(tmp, path)
     except OSError as e:  # the output side: readers report their own errors
-        raise ConfigError(f"--out {str(path)!r} cannot be written: {e.strerror or e}") from None
+        # A full disk is a failure of the run (status 1, as for a checkpoint); an unwritable path is bad input.
+        error = RunError if e.errno in (errno.ENOSPC, errno.EDQUOT) else ConfigError
+        raise error(f"--out {str(path)!r} cannot be written: {e.strerror or e}") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

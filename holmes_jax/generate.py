@@ -24,9 +24,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from holmes_jax import cli, prepare
+from holmes_jax import cli, inference, prepare
 from holmes_jax.config import ConfigError
-from holmes_jax.inference import Model, load
+from holmes_jax.inference import Model
 from holmes_jax.models import gpt
 
 
@@ -71,18 +71,8 @@ def generate(m: Model, prompt: list[int], max_tokens: int, greedy: bool = False,
              top_k: int | None = None, seed: int = 0) -> list[int]:
     """Up to `max_tokens` new token ids after `prompt` (greedy: the most likely each time, else
     sampled), ending before the run's end-of-text id if the model writes it."""
-    eot = m.end_of_text if m.end_of_text is not None and m.end_of_text < m.config.vocab_size else None
-    if not prompt and eot is None:
-        raise ConfigError("--prompt is empty: generation needs at least one token")
-    outside = [i for i in prompt if not 0 <= i < m.config.vocab_size]  # a negative id would read a row from the end
-    if outside:
-        raise ConfigError(f"--prompt holds token id {outside[0]}, outside [0, ModelConfig.vocab_size = "
-                          f"{m.config.vocab_size})")
-    if not greedy and not (math.isfinite(temperature) and temperature > 0):
-        raise ConfigError(f"--temperature {temperature} is not allowed; allowed: a finite positive number "
-                          "(--greedy for temperature 0)")
-    if not greedy and top_k is not None and top_k < 1:  # else 0 samples among all ids, -1 among all but one
-        raise ConfigError(f"--top-k {top_k} is not allowed; allowed: a positive integer")
+    _check(m, prompt, greedy, temperature, top_k)
+    eot = _end_of_text(m)
     start = [] if prompt else [eot]  # every training document follows an end-of-text
     known = min(_known_ids(m), m.config.vocab_size)
     length = min(len(start) + len(prompt) + max_tokens, m.config.max_seq_len)
@@ -98,6 +88,27 @@ def generate(m: Model, prompt: list[int], max_tokens: int, greedy: bool = False,
             break
         ids.append(token)
     return ids[len(start) + len(prompt):]
+
+
+def _check(m: Model, prompt: list[int], greedy: bool = False, temperature: float = 1.0,
+           top_k: int | None = None) -> None:
+    """Raises ConfigError for what `generate` cannot do; needs no parameters, so that the command
+    refuses a prompt before it waits for a big checkpoint to be read."""
+    if not prompt and _end_of_text(m) is None:
+        raise ConfigError("--prompt is empty: generation needs at least one token")
+    outside = [i for i in prompt if not 0 <= i < m.config.vocab_size]  # a negative id would read a row from the end
+    if outside:
+        raise ConfigError(f"--prompt holds token id {outside[0]}, outside [0, ModelConfig.vocab_size = "
+                          f"{m.config.vocab_size})")
+    if not greedy and not (math.isfinite(temperature) and temperature > 0):
+        raise ConfigError(f"--temperature {temperature} is not allowed; allowed: a finite positive number "
+                          "(--greedy for temperature 0)")
+    if not greedy and top_k is not None and top_k < 1:  # else 0 samples among all ids, -1 among all but one
+        raise ConfigError(f"--top-k {top_k} is not allowed; allowed: a positive integer")
+
+
+def _end_of_text(m: Model) -> int | None:
+    return m.end_of_text if m.end_of_text is not None and m.end_of_text < m.config.vocab_size else None
 
 
 def _known_ids(m: Model) -> int:
@@ -150,8 +161,13 @@ def main(argv: list[str]) -> int:
     p.add_argument("--seed", type=cli.non_negative_int, default=0, help="sampling seed (default 0)")
     p.add_argument("--step", type=cli.non_negative_int, help="the checkpoint's step (default: the newest)")
     args = p.parse_args(argv)
-    m = load(args.workdir, args.step)
+    cfg, data = inference.read_configs(args.workdir)
+    # The tokenizer and the prompt first: a big checkpoint takes long to read, only to end in an error.
+    tokenizer, end_of_text, token_file = inference.run_tokens(args.workdir, data)
+    m = Model(cfg, {}, tokenizer, 0, end_of_text, token_file)  # its parameters once the prompt is checked
     prompt = encode(m, args.prompt)
+    _check(m, prompt, args.greedy, args.temperature, args.top_k)
+    m.params, m.step = inference.restore_params(args.workdir, cfg, args.step)
     new = generate(m, prompt, args.max_tokens, args.greedy, args.temperature, args.top_k, args.seed)
     print(decode(m, prompt + new))
     return 0

@@ -4,7 +4,6 @@ input). Modules load on call, so a command imports only what it needs (holmes-pl
 
 from __future__ import annotations
 
-import functools
 import importlib
 
 from holmes_jax import cli
@@ -19,12 +18,4 @@ def _command(module: str):
 
 
 train, launch, profile, report = (_command(m) for m in ("train", "launch", "profile", "report"))
-data, export, generate = (_command(m) for m in ("data", "export", "generate"))
-
-
-def plan() -> None:
-    # not through the holmes_jax.plan module: importing it would shadow the function holmes_jax.plan
-    from holmes_jax import pictures
-    from holmes_jax.planning import cli as planning_cli
-
-    cli.run(functools.partial(planning_cli.main, draw=pictures.draw_plan))
+data, export, generate, plan = (_command(m) for m in ("data", "export", "generate", "plan"))

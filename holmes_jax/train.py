@@ -304,15 +304,13 @@ def _resume_and_train(cfgs: Configs, setup: Setup, token_data, workdir: Path, ck
     with guard.Signals() as signals, contextlib.closing(log) if log else contextlib.nullcontext():
         for step, state, out in train_steps(compiled, setup, state, start, last, token_data):
             logger.collect(out)
-            bad.add(step, out)
+            with _stop_if_the_reader_left(signals):  # a skipped step's line
+                bad.add(step, out)
             stopping = vote.vote(signals.signum)  # the same signal (or None) on every process
             for hook in hooks:
                 if stopping or hook.due(step, start + 1, last):
-                    try:
+                    with _stop_if_the_reader_left(signals):
                         hook.fn(step, state)
-                    except BrokenPipeError:  # the reader of the step lines left (`| head`): a stop,
-                        cli.drop_output()  # as a signal's, after the next step (its row is written)
-                        signals.signum = signals.signum or signal.SIGPIPE
             bad.check(step, ckpt and ckpt.latest_step())
             if stopping:
                 # Even a skipped step: its state is what an uninterrupted run holds after it.
@@ -322,6 +320,17 @@ def _resume_and_train(cfgs: Configs, setup: Setup, token_data, workdir: Path, ck
                     f"checkpoint saved at step {step}: run the same command again to resume" if ckpt
                     else "checkpoints are off, nothing saved"))
     return summarize(logger.rows, start, setup.plan.prediction.step_time_s, say)
+
+
+@contextlib.contextmanager
+def _stop_if_the_reader_left(signals: guard.Signals):
+    """A line whose reader left (`train | head`) stops the run as a signal does: at the next stop
+    vote, that step saved."""
+    try:
+        yield
+    except BrokenPipeError:
+        cli.drop_output()
+        signals.signum = signals.signum or signal.SIGPIPE
 
 
 def evaluate(setup: Setup, eval_step, params, token_data: data.TokenData) -> float:

@@ -1,6 +1,7 @@
 """When things go wrong: non-finite steps, signals (injected with HOLMES_FAULT), damaged or
 mismatched checkpoints, unusable workdirs and full disks, and the launcher's signal handling."""
 
+import argparse
 import glob
 import os
 import re
@@ -645,3 +646,67 @@ def test_two_processes_restore_the_newest_step_both_can_read(tmp_path):
     assert ("[rank 0] said: checkpoint step 3 cannot be read on process 1 (DATA_LOSS: truncated on this host); "
             "trying an older one") in lines, lines
     assert sorted(p.name for p in tmp_path.iterdir()) == ["2", "3.damaged"]
+
+
+def test_a_reader_that_left_before_the_output_was_written_is_status_141_without_a_line():
+    # Block-buffered stdout (PYTHONUNBUFFERED unset, as for most users) was written only at exit:
+    # Python's 'Exception ignored ... BrokenPipeError' and status 120 (`holmes-plan ... | true`).
+    env = {k: v for k, v in dict(os.environ, PYTHONPATH=str(REPO)).items() if k != "PYTHONUNBUFFERED"}
+    p = subprocess.Popen([sys.executable, "-m", "holmes_jax.plan", "--topology",
+                          str(REPO / "configs/topologies/cpu_2x4.toml"), "--model", "tiny"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO, env=env)
+    p.stdout.close()  # the reader leaves before the plan is printed
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=60) == 128 + signal.SIGPIPE and err == "", err
+
+
+def test_output_to_a_full_disk_is_one_error_line_and_status_1():
+    env = {k: v for k, v in dict(os.environ, PYTHONPATH=str(REPO)).items() if k != "PYTHONUNBUFFERED"}
+    with open("/dev/full", "w") as full:  # every write: No space left on device
+        r = subprocess.run([sys.executable, "-m", "holmes_jax.plan", "--topology",
+                            str(REPO / "configs/topologies/cpu_2x4.toml"), "--model", "tiny"],
+                           stdout=full, stderr=subprocess.PIPE, text=True, timeout=60, cwd=REPO, env=env)
+    assert r.returncode == 1 and r.stderr == "error: cannot write the output: No space left on device\n", r.stderr
+
+
+def test_holmes_plan_imports_matplotlib_only_for_draw(tmp_path):
+    # as `python -m holmes_jax.plan` does: most of a second of every plan's start
+    script = ("import sys\nfrom holmes_jax import scripts\nsys.argv[1:] = sys.argv[2:]\n"
+              "try:\n    scripts.plan()\nfinally:\n    print('matplotlib' in sys.modules, file=sys.stderr)\n")
+    topology = str(REPO / "configs/topologies/cpu_2x4.toml")
+    for flags, imported in (([], "False"), (["--draw", str(tmp_path / "plan.png")], "True")):
+        r = subprocess.run([sys.executable, "-c", script, "holmes-plan", "--topology", topology, "--model", "tiny",
+                            *flags], capture_output=True, text=True, timeout=60, cwd=REPO)
+        assert r.returncode == 0 and r.stderr.splitlines()[-1] == imported, r.stderr[-3000:]
+
+
+def test_a_full_disk_under_out_is_a_run_error_and_leaves_nothing(tmp_path):
+    # status 1 as for a checkpoint's full disk (README's table), not 2 'bad input' (holmes-data prepare, export)
+    import errno
+
+    out = tmp_path / "out"
+    with pytest.raises(cli.RunError, match=r"--out .* cannot be written: No space left on device"):
+        with cli.output_folder(out, last="meta.json") as tmp:
+            (tmp / "tokens.bin").write_bytes(b"12")
+            raise OSError(errno.ENOSPC, "No space left on device")
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(ConfigError, match="cannot be written: Permission denied"):  # a path: still bad input
+        with cli.output_folder(out, last="meta.json"):
+            raise PermissionError(errno.EACCES, "Permission denied")
+
+
+@pytest.mark.parametrize("parse", [cli.positive_int, cli.non_negative_int])
+def test_a_superscript_digit_flag_names_what_is_allowed(parse):
+    # '²'.isdigit() is true but int('²') fails: argparse said only "invalid positive_int value"
+    with pytest.raises(argparse.ArgumentTypeError, match="allowed: a"):
+        parse("²")
+
+
+def test_a_leftover_beside_out_whose_pid_is_no_number_is_left_alone(tmp_path):
+    import socket
+
+    odd = tmp_path / f".out.{socket.gethostname()}.².tmp"  # was int('²'): a ValueError traceback
+    odd.mkdir()
+    with cli.output_folder(tmp_path / "out", last="meta.json") as tmp:
+        (tmp / "meta.json").write_text("{}")
+    assert odd.is_dir() and (tmp_path / "out" / "meta.json").is_file()

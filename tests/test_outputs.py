@@ -107,3 +107,20 @@ def test_a_run_resumed_on_other_data_drops_the_copies_of_the_data_it_left(tmp_pa
                   devices=jax.devices()[:1], quiet=True)
     assert not (workdir / "data_meta.json").exists()
     assert inference.load(workdir).end_of_text is None  # was 256: the first data's, kept in the workdir
+
+
+def test_a_prompt_generate_refuses_is_refused_before_the_checkpoint_is_read(run_dir, tmp_path, monkeypatch):
+    # a big model's checkpoint takes minutes to read: the error came only after it
+    ids = tmp_path / "ids.bin"
+    np.arange(200, dtype=np.uint16).tofile(ids)
+    token_file_run = _with_data_source(run_dir, tmp_path, ids)
+
+    def restore_params(*args, **kwargs):
+        raise AssertionError("the checkpoint was read")
+
+    monkeypatch.setattr(inference, "restore_params", restore_params)
+    for workdir, prompt, error in ((run_dir, b"ab\xff".decode("utf-8", "surrogateescape"), "error: --prompt"),
+                                   (run_dir, "", "error: --prompt is empty"),  # bytes: no end-of-text to start after
+                                   (token_file_run, "ab", "error: the run read token ids from")):
+        code, out, err = _generate("--workdir", workdir, "--prompt", prompt, "--max-tokens", 1)
+        assert code == 2 and not out and err.startswith(error) and len(err.splitlines()) == 1, err

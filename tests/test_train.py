@@ -1,5 +1,6 @@
 import gc
 import re
+import signal
 import time
 
 import jax
@@ -405,3 +406,23 @@ def test_config_gin_records_the_cpu_devices_the_launcher_gave(tmp_path, monkeypa
     assert "on 2 cpu devices" in r.stdout
     rerun = configure.load_configs(["--no_default_gin", "--gin_file", str(tmp_path / "config.gin")])
     assert rerun.parallel.cpu_devices == 2
+
+
+def test_a_skipped_steps_line_without_a_reader_stops_the_run_with_that_step_saved(tmp_path, monkeypatch):
+    # `train | head` where the first line after the reader left is a skipped step's: the loop stops
+    # as at a signal (status 141), the step saved; the error escaped the loop, nothing saved.
+    from holmes_jax import cli, guard
+
+    add = guard.BadSteps.add
+
+    def add_then_fail_to_print(self, step, out):
+        add(self, step, out)
+        if step == 2:
+            raise BrokenPipeError
+
+    monkeypatch.setattr(guard.BadSteps, "add", add_then_fail_to_print)
+    monkeypatch.setattr(cli, "drop_output", lambda: None)  # not this test process's stdout
+    with pytest.raises(cli.Stopped) as stopped:
+        train.run(small_configs(tmp_path, "--gin.CheckpointConfig.every=100"), quiet=True)
+    assert stopped.value.status == 128 + signal.SIGPIPE and "after step 2" in str(stopped.value)
+    assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()) == [2]
