@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 from pathlib import Path
 
@@ -348,8 +349,9 @@ def save_hf(params: dict, cfg: ModelConfig, out: str | Path, tokenizer: Path | N
     with cli.output_folder(out, last="config.json") as tmp:
         try:
             safetensors.numpy.save_file(to_hf(params, cfg), tmp / "model.safetensors", metadata={"format": "pt"})
-        except safetensors.SafetensorError as e:  # a full disk, say: its I/O errors come wrapped
-            raise OSError(str(e)) from None
+        except safetensors.SafetensorError as e:  # a full disk, say: its I/O errors come wrapped,
+            code = re.search(r"\(os error (\d+)\)", str(e))  # the errno in the text ('... (os error 28)')
+            raise (OSError(int(code[1]), str(e)) if code else OSError(str(e))) from None
         if tokenizer is not None:
             shutil.copyfile(tokenizer, tmp / "tokenizer.json")
             name = None if end_of_text is None else _token_name(tokenizer, end_of_text)

@@ -619,3 +619,17 @@ def test_the_exported_folder_computes_our_logits_the_way_transformers_reads_it(t
     ids = rng.integers(0, cfg.vocab_size, 20)
     ours = np.asarray(gpt.GPT(cfg).logits(params, ids[None]))[0]
     np.testing.assert_allclose(ours, _hf_logits(folder, ids), rtol=0, atol=1e-4)
+
+
+def test_a_full_disk_while_writing_the_weights_is_a_run_error(tmp_path, monkeypatch):
+    # safetensors wraps the OS error in its own, the errno only in the text: a full disk is a
+    # failure of the run (status 1), not bad input (2) as an unwritable --out is.
+    from holmes_jax import cli
+
+    def full(*args, **kwargs):
+        raise safetensors.SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+    monkeypatch.setattr(safetensors.numpy, "save_file", full)
+    cfg = presets.resolve(ModelConfig(preset="tiny", num_layers=1, hidden=64, num_heads=4, ffn_hidden=96))
+    with pytest.raises(cli.RunError, match="No space left on device"):
+        export.save_hf(jax.tree.map(np.asarray, gpt.GPT(cfg).init(0)), cfg, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists() or not any((tmp_path / "hf").iterdir())
