@@ -17,7 +17,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.font_manager import FontProperties
 from matplotlib.patches import FancyArrowPatch, Patch, Rectangle
-from matplotlib.textpath import TextPath
+from matplotlib.textpath import TextPath, TextToPath
 from matplotlib.ticker import FuncFormatter, MaxNLocator
 
 from holmes_jax.config import ConfigError
@@ -135,11 +135,18 @@ def time_unit(seconds: float) -> tuple[float, str]:
     return (1.0, "s") if seconds >= 1 else (1e3, "ms")
 
 
+def _label_px(microbatch: int, dpi: float) -> float:
+    """The width a microbatch number takes as drawn (fontsize 7), in pixels."""
+    width_pt, _, _ = TextToPath().get_text_width_height_descent(str(microbatch), FontProperties(size=7), False)
+    return width_pt * dpi / 72
+
+
 def _draw_timeline(ax, plan: Plan) -> None:
     pr, m = plan.prediction, plan.model
     segments = timeline(plan)
     step = pr.step_time_s
-    width_px = ax.get_position().width * ax.figure.get_figwidth() * ax.figure.dpi
+    shown_s = step * 1.01  # the x axis' span
+    px_per_s = ax.get_position().width * ax.figure.get_figwidth() * ax.figure.dpi / shown_s
     for s in range(plan.pp):
         y = plan.pp - 1 - s  # stage 0 on top
         ax.add_patch(Rectangle((0, y - 0.4), step, 0.8, facecolor="#f4f4f4", edgecolor="#c8c8c8", hatch="////",
@@ -148,15 +155,15 @@ def _draw_timeline(ax, plan: Plan) -> None:
             bars = [(g.start, g.seconds) for g in segments if g.stage == s and g.kind == kind and g.seconds > 0]
             ax.broken_barh(bars, (y - 0.4, 0.8), facecolors=colour, edgecolors="white",
                            linewidth=0.3 if len(segments) < 60 * plan.pp else 0, zorder=1)
-        for g in segments:  # microbatch numbers where the box is wide enough to hold them
-            if g.stage == s and g.microbatch >= 0 and g.seconds / step * width_px > 7 * len(str(g.microbatch)):
+        for g in segments:  # microbatch numbers where the box holds them with a margin (not touching the next one)
+            if g.stage == s and g.microbatch >= 0 and g.seconds * px_per_s > _label_px(g.microbatch, ax.figure.dpi) + 4:
                 ax.text(g.start + g.seconds / 2, y, str(g.microbatch), ha="center", va="center", fontsize=7,
                         color="white" if g.kind == "backward" else "black", zorder=2)
     ax.set_yticks(range(plan.pp))
     ax.set_yticklabels([f"stage {s}: {plan.placement.stage_clusters[s]}\n{_layers(plan.stage_layers[s])}"
                         for s in reversed(range(plan.pp))])
     ax.set_ylim(-0.6, plan.pp - 0.4)
-    ax.set_xlim(0, step * 1.01)
+    ax.set_xlim(0, shown_s)
     ax.axvline(pr.pipeline_s, color="black", linewidth=0.8, linestyle=":")
     ax.axvline(step, color="black", linewidth=1.2, linestyle="--")
     if step - pr.pipeline_s > 0.15 * step:
@@ -170,7 +177,8 @@ def _draw_timeline(ax, plan: Plan) -> None:
     ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x * scale:g}"))
     ax.set_xlabel(f"time in the step ({unit}), as the cost model predicts it")
     microbatches = f"{plan.microbatches} microbatch{'es' * (plan.microbatches > 1)} of {plan.micro_batch}"
-    ax.set_title(f"(a) one step of {m.preset} ({m.num_layers} layers, {m.compute_dtype}) on "
+    remat = f", remat {m.remat}" if m.remat != "none" else ""  # a longer backward: it recomputes
+    ax.set_title(f"(a) one step of {m.preset} ({m.num_layers} layers, {m.compute_dtype}{remat}) on "
                  f"'{plan.topology.name}': {plan.schedule}, {microbatches}, "
                  f"mesh stage={plan.pp} data={plan.dp} tensor={plan.tp}", loc="left", fontsize=11, pad=16)
     shown = {g.kind for g in segments if g.seconds > 0}
@@ -267,8 +275,9 @@ def _draw_placement(ax, plan: Plan) -> None:
                    f"syncing over {ring.via} ({ring.gbps:.3g} Gb/s each{shared}) in {_seconds(pr.stage_sync_s[s])}"
                    if plan.dp > 1 else "no data parallelism"),
                 ha="left", va="center", fontsize=9, color=colour)
-    ax.text(0, y0 + 0.6, f"device label: stage.replica (tensor ranks of a replica share a node); "
-            f"between clusters: {topo.inter_cluster.name} at {topo.inter_cluster.gbps:g} Gb/s per node",
+    between = (f"; between clusters: {topo.inter_cluster.name} at {topo.inter_cluster.gbps:g} Gb/s per node"
+               if len(topo.clusters) > 1 else "")  # one cluster: no such link, only its default
+    ax.text(0, y0 + 0.6, f"device label: stage.replica (tensor ranks of a replica share a node){between}",
             ha="left", va="center", fontsize=8.5, color="#444444")
     width, height = _placement_extent(plan)
     ax.set_xlim(-0.3, width - 0.3)
@@ -284,6 +293,15 @@ def _mark_not_finite(ax, steps: np.ndarray, marker: str, label: str) -> None:
     if steps.size:
         ax.plot(steps, np.zeros(steps.size), marker, color="C3", fillstyle="none", clip_on=False,
                 transform=ax.get_xaxis_transform(), label=label)
+
+
+def _mark_resumes(ax, rows: list[dict]) -> None:
+    """A resumed run's first step pays for warm-up again: a line where each resume starts says why
+    its row stands out (the key is `metrics.RESUMED_FROM`, see typical_step_s)."""
+    for r in rows:
+        if "resumed_from" in r:
+            ax.axvline(r["resumed_from"] + 0.5, color="#888888", linewidth=0.8, linestyle="-.",
+                       label=f"resumed from step {r['resumed_from']}'s checkpoint")
 
 
 def typical_step_s(rows: list[dict]) -> float:
@@ -311,7 +329,6 @@ def draw_report(rows: list[dict], predicted_step_s: float | None, path: str, tit
     loss_ax.set_xlabel("step")
     loss_ax.set_ylabel("loss (nats per token)")
     loss_ax.set_title("loss", loc="left")
-    loss_ax.legend(frameon=False, fontsize=9, loc="upper left", bbox_to_anchor=(0, -0.14))
 
     measured, typical = np.array([r["step_time_s"] for r in rows]), typical_step_s(rows)
     scale, unit = time_unit(typical)  # the unit `report` prints the median in
@@ -326,11 +343,12 @@ def draw_report(rows: list[dict], predicted_step_s: float | None, path: str, tit
     time_ax.set_xlabel("step")
     time_ax.set_ylabel(f"step time ({unit})")
     time_ax.set_title("step time", loc="left")
-    time_ax.legend(frameon=False, fontsize=9, loc="upper left", bbox_to_anchor=(0, -0.14))
     for ax in (loss_ax, time_ax):
+        _mark_resumes(ax, rows)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))  # no step 0.96 by a lone row
         for side in ("top", "right"):
             ax.spines[side].set_visible(False)
+        ax.legend(frameon=False, fontsize=9, loc="upper left", bbox_to_anchor=(0, -0.14))
     if title:
         fig.suptitle(title, x=0.01, ha="left")
     fig.tight_layout()

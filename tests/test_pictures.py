@@ -11,7 +11,7 @@ import pytest
 from matplotlib.text import Text
 
 from holmes_jax import cli, pictures
-from holmes_jax.config import ConfigError, ParallelConfig
+from holmes_jax.config import ConfigError, ModelConfig, ParallelConfig
 from holmes_jax.planning import cli as planning_cli
 from holmes_jax.planning import plan
 from helpers import REPO, run_module
@@ -203,3 +203,69 @@ def test_a_reports_step_time_is_drawn_in_the_unit_its_median_is_printed_in(tmp_p
     assert time_ax.get_ylabel() == "step time (ms)"
     labels = [line.get_label() for line in time_ax.get_lines()]
     assert "measured median 960 ms" in labels and any(label.startswith("plan's prediction 900 ms") for label in labels)
+
+
+def test_microbatch_numbers_fit_inside_their_boxes(tmp_path, monkeypatch):
+    # a number drawn in a box as wide as its glyph ran into its neighbours': '0 1 2 3 4 5 6 7 8 9'
+    # read as one string along the last stage of a GPipe step on eth8
+    figures = []
+    monkeypatch.setattr(pictures.Figure, "savefig", lambda fig, *a, **k: figures.append(fig))
+    crowded = plan(str(TOPOLOGIES / "eth8.toml"), ModelConfig(preset="7.5b", remat="full"),
+                   ParallelConfig(tp=8, pp=4, microbatches=32, schedule="gpipe"), global_batch=64)
+    plans = [crowded, _planned("ib4_roce4 7.5b 1f1b")[0]]
+    drawn = 0
+    for p in plans:
+        pictures.draw_plan(p, str(tmp_path / "plan.png"))
+        fig = figures[-1]
+        ax = fig.axes[0]
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        boxes = {(p.pp - 1 - g.stage, g.start + g.seconds / 2): g for g in pictures.timeline(p) if g.microbatch >= 0}
+        for t in (t for t in ax.texts if t.get_text().isdigit()):
+            g = boxes[t.get_position()[1], t.get_position()[0]]
+            assert t.get_text() == str(g.microbatch)
+            left, right = ax.transData.transform([(g.start, 0), (g.start + g.seconds, 0)])[:, 0]
+            box = t.get_window_extent(renderer)
+            assert left + 1 < box.x0 and box.x1 < right - 1, (t.get_text(), left, right, box)
+            drawn += 1
+    assert drawn  # the 1f1b plan's boxes hold their numbers
+
+
+def test_one_clusters_placement_names_no_link_between_clusters(tmp_path, monkeypatch):
+    # eth8 has one cluster and no [inter_cluster]: the note named the default link's 25 Gb/s anyway
+    figures = []
+    monkeypatch.setattr(pictures.Figure, "savefig", lambda fig, *a, **k: figures.append(fig))
+    for topology in ("eth8.toml", "ib4_roce4.toml"):
+        p = plan(str(TOPOLOGIES / topology), "125m", ParallelConfig(tp=4, pp=2), global_batch=64)
+        pictures.draw_plan(p, str(tmp_path / "plan.png"))
+    texts = [[t.get_text() for t in fig.axes[1].texts] for fig in figures]
+    assert not any("between clusters" in t for t in texts[0])
+    assert any("between clusters: ethernet at 25 Gb/s per node" in t for t in texts[1])
+
+
+@pytest.mark.parametrize("remat, said", [("none", "(12 layers, float32) on"),
+                                         ("full", "(12 layers, float32, remat full) on")])
+def test_the_timelines_title_says_what_the_backward_recomputes(tmp_path, monkeypatch, remat, said):
+    # a rematerialised backward is longer: the title says so, as the plan's printout does
+    figures = []
+    monkeypatch.setattr(pictures.Figure, "savefig", lambda fig, *a, **k: figures.append(fig))
+    p = plan(str(TOPOLOGIES / "ib8.toml"), ModelConfig(preset="125m", remat=remat), ParallelConfig(tp=4, pp=2),
+             global_batch=64)
+    pictures.draw_plan(p, str(tmp_path / "plan.png"))
+    assert said in figures[0].axes[0].get_title(loc="left")
+
+
+def test_a_report_marks_where_the_run_resumed(tmp_path, monkeypatch):
+    # the resumed run's first row (step 31: its first step pays for warm-up) stood out as an
+    # unexplained spike in the step time
+    figures = []
+    monkeypatch.setattr(pictures.Figure, "savefig", lambda fig, *a, **k: figures.append(fig))
+    rows = [{"step": s, "loss": 3.0, "step_time_s": 0.5} for s in (10, 20, 30)]
+    rows += [{"step": 31, "loss": 3.0, "step_time_s": 0.9, "resumed_from": 30},
+             {"step": 40, "loss": 2.9, "step_time_s": 0.5}]
+    pictures.draw_report(rows, 0.4, str(tmp_path / "r.png"))
+    pictures.draw_report(rows[:3], 0.4, str(tmp_path / "r.png"))
+    for ax in figures[0].axes:
+        marked = [line for line in ax.get_lines() if line.get_label() == "resumed from step 30's checkpoint"]
+        assert len(marked) == 1 and list(marked[0].get_xdata()) == [30.5, 30.5]
+    assert not [line for ax in figures[1].axes for line in ax.get_lines() if "resumed" in line.get_label()]
