@@ -4,6 +4,7 @@ the typed dataclasses of holmes_jax.config and validated (the model resolved fro
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
 import difflib
 import functools
@@ -58,7 +59,6 @@ class _QuietGinLookups(logging.Filter):
 
 
 logging.getLogger().addFilter(_QuietGinLookups())  # gin logs with logging.error, on the root logger
-_SEARCHED: set[str] = set()  # folders put on gin's search path (gin keeps them for the process)
 
 
 def _text_fields() -> set[str]:
@@ -88,13 +88,19 @@ def _gin_value(name: str, text: str) -> str:
     return text if isinstance(value, float) and not math.isfinite(value) else repr(value)
 
 
-def _search_beside(gin_file: str) -> None:
+@contextlib.contextmanager
+def _search_beside(gin_file: str):
     """gin looks `include 'x.gin'` up in the current folder, then in the folders of its search path:
-    with each --gin_file's folder there, a file can include the files beside it."""
-    folder = str(Path(gin_file).resolve().parent)
-    if folder not in _SEARCHED:
-        _SEARCHED.add(folder)
-        gin.add_config_file_search_path(folder)
+    with only `gin_file`'s folder there while it is parsed, it includes the files beside it. gin's
+    own `add_config_file_search_path` adds a folder for the rest of the process: with two
+    --gin_files from two folders, each one's `include 'base.gin'` read the first folder's."""
+    search_path = gin.config._LOCATION_PREFIXES  # gin has no public way to take a folder off
+    saved = list(search_path)
+    search_path[:] = ["", str(Path(gin_file).resolve().parent)]
+    try:
+        yield
+    finally:
+        search_path[:] = saved
 
 
 def _a_value_follows(args: list[str]) -> bool:
@@ -151,15 +157,17 @@ def _allowed_names(message: str) -> str:
 
 
 def _check_macros(bindings: list[str]) -> None:
-    """gin takes `--gin.steps=3` (no class) as a macro, which sets nothing unless a gin file uses
-    `%steps`: a typo that was silently ignored. Call after the configs are built (gin's operative
-    config then lists the macros used)."""
+    """gin takes `--gin.steps=3`, or a gin file's `steps = 3` (no class), as a macro, which sets
+    nothing unless a gin file uses `%steps`: a typo that was silently ignored. Call after the
+    configs are built (gin's operative config then lists the macros used)."""
     used = gin.operative_config_str()
-    for binding in bindings:
-        name, _, value = binding.partition(" = ")
-        if re.fullmatch(r"\w+", name) and not re.search(rf"^{name} = ", used, flags=re.MULTILINE):
+    flags = dict(binding.split(" = ", 1) for binding in bindings)
+    # gin's config lists every binding, a macro's without a dot in its name
+    for name, value in re.findall(r"^(\w+) = (.*)$", gin.config_str(), flags=re.MULTILINE):
+        if not re.search(rf"^{name} = ", used, flags=re.MULTILINE):
             fields = [f"{cls.__name__}.{name}" for cls in CLASSES if name in {f.name for f in dataclasses.fields(cls)}]
-            raise ConfigError(f"--gin.{name}={value} sets nothing: a field is named Class.field, as in "
+            where = f"--gin.{name}={flags[name]}" if name in flags else f"gin: {name} = {value} in a gin file"
+            raise ConfigError(f"{where} sets nothing: a field is named Class.field, as in "
                               f"{' or '.join(fields) or 'TrainConfig.steps'} (a bare name is a gin macro, "
                               f"and no gin file uses %{name})")
 
@@ -197,6 +205,23 @@ def _unreadable(e: Exception) -> str:
     return " ".join(f"gin: {where}{reason}{'; ' + includes if includes else ''}".split())
 
 
+def _include_cycle(e: RecursionError) -> str:
+    """One line for gin files that include themselves, or each other: gin recursed to Python's
+    limit, and its message named every include on the way, a thousand lines."""
+    includes = re.findall(r'In file "(.*?)", line \d+\s+include (\'.*?\'|".*?")', str(e))[::-1]  # outermost first
+    if not includes:  # a recursion of another kind, as a value nested a thousand brackets deep
+        return f"gin: {str(e).splitlines()[0]}"
+    files = [file for file, _ in includes]
+    seen = {Path(files[0]).resolve()}
+    chain = f"gin: {files[0]} includes {includes[0][1]}"
+    for file, (_, included) in zip(files[1:], includes[1:]):
+        if Path(file).resolve() in seen:
+            break
+        seen.add(Path(file).resolve())
+        chain += f", which includes {included}"
+    return chain + ": an include cycle; allowed: includes that never lead back to a file including them"
+
+
 def load_configs(argv: list[str]) -> Configs:
     """Parses configs/default.gin, the gin files on top of it and the bindings into validated configs
     (the model resolved from its preset)."""
@@ -206,13 +231,18 @@ def load_configs(argv: list[str]) -> Configs:
     for f in files:
         if not Path(f).is_file():
             raise ConfigError(f"--gin_file {f!r}: " + ("a folder, not a gin file" if Path(f).is_dir() else "no such file"))
-        _search_beside(f)
     gin.clear_config()
     try:
-        gin.parse_config_files_and_bindings(base + files, bindings)
+        for f in base + files:  # gin.parse_config_files_and_bindings, each file with its own folder searched
+            with _search_beside(f):
+                gin.parse_config_file(f)
+        gin.parse_config(bindings)
+        gin.finalize()
         cfgs = Configs(*(cls() for cls in CLASSES))
     except ConfigError:
         raise
+    except RecursionError as e:
+        raise ConfigError(_include_cycle(e)) from None
     except (tokenize.TokenError, UnicodeDecodeError) as e:  # gin's message named no file, nor a line
         raise ConfigError(_unreadable(e)) from None
     except SyntaxError as e:  # for a bare word gin's message starts with an ast node's repr: keep its last line

@@ -342,3 +342,38 @@ def test_the_workdir_spelt_otherwise_is_no_changed_setting_on_resume():
     saved = "TrainConfig.workdir = '/tmp/runs/a'\nTrainConfig.steps = 7\n"
     resumed = "TrainConfig.workdir = '/tmp/runs/a/'\nTrainConfig.steps = 9\n"  # was listed as a change
     assert configure.changed_settings(saved, resumed) == ["TrainConfig.steps 7 -> 9"]
+
+
+def test_gin_files_that_include_each_other_are_one_short_error_line(tmp_path):
+    # gin recursed to Python's limit: its message named the include a thousand times over
+    first, second, alone = tmp_path / "a.gin", tmp_path / "b.gin", tmp_path / "self.gin"
+    first.write_text("TrainConfig.seed = 1\ninclude 'b.gin'\n")
+    second.write_text("include 'a.gin'\n")
+    alone.write_text("include 'self.gin'\n")
+    with pytest.raises(ConfigError) as e:
+        configure.load_configs(["--gin_file", str(first)])
+    assert str(e.value).startswith(f"gin: {first} includes 'b.gin', which includes 'a.gin': an include cycle")
+    assert len(str(e.value)) < 300 and "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match=rf"^gin: {alone} includes 'self.gin': an include cycle"):
+        configure.load_configs(["--gin_file", str(alone)])
+
+
+def test_a_gin_files_binding_without_a_class_is_refused_unless_something_uses_it(tmp_path):
+    # `steps = 3` in a file is a gin macro nothing used: the run went on with 300 steps, silently
+    path = tmp_path / "run.gin"
+    path.write_text("TrainConfig.seed = 1\nsteps = 3\n")
+    with pytest.raises(ConfigError, match=r"^gin: steps = 3 in a gin file sets nothing: .* TrainConfig.steps"):
+        configure.load_configs(["--gin_file", str(path)])
+    path.write_text("STEPS = 7\nTrainConfig.steps = %STEPS\n")  # a macro used is what macros are for
+    assert configure.load_configs(["--gin_file", str(path)]).train.steps == 7
+
+
+def test_each_gin_files_include_is_the_file_beside_it_not_one_beside_another(tmp_path):
+    for name, line in (("first", "TrainConfig.seed = 1"), ("second", "TrainConfig.steps = 9")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "base.gin").write_text(line + "\n")
+        (tmp_path / name / "run.gin").write_text("include 'base.gin'\n")
+    # both includes read first/base.gin: the second file's base.gin was never read, silently
+    cfgs = configure.load_configs(["--gin_file", str(tmp_path / "first" / "run.gin"),
+                                   "--gin_file", str(tmp_path / "second" / "run.gin")])
+    assert (cfgs.train.seed, cfgs.train.steps) == (1, 9)
