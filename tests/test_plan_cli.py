@@ -288,7 +288,7 @@ def test_a_pp_error_says_which_pp_fit_the_clusters():
     ib3_roce5 = str(TOPOLOGIES / "ib3_roce5.toml")
     code, _, err = _cli("--topology", ib3_roce5, "--model", "7.5b", "--tp", "8", "--pp", "3")
     assert code == 2 and "allowed pp: 1, 2, 4, 8; every cluster holds whole stages only with pp 8 (the others " \
-                         "need allow_mixed=True, --allow-mixed)" in err
+                         "need the planner's allow_mixed=True, --allow-mixed)" in err
     assert _cli("--topology", ib3_roce5, "--model", "7.5b", "--tp", "8", "--pp", "8")[0] == 0
     # with mixed stages allowed every pp that divides is listed
     code, _, err = _cli("--topology", ib3_roce5, "--model", "7.5b", "--tp", "8", "--pp", "3", "--allow-mixed")

@@ -129,9 +129,9 @@ def place(topology: Topology, tp: int, pp: int, dp: int | None = None, method: s
                           f"allowed pp{_layers_limit(topology, tp, max_pp)}: {', '.join(map(str, allowed)) or 'none'}"
                           + ("" if fitting == allowed else
                              f"; every cluster holds whole stages only with pp {', '.join(map(str, fitting))} "
-                             f"(the others need allow_mixed=True, --allow-mixed)" if fitting else
-                             "; with none of them does every cluster hold whole stages (they need allow_mixed=True, "
-                             "--allow-mixed)"))
+                             f"(the others need the planner's allow_mixed=True, --allow-mixed)" if fitting else
+                             "; with none of them does every cluster hold whole stages (they need the planner's "
+                             "allow_mixed=True, --allow-mixed)"))
     if dp is not None and pp * dp * tp != n:
         raise ConfigError(f"dp = {dp} is not allowed: pp * dp * tp = {pp} * {dp} * {tp} must equal the {n} devices; "
                           f"allowed with pp = {pp}, tp = {tp}: dp = {n // (pp * tp)}")
@@ -147,7 +147,7 @@ def place(topology: Topology, tp: int, pp: int, dp: int | None = None, method: s
             f"{', '.join(repr(c.name) for c in clusters[s])}, so its data groups would sync across clusters; "
             f"allowed pp (every cluster holding whole stages{_layers_limit(topology, tp, max_pp, ', ')}): "
             f"{', '.join(map(str, _fitting_pp(topology, tp, max_pp))) or 'none'}; "
-            f"or allow mixed stages (allow_mixed=True, --allow-mixed)")
+            f"or allow mixed stages (the planner's allow_mixed=True, --allow-mixed)")
 
     def joined(values) -> str:
         return "+".join(dict.fromkeys(values))  # file order, no repeats

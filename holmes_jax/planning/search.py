@@ -422,12 +422,11 @@ def plan(topology, model, parallel: ParallelConfig | None = None, *, global_batc
             else _load_profile(par.profile, cfg, "ParallelConfig.profile"))
 
     candidates, errors, mixed = _candidates(topo, cfg, par, free, global_batch, seq_len, allow_mixed, ratios, prof)
-    # what allow_mixed would add: the layouts refused for a stage spanning clusters, screened with it
-    mixed = _candidates(topo, cfg, par, free, global_batch, seq_len, True, ratios, prof, mixed)[0] if mixed else []
     if not candidates:
         errors = list(dict.fromkeys(errors))
         message = errors[0] if len(errors) == 1 else f"no layout fits ({len(errors)} kinds of misfit); first: {errors[0]}"
-        hint = _mixed_hint(mixed)
+        # what allow_mixed would add: the layouts refused for a stage spanning clusters, screened with it
+        hint = _mixed_hint(_candidates(topo, cfg, par, free, global_batch, seq_len, True, ratios, prof, mixed)[0])
         raise ConfigError(message + (f"; {hint}" if hint else ""))
     # Simulate in lower-bound order, stopping once no bound can beat the FULL_SEARCH-th best time.
     timed = []
@@ -443,8 +442,6 @@ def plan(topology, model, parallel: ParallelConfig | None = None, *, global_batc
     prediction, c = best
     partitions = {m: c.model.predict(partition.split(m, c.model, c.weights)) for m in partition.METHODS}
     notes = c.notes
-    hint = _mixed_hint(mixed, prediction.step_time_s)
-    notes += (hint,) if hint else ()
     if prof is not None and par.partition == "auto" and par.stage_layers is None:
         timed, note = _timed_split(prof, cfg, c, workload.micro_batch(global_batch, c.placement.grid.shape[1],
                                                                       c.model.microbatches), seq_len)
@@ -457,26 +454,23 @@ def plan(topology, model, parallel: ParallelConfig | None = None, *, global_batc
                 partitions, notes)
 
 
-def _mixed_hint(mixed: list["_Candidate"], than: float | None = None) -> str | None:
-    """A line on what allow_mixed (--allow-mixed) would change, from the candidates only it allows
-    (their screening split): the fastest, where nothing fits without it (`than` None) or where it is
-    predicted faster than `than`, this plan's step; else None."""
+def _mixed_hint(mixed: list["_Candidate"]) -> str | None:
+    """Where nothing fits without allow_mixed, a line on the fastest of the candidates only it
+    allows (at their screening split), or None where there is none. Only a plan's, not a note:
+    training has no such setting."""
     best, best_time = None, math.inf
     for c in sorted(mixed, key=lambda c: c.bound):  # simulated in lower-bound order, as the search does
-        if c.bound >= min(best_time, math.inf if than is None else than):
+        if c.bound >= best_time:
             break
         step = float(c.model.step_times([c.split])[0])
         if step < best_time:
             best, best_time = c, step
-    if best is None or (than is not None and best_time >= than):
+    if best is None:
         return None
     pp, dp, tp = best.placement.grid.shape
     layout = f"tp = {tp}, pp = {pp}, dp = {dp}, microbatches = {best.model.microbatches}, {best.model.schedule}"
-    if than is None:
-        return (f"with stages spanning clusters {layout} fits ({best_time:.3g} s a step; allow_mixed=True, "
-                f"--allow-mixed)")
-    return (f"with stages spanning clusters {layout} would be faster: {best_time:.3g} s a step against this plan's "
-            f"{than:.3g} s (allow_mixed=True, --allow-mixed)")
+    return (f"with stages spanning clusters {layout} fits ({best_time:.3g} s a step; the planner's "
+            f"allow_mixed=True, --allow-mixed)")
 
 
 def _timed_split(prof: Profile, cfg: ModelConfig, c: "_Candidate", micro_batch: int,
