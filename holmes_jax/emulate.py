@@ -62,6 +62,7 @@ INTER_MBIT = 100.0
 # What tc shapes as asked: below 1 kbit/s tbf rounds the rate and bucket wrongly; above 1 Tbit/s the
 # 1 ms bucket outgrows tc's 32-bit burst.
 MIN_MBIT, MAX_MBIT = 0.001, 1_000_000.0
+MIN_MEASURED_BYTES = 64 << 10  # what a bandwidth measurement sends at least
 COORDINATOR_PORT = 29500  # inside host 0's fresh namespace, so always free
 _counter = itertools.count()
 
@@ -409,8 +410,16 @@ class EmulatedCluster:
 
     def bandwidth_mbit(self, src: Host, dst: Host, seconds: float = 0.5, timeout_s: float = 30.0) -> float:
         """Measured TCP throughput src -> dst: about `seconds` of traffic at the expected rate
-        (1 .. 256 MB), from a receiver in `dst` and a sender in `src`."""
-        nbytes = int(min(max(self.expected_mbit(src, dst) * 1e6 / 8 * seconds, 1 << 20), 256 << 20))
+        (1 .. 256 MB, but what takes at most half of `timeout_s`), from a receiver in `dst` and a
+        sender in `src`."""
+        expected = self.expected_mbit(src, dst)
+        bytes_per_s = expected * 1e6 / 8
+        # A slow link sends less than 1 MiB, or it ran out of time (1 MiB takes 30 s at 0.28 Mbit/s).
+        nbytes = int(min(max(bytes_per_s * seconds, 1 << 20), 256 << 20, bytes_per_s * timeout_s / 2))
+        if nbytes < MIN_MEASURED_BYTES:  # tc's 3000-byte bucket and TCP's start would be much of it
+            raise EmulationError(f"bandwidth {src.hostname} -> {dst.hostname}: a {expected:g} Mbit/s link is too "
+                                 f"slow to measure in {timeout_s:g} s (a measurement sends at least "
+                                 f"{MIN_MEASURED_BYTES >> 10} KiB)")
         port = 5201
         py = [sys.executable, "-c"]
         recv = subprocess.Popen(["ip", "netns", "exec", dst.netns, *py,
@@ -440,32 +449,39 @@ def receive(address: str, port: int, nbytes: int, timeout_s: float) -> None:
     """Accepts one connection, reads `nbytes`, prints the rate from first to last byte."""
     import socket
 
+    got, start, reason = 0, None, ""
     with socket.create_server((address, port)) as server:
         server.settimeout(timeout_s)
         print("listening", flush=True)
-        conn, _ = server.accept()
-        with conn:
-            conn.settimeout(timeout_s)
-            got, start, deadline = 0, None, time.monotonic() + timeout_s
-            while got < nbytes and time.monotonic() < deadline:
-                chunk = conn.recv(1 << 20)
-                if not chunk:
-                    break
-                start = start or time.perf_counter()
-                got += len(chunk)
-            if got < nbytes:  # before the rate: with nothing received there is no start
-                raise SystemExit(f"received {got} of {nbytes} bytes")
-            elapsed = time.perf_counter() - start
+        try:
+            conn, _ = server.accept()
+            with conn:
+                conn.settimeout(timeout_s)
+                deadline = time.monotonic() + timeout_s
+                while got < nbytes and time.monotonic() < deadline:
+                    chunk = conn.recv(1 << 20)
+                    if not chunk:
+                        break
+                    start = start or time.perf_counter()
+                    got += len(chunk)
+        except OSError as e:  # one line for the error message, not a traceback
+            reason = f": {e}"
+        if got < nbytes:  # before the rate: with nothing received there is no start
+            raise SystemExit(f"received {got} of {nbytes} bytes{reason}")
+        elapsed = time.perf_counter() - start
     print(json.dumps({"bytes": got, "seconds": elapsed, "mbit": got * 8 / elapsed / 1e6}))
 
 
 def send(address: str, port: int, nbytes: int, timeout_s: float) -> None:
     import socket
 
-    block = b"\0" * (1 << 16)
-    with socket.create_connection((address, port), timeout=timeout_s) as conn:
-        for offset in range(0, nbytes, len(block)):
-            conn.sendall(block[:nbytes - offset])
+    block, offset = b"\0" * (1 << 16), 0
+    try:
+        with socket.create_connection((address, port), timeout=timeout_s) as conn:
+            for offset in range(0, nbytes, len(block)):
+                conn.sendall(block[:nbytes - offset])
+    except OSError as e:  # one line for the error message, not a traceback
+        raise SystemExit(f"sent {offset} of {nbytes} bytes to {address}:{port}: {e}") from None
 
 
 # ----------------------------------------------------------------------------- command line
@@ -521,6 +537,8 @@ def main(argv: list[str]) -> int:
         raise ConfigError("no command to run; give it after --, or pass --bandwidth")
     ec = EmulatedCluster(parse_clusters(args.clusters), parse_rates(args.intra_mbit) if args.intra_mbit else None,
                          args.inter_mbit, args.latency_ms)
+    if cmd:  # the launcher's checks of --devices-per-process and --timeout now, not after the build and --bandwidth
+        launch._check(cmd, len(ec.hosts), args.devices_per_process, COORDINATOR_PORT, None, 0.0, args.timeout, None)
     reason = unavailable_reason()
     if reason:
         raise ConfigError(f"the emulated cluster {reason}")
@@ -535,8 +553,10 @@ def main(argv: list[str]) -> int:
             for kind, same in (("intra", True), ("inter", False)):
                 pair = next(((a, b) for a, b in pairs if (a.cluster == b.cluster) == same), None)
                 if pair:
-                    print(f"emulate: {kind}-cluster {pair[0].hostname} -> {pair[1].hostname}: "
-                          f"{ec.bandwidth_mbit(*pair):.0f} Mbit/s measured", flush=True)
+                    mbit = ec.bandwidth_mbit(*pair)
+                    figure = f"{mbit:.0f}" if mbit >= 10 else f"{mbit:.3g}"  # a slow link's is not "0"
+                    print(f"emulate: {kind}-cluster {pair[0].hostname} -> {pair[1].hostname}: {figure} Mbit/s measured",
+                          flush=True)
         return ec.run(cmd, args.devices_per_process, timeout_s=args.timeout) if cmd else 0
 
 

@@ -172,20 +172,6 @@ def _stop(procs: list[subprocess.Popen], first: int, grace_s: float, mark: bytes
             time.sleep(0.05)
 
 
-class _Signalled(Exception):
-    def __init__(self, signum: int):
-        self.signum = signum
-
-
-def _raise_signalled(signum, frame):
-    # The first stop wins: a second one (Ctrl-C and a kill together) raised again while the first
-    # was handled, and the launcher ended with a traceback and status 1.
-    for sig in cli.STOP_SIGNALS:
-        if signal.getsignal(sig) is _raise_signalled:
-            signal.signal(sig, cli.ignore_signal)
-    raise _Signalled(signum)
-
-
 def _status(code: int) -> int:
     return 128 - code if code < 0 else code  # killed by signal s: 128 + s, as shells report it
 
@@ -220,10 +206,16 @@ def launch(cmd: Sequence[str], n: int, devices_per_process: int | None = None, p
     # train on when the terminal closes, so it is left alone.
     handled = [sig for sig in cli.STOP_SIGNALS if sig != signal.SIGHUP or signal.getsignal(sig) != signal.SIG_IGN]
     handled = handled if threading.current_thread() is threading.main_thread() else ()
-    previous = {sig: signal.signal(sig, _raise_signalled) for sig in handled}
+    # A stop is recorded, not raised, and acted on by the loops below (the first one wins): raised from
+    # the handler, it could land in Popen's fork hooks (logging's lock release), where Python prints
+    # an exception as ignored, and the job ran on to the end with status 0.
+    stops: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, frame: stops.append(signum)) for sig in handled}
     try:
         # All started before any output thread: a preexec_fn must not run while other threads do.
         for rank in range(n):
+            if stops:
+                break
             penv = process_env(rank, n, coordinator, devices_per_process, nic_classes and nic_classes[rank], env,
                                launch_id)
             argv = [*(wrap(rank) if wrap else []), *cmd]
@@ -241,7 +233,11 @@ def launch(cmd: Sequence[str], n: int, devices_per_process: int | None = None, p
         while code is None:
             codes = [p.poll() for p in procs]
             failed = next(((r, c) for r, c in enumerate(codes) if c not in (None, 0)), None)
-            if failed:
+            if stops:
+                first_signal, code = stops[0], 128 + stops[0]
+                _say(f"launch: {signal.Signals(first_signal).name} passed on to all; SIGKILL after {grace_s:g} s",
+                     err, lock)
+            elif failed:
                 code = _status(failed[1])
                 if n > 1:  # which rank failed first, also when the others ended too before we looked
                     rest = "; stopping the others" if None in codes else ""
@@ -253,13 +249,8 @@ def launch(cmd: Sequence[str], n: int, devices_per_process: int | None = None, p
                 _say(f"launch: still running after {timeout_s:g} s; stopping all", err, lock)
             else:
                 time.sleep(0.05)
-    except _Signalled as e:
-        first_signal, code = e.signum, 128 + e.signum
-        _say(f"launch: {signal.Signals(e.signum).name} passed on to all; SIGKILL after {grace_s:g} s", err, lock)
     finally:
-        for sig in previous:  # a second Ctrl-C must not cut the grace period short
-            signal.signal(sig, cli.ignore_signal)
-        _stop(procs, first_signal, grace_s, f"{LAUNCH_ID}={launch_id}".encode())
+        _stop(procs, first_signal, grace_s, f"{LAUNCH_ID}={launch_id}".encode())  # a second Ctrl-C is only recorded
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         for t in pumps:

@@ -4,6 +4,7 @@ Needs root and iproute2; skipped with the reason otherwise (the argument checks 
 import json
 import os
 import pathlib
+import re
 import signal
 import socket
 import subprocess
@@ -155,10 +156,15 @@ def test_bad_cluster_specs_are_config_errors(clusters, kwargs, message):
     # --bandwidth needs no command, so no `--` either: this was "no command to run", not the bad class
     (["--clusters", "ib:myrinet:2", "--bandwidth"], "myrinet"),
     (["--clusters", "ib:infiniband:\u00b2", "--", "true"], "NAME:NIC_CLASS:HOSTS"),  # a digit to isdigit, not to int
+    # the launcher's own checks: they came after the build and the measurements
+    (["--clusters", "ib:infiniband:2", "--bandwidth", "--devices-per-process", "0", "--", "true"],
+     "--devices-per-process = 0"),
+    (["--clusters", "ib:infiniband:2", "--timeout", "-1", "--", "true"], "--timeout = -1"),
 ])
 def test_bad_command_line_exits_2(args, message):
     r = run_module("holmes_jax.emulate", *args)
     assert r.returncode == 2
+    assert r.stdout == ""  # nothing built
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], r.stderr
 
@@ -246,6 +252,38 @@ def test_receiver_with_nothing_received_says_so():
     with pytest.raises(SystemExit, match="received 0 of 1000 bytes"):  # was a TypeError on the rate
         emulate.receive("127.0.0.1", port, 1000, 10)
     sender.join(timeout=10)
+
+
+def test_sender_and_receiver_failures_are_one_line():
+    # They were tracebacks, which the bandwidth check's error line carried whole.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(SystemExit, match=f"^sent 0 of 1000 bytes to 127.0.0.1:{port}: .*refused"):
+        emulate.send("127.0.0.1", port, 1000, 5)
+    with pytest.raises(SystemExit, match="^received 0 of 1000 bytes: timed out"):  # nobody connects
+        emulate.receive("127.0.0.1", port, 1000, 0.2)
+
+
+@needs_root
+def test_slow_links_are_measured_within_the_timeout_or_refused():
+    with emulate.EmulatedCluster([("a", "roce", 1), ("b", "roce", 1)], inter_mbit=0.5) as ec:
+        a, b = ec.hosts
+        # 1 MiB at 0.5 Mbit/s takes 17 s: the receiver gave up after 4 and the error was a traceback
+        assert ec.bandwidth_mbit(a, b, timeout_s=4) == pytest.approx(0.5, rel=0.25)
+        too_slow = r"^bandwidth a-0 -> b-0: a 0.5 Mbit/s link is too slow to measure in 0.5 s \(a measurement sends"
+        with pytest.raises(emulate.EmulationError, match=too_slow):
+            ec.bandwidth_mbit(a, b, timeout_s=0.5)
+    assert ec.leftovers() == []
+
+
+@needs_root
+def test_bandwidth_on_the_command_line_shows_a_slow_link_in_figures():
+    r = run_module("holmes_jax.emulate", "--clusters", "a:roce:1,b:roce:1", "--inter-mbit", "3.3", "--bandwidth",
+                   timeout=60)
+    assert r.returncode == 0, r.stderr
+    figures = re.findall(r"inter-cluster a-0 -> b-0: (\d+\.\d+) Mbit/s measured", r.stdout)  # was "3"
+    assert len(figures) == 1 and float(figures[0]) == pytest.approx(3.3, rel=0.25), r.stdout
 
 
 @needs_root

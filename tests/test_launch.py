@@ -148,6 +148,28 @@ def test_ctrl_c_or_sigterm_ends_all_processes_with_one_line(signals):
             os.kill(pid, 0)
 
 
+CTRL_C_IN_A_FORK_HOOK = """
+import os, signal
+from holmes_jax import cli, launch
+sent = []
+def ctrl_c_once():
+    if not sent:
+        sent.append(True)
+        signal.raise_signal(signal.SIGINT)
+os.register_at_fork(after_in_parent=ctrl_c_once)  # where logging's lock release runs too
+cli.run(launch.main, ["-n", "2", "--grace", "1", "--", "sleep", "20"])
+"""
+
+
+def test_a_ctrl_c_that_lands_in_a_fork_hook_still_stops_the_job():
+    # Popen runs Python's fork hooks (logging's) for the preexec_fn; a Ctrl-C handled in one raised
+    # an exception that Python only printed as ignored: the job ran to its end with status 0.
+    r = subprocess.run([sys.executable, "-c", CTRL_C_IN_A_FORK_HOOK], capture_output=True, text=True, timeout=60,
+                       cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert r.returncode == 128 + signal.SIGINT, r.stderr
+    assert r.stderr.splitlines() == ["launch: SIGINT passed on to all; SIGKILL after 1 s"], r.stderr
+
+
 def test_a_hangup_under_nohup_leaves_the_job_running():
     # nohup ignores SIGHUP; the children inherit that, so passing one on would only wait out the
     # grace period and SIGKILL them
