@@ -239,7 +239,9 @@ def launch(cmd: Sequence[str], n: int, devices_per_process: int | None = None, p
                      err, lock)
             elif failed:
                 code = _status(failed[1])
-                if n > 1:  # which rank failed first, also when the others ended too before we looked
+                # which rank failed first, also when the others ended too before we looked; a lone
+                # process's own error line says why it failed, but a killed one (the OOM killer) says nothing
+                if n > 1 or failed[1] < 0:
                     rest = "; stopping the others" if None in codes else ""
                     _say(f"launch: rank {failed[0]} {_how(failed[1])}{rest}", err, lock)
             elif all(c == 0 for c in codes):

@@ -109,6 +109,15 @@ def test_a_process_killed_by_a_signal_is_named_with_its_signal():
     assert "launch: rank 1 was killed by SIGKILL (status 137); stopping the others" in r.stderr.splitlines()
 
 
+def test_a_lone_process_killed_by_a_signal_is_named_and_one_that_failed_is_left_to_say_why():
+    killed = run_module("holmes_jax.launch", "-n", "1", "--", sys.executable, "-c",
+                        "import os, signal; os.kill(os.getpid(), signal.SIGKILL)", timeout=60)
+    assert killed.returncode == 128 + signal.SIGKILL
+    assert killed.stderr.splitlines() == ["launch: rank 0 was killed by SIGKILL (status 137)"], killed.stderr
+    failed = run_module("holmes_jax.launch", "-n", "1", "--", sys.executable, "-c", "raise SystemExit(3)", timeout=60)
+    assert failed.returncode == 3 and failed.stderr == "", failed.stderr
+
+
 def test_sigterm_is_followed_by_sigkill_after_the_grace_period(tmp_path):
     # rank 0 ignores SIGTERM (before rank 1 fails: a slow start made it die of the SIGTERM, and the
     # test passed without a SIGKILL); only SIGKILL ends it.
