@@ -304,6 +304,14 @@ def _mark_resumes(ax, rows: list[dict]) -> None:
                        label=f"resumed from step {r['resumed_from']}'s checkpoint")
 
 
+def plan_from_step(rows: list[dict]) -> int | None:
+    """Where a resumed workdir's plan.json comes from: each run writes its own, so it is the last
+    resumed run's, whose first step this is (its prediction can differ from the earlier runs');
+    None where no run resumed."""
+    resumes = [r["resumed_from"] for r in rows if "resumed_from" in r]
+    return resumes[-1] + 1 if resumes else None
+
+
 def typical_step_s(rows: list[dict]) -> float:
     """The median step time of metrics rows, where there are others without the run's first row
     and a resumed run's first (`metrics.RESUMED_FROM`, not imported: it would load TensorBoard's
@@ -336,8 +344,9 @@ def draw_report(rows: list[dict], predicted_step_s: float | None, path: str, tit
     time_ax.axhline(typical * scale, color="C0", linewidth=0.8, linestyle=":",
                     label=f"measured median {typical * scale:.4g} {unit}")
     if predicted_step_s is not None:
+        of_run = "" if (first := plan_from_step(rows)) is None else f", the run from step {first}'s"
         time_ax.axhline(predicted_step_s * scale, color="C3", linestyle="--",
-                        label=f"plan's prediction {predicted_step_s * scale:.4g} {unit} "
+                        label=f"plan's prediction {predicted_step_s * scale:.4g} {unit}{of_run} "
                               f"(measured / predicted = {typical / predicted_step_s:.2f})")
     time_ax.set_ylim(0, 1.1 * max(measured.max(), predicted_step_s or 0) * scale)
     time_ax.set_xlabel("step")

@@ -95,7 +95,9 @@ def main(argv: list[str]) -> int:
     scale, unit = pictures.time_unit(measured)
     print(f"wrote {out}: steps {rows[0]['step']}-{rows[-1]['step']}, loss {rows[0]['loss']:.4g} -> "
           f"{rows[-1]['loss']:.4g}; step time {measured * scale:.4g} {unit} (median)"
-          + (f", predicted {predicted * scale:.4g} {unit}" if predicted is not None else ", no plan.json to compare"))
+          + (f", predicted {predicted * scale:.4g} {unit}" if predicted is not None else ", no plan.json to compare")
+          + ("" if predicted is None or (first := pictures.plan_from_step(rows)) is None
+             else f" (by the plan of the run from step {first})"))
     return 0
 
 

@@ -336,3 +336,6 @@ def test_the_reports_median_step_time_leaves_out_a_resumed_runs_first_step(tmp_p
     assert "resumed_from" not in read_scalars(tmp_path / "tensorboard")  # a marker, not a number to draw
     code, out, err = _report(tmp_path, "--out", tmp_path / "r.png")
     assert code == 0 and "step time 200 ms (median)" in out, out + err  # of steps 2 and 4
+    (tmp_path / "plan.json").write_text(json.dumps({"predicted": {"step_time_s": 0.25}}))
+    code, out, err = _report(tmp_path, "--out", tmp_path / "r.png")  # plan.json is the resumed run's own
+    assert code == 0 and out.rstrip().endswith("predicted 250 ms (by the plan of the run from step 3)"), out + err

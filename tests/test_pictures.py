@@ -269,3 +269,8 @@ def test_a_report_marks_where_the_run_resumed(tmp_path, monkeypatch):
         marked = [line for line in ax.get_lines() if line.get_label() == "resumed from step 30's checkpoint"]
         assert len(marked) == 1 and list(marked[0].get_xdata()) == [30.5, 30.5]
     assert not [line for ax in figures[1].axes for line in ax.get_lines() if "resumed" in line.get_label()]
+    # plan.json is the resumed run's own: its prediction says so
+    predicted = [line.get_label() for line in figures[0].axes[1].get_lines() if "prediction" in line.get_label()]
+    assert predicted == ["plan's prediction 400 ms, the run from step 31's (measured / predicted = 1.25)"], predicted
+    assert [line.get_label() for line in figures[1].axes[1].get_lines() if "prediction" in line.get_label()] == [
+        "plan's prediction 400 ms (measured / predicted = 1.25)"]
