@@ -5,8 +5,8 @@
 1. `HOLMES_NUM_PROCESSES`, `HOLMES_PROCESS_ID`, `HOLMES_COORDINATOR` (host:port), as
    `holmes_jax.launch` and `holmes_jax.emulate` set them;
 2. Open MPI (`OMPI_COMM_WORLD_SIZE`, i.e. under `mpirun`; one rank is a single process), then
-   SLURM (`SLURM_JOB_ID` with `SLURM_NTASKS` > 1, i.e. inside `srun`): JAX's own cluster
-   detection finds the coordinator and ranks, and makes each process see one GPU (its local
+   SLURM (`SLURM_JOB_ID` with `SLURM_NTASKS` > 1, i.e. inside `srun`): the coordinator and ranks
+   as JAX's own cluster detection finds them, which makes each process see one GPU (its local
    rank; set `JAX_LOCAL_DEVICE_IDS` to change that); `HOLMES_COORDINATOR` may name the
    coordinator instead (needed for Open MPI 5, whose environment JAX does not parse). Open MPI
    comes first, as in JAX: an `mpirun` inside a SLURM allocation gives its ranks SLURM variables
@@ -34,6 +34,7 @@ import collections
 import dataclasses
 import difflib
 import errno
+import ipaddress
 import json
 import os
 import re
@@ -146,9 +147,21 @@ def _coordinator(env) -> str | None:
     if address is None:
         return None
     host, _, port = address.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(f"{COORDINATOR} = {address!r} is not allowed; allowed: HOST:PORT, e.g. 10.0.0.1:29500")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536 or not _host_form(host):
+        raise ConfigError(f"{COORDINATOR} = {address!r} is not allowed; allowed: HOST:PORT, e.g. 10.0.0.1:29500 "
+                          "(an IPv6 address in brackets, e.g. [fd00::1]:29500)")
     return address
+
+
+def _host_form(host: str) -> bool:
+    """A host name or IPv4 address, or an IPv6 address in brackets: jaxlib cannot read a bare
+    IPv6 address ('::1:29500'), and its processes then wait for each other until the timeout."""
+    if host.startswith("[") and host.endswith("]"):
+        try:
+            return ipaddress.ip_address(host[1:-1]).version == 6
+        except ValueError:
+            return False
+    return not any(c in host for c in ":[]")
 
 
 def _port_in_use(port: int) -> bool:
@@ -240,7 +253,7 @@ def _launch_method(env) -> tuple[str, dict]:
                               "unset: start one process per task with srun")
         # JAX reads these with int() (a traceback) and checks none of them: a rank out of range or
         # an empty coordinator host ends only in its connection timeout, minutes later.
-        _index(env, "SLURM_PROCID", "SLURM_NTASKS", slurm_tasks)
+        index = _index(env, "SLURM_PROCID", "SLURM_NTASKS", slurm_tasks)
         _int(env, "SLURM_LOCALID", 0)
         if coordinator is None:
             host = slurm_first_host(env["SLURM_STEP_NODELIST"])
@@ -251,7 +264,10 @@ def _launch_method(env) -> tuple[str, dict]:
             # JAX's port rule for SLURM jobs, unless JAX_COORDINATOR_PORT names one
             port = env.get("JAX_COORDINATOR_PORT") or str(_int(env, "SLURM_JOB_ID", 0) % 4096 + 61440)
             coordinator = f"{host}:{port}"
-        return "slurm", {"coordinator_address": coordinator, "cluster_detection_method": "slurm"}
+        # The count and index JAX would read, given here so that process 0 checks its port first
+        # and a timeout names the process
+        return "slurm", {"coordinator_address": coordinator, "num_processes": slurm_tasks, "process_id": index,
+                         "cluster_detection_method": "slurm"}
     # MPICH's, Intel MPI's and MVAPICH's mpiexec (Hydra's PMI), which JAX does not detect: left
     # alone, every rank would train the whole job on its own, all in one workdir.
     if pmi_size > 1:
@@ -259,7 +275,8 @@ def _launch_method(env) -> tuple[str, dict]:
         address = _mpi_coordinator(coordinator, "mpiexec -genv HOLMES_COORDINATOR $(hostname):29500")
         return "pmi", {"coordinator_address": address, **kwargs}
     if coordinator is not None:
-        raise ConfigError(f"{COORDINATOR} is set but {NUM_PROCESSES} and {PROCESS_ID} are not; set all three")
+        raise ConfigError(f"{COORDINATOR} = {env[COORDINATOR]!r} is set but {NUM_PROCESSES} and {PROCESS_ID} are not; "
+                          f"set all three (or unset {COORDINATOR} for one process)")
     return "single", {}
 
 
@@ -271,6 +288,37 @@ def _answers(address: str) -> bool:
     except (OSError, ValueError):
         return False
     return True
+
+
+def _is_this_host(addresses: list) -> bool:
+    """Whether one of `addresses` (getaddrinfo's) is this host's: only a local address can be bound."""
+    for family, _, _, _, sockaddr in addresses:
+        with socket.socket(family) as s:
+            try:
+                s.bind((sockaddr[0], 0))
+            except OSError as e:
+                if e.errno != errno.EADDRNOTAVAIL:  # not a verdict (e.g. a link-local address without scope)
+                    return True
+            else:
+                return True
+    return False
+
+
+def _why_not_met(address: str | None, index: int | None) -> str:
+    """The likely reason why processes that met nobody within the timeout did not."""
+    joined = "not every process joined: are they all running, with the same coordinator?"
+    if address is None:
+        return joined
+    host = address.rpartition(":")[0].strip("[]")
+    try:
+        addresses = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return f"the coordinator's host {host} does not resolve: is {address} right?"
+    if index == 0 and not _is_this_host(addresses):
+        return f"process 0 starts the coordinator on its own host, but {host} is another host: is {address} right?"
+    if index and not _answers(address):
+        return f"nothing answers at {address}: is process 0 running, on that host and port?"
+    return joined
 
 
 def _start(method: str, kwargs: dict) -> None:
@@ -285,10 +333,7 @@ def _start(method: str, kwargs: dict) -> None:
         where = f"{method}, coordinator {address or 'found by JAX'}"
         if index is not None:
             where += f", process {index} of {kwargs['num_processes']}"
-        if address and index and not _answers(address):
-            why = f"nothing answers at {address}: is process 0 running, on that host and port?"
-        else:
-            why = "not every process joined: are they all running, with the same coordinator?"
+        why = _why_not_met(address, index)
         print(f"error: jax.distributed did not start within {INIT_TIMEOUT_S:g} s ({where}); {why}",
               file=sys.stderr, flush=True)
         os._exit(1)  # the main thread waits inside jaxlib, which aborts if it gives up first

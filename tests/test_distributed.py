@@ -18,6 +18,10 @@ from helpers import REPO, read_metrics
 # --------------------------------------------------------------------------- launch detection
 
 
+# SLURM's count and index are passed on (process 0 checks its port; a timeout names the process)
+SLURM_5_OF_8 = {"num_processes": 8, "process_id": 5, "cluster_detection_method": "slurm"}
+
+
 @pytest.mark.parametrize("env, method, kwargs", [
     ({}, "single", {}),
     ({"HOLMES_NUM_PROCESSES": "1", "HOLMES_PROCESS_ID": "0"}, "single", {}),
@@ -26,14 +30,14 @@ from helpers import REPO, read_metrics
     ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "1"}, "single", {}),  # a one-task job: no distributed runtime
     # the coordinator is the node list's first host, on JAX's port for the job (7 % 4096 + 61440)
     ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "8", "SLURM_STEP_NODELIST": "n[1-2]", "SLURM_PROCID": "5",
-      "SLURM_LOCALID": "1"}, "slurm", {"coordinator_address": "n1:61447", "cluster_detection_method": "slurm"}),
+      "SLURM_LOCALID": "1"}, "slurm", {"coordinator_address": "n1:61447", **SLURM_5_OF_8}),
     # several bracket groups: JAX's own reading gave 'rack1', a host that does not exist
     ({"SLURM_JOB_ID": "4097", "SLURM_NTASKS": "8", "SLURM_STEP_NODELIST": "rack[1-2]-n[01-04],gpu7",
       "SLURM_PROCID": "5", "SLURM_LOCALID": "1", "JAX_COORDINATOR_PORT": "29500"}, "slurm",
-     {"coordinator_address": "rack1-n01:29500", "cluster_detection_method": "slurm"}),
+     {"coordinator_address": "rack1-n01:29500", **SLURM_5_OF_8}),
     ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "8", "SLURM_STEP_NODELIST": "n[1-2]", "SLURM_PROCID": "5",
       "SLURM_LOCALID": "1", "HOLMES_COORDINATOR": "head:1"}, "slurm",
-     {"coordinator_address": "head:1", "cluster_detection_method": "slurm"}),
+     {"coordinator_address": "head:1", **SLURM_5_OF_8}),
     ({"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "2", "OMPI_MCA_orte_hnp_uri": "1.0;tcp://10.0.0.1:1"},
      "ompi", {"cluster_detection_method": "ompi"}),
     ({"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "2", "HOLMES_COORDINATOR": "head:29500"}, "ompi",
@@ -47,7 +51,8 @@ from helpers import REPO, read_metrics
     ({"PMI_SIZE": "1", "PMI_RANK": "0"}, "single", {}),
     # zero-padded ranges and a single number in one bracket group
     ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "8", "SLURM_STEP_NODELIST": "node[001-004,010]", "SLURM_PROCID": "0",
-      "SLURM_LOCALID": "0"}, "slurm", {"coordinator_address": "node001:61447", "cluster_detection_method": "slurm"}),
+      "SLURM_LOCALID": "0"}, "slurm",
+     {"coordinator_address": "node001:61447", "num_processes": 8, "process_id": 0, "cluster_detection_method": "slurm"}),
     # mpirun inside a SLURM allocation: a rank also sees the SLURM variables of the srun step that
     # started Open MPI's daemons (one task per node), so it took process 1 of 2 from SLURM
     ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "2", "SLURM_STEP_NODELIST": "n[1-2]", "SLURM_PROCID": "1",
@@ -60,7 +65,7 @@ from helpers import REPO, read_metrics
     # ... but srun's own PMI (--mpi=pmi2) counts SLURM's tasks: SLURM's detection, no coordinator needed
     ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "8", "SLURM_STEP_NODELIST": "n[1-2]", "SLURM_PROCID": "5",
       "SLURM_LOCALID": "1", "PMI_SIZE": "8", "PMI_RANK": "5"}, "slurm",
-     {"coordinator_address": "n1:61447", "cluster_detection_method": "slurm"}),
+     {"coordinator_address": "n1:61447", **SLURM_5_OF_8}),
     # JAX_LOCAL_DEVICE_IDS (all of a node's GPUs in one process) is JAX's to read: a local rank
     # passed as local_device_ids overrode it
     ({"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_LOCAL_RANK": "0",
@@ -73,6 +78,9 @@ from helpers import REPO, read_metrics
     ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4", "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
       "OMPI_COMM_WORLD_SIZE": "1", "OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_LOCAL_RANK": "0",
       "OMPI_MCA_orte_hnp_uri": "1.0;tcp://10.0.0.1:1"}, "single", {}),
+    # an IPv6 address in brackets, as jaxlib reads it
+    ({"HOLMES_COORDINATOR": "[::1]:29500", "HOLMES_NUM_PROCESSES": "2", "HOLMES_PROCESS_ID": "1"}, "holmes",
+     {"coordinator_address": "[::1]:29500", "num_processes": 2, "process_id": 1}),
     # our launcher's variables win over a scheduler's
     ({"HOLMES_COORDINATOR": "h:1", "HOLMES_NUM_PROCESSES": "2", "HOLMES_PROCESS_ID": "1", "OMPI_COMM_WORLD_SIZE": "4"},
      "holmes", {"coordinator_address": "h:1", "num_processes": 2, "process_id": 1}),
@@ -87,7 +95,16 @@ def test_launch_method(env, method, kwargs):
     ({"HOLMES_NUM_PROCESSES": "2", "HOLMES_PROCESS_ID": "-1", "HOLMES_COORDINATOR": "h:1"}, "HOLMES_PROCESS_ID = '-1'"),
     ({"HOLMES_NUM_PROCESSES": "2", "HOLMES_PROCESS_ID": "0"}, "needs HOLMES_COORDINATOR"),
     ({"HOLMES_NUM_PROCESSES": "2"}, "HOLMES_PROCESS_ID is not"),
-    ({"HOLMES_COORDINATOR": "h:1"}, "set all three"),
+    # a stale coordinator exported in the shell, then one process started
+    ({"HOLMES_COORDINATOR": "h:1"}, "HOLMES_COORDINATOR = 'h:1' is set but HOLMES_NUM_PROCESSES and HOLMES_PROCESS_ID "
+                                    "are not; set all three (or unset HOLMES_COORDINATOR for one process)"),
+    # a bare IPv6 address: jaxlib cannot read it, and the processes waited until the timeout
+    ({"HOLMES_COORDINATOR": "::1:29500", "HOLMES_NUM_PROCESSES": "2", "HOLMES_PROCESS_ID": "0"},
+     "HOLMES_COORDINATOR = '::1:29500' is not allowed; allowed: HOST:PORT, e.g. 10.0.0.1:29500 (an IPv6 address in "
+     "brackets, e.g. [fd00::1]:29500)"),
+    ({"HOLMES_COORDINATOR": "[head]:29500", "HOLMES_NUM_PROCESSES": "2", "HOLMES_PROCESS_ID": "0"}, "HOST:PORT"),
+    ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4", "SLURM_STEP_NODELIST": "n1", "SLURM_PROCID": "1", "SLURM_LOCALID": "1",
+      "HOLMES_COORDINATOR": "fd00::1:29500"}, "HOLMES_COORDINATOR = 'fd00::1:29500' is not allowed"),
     ({"HOLMES_COORDINATOR": "nohost", "HOLMES_NUM_PROCESSES": "2", "HOLMES_PROCESS_ID": "0"}, "HOST:PORT"),
     ({"HOLMES_COORDINATOR": "h:99999", "HOLMES_NUM_PROCESSES": "2", "HOLMES_PROCESS_ID": "0"}, "HOST:PORT"),
     ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4"}, "srun"),
@@ -113,7 +130,7 @@ def test_launch_method(env, method, kwargs):
     ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4", "SLURM_STEP_NODELIST": "", "SLURM_PROCID": "1", "SLURM_LOCALID": "1"},
      "SLURM_STEP_NODELIST = ''"),
     ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4", "SLURM_STEP_NODELIST": "[1-4]", "SLURM_PROCID": "1", "SLURM_LOCALID": "1"},
-     "SLURM_STEP_NODELIST = '\\[1-4\\]'"),
+     "SLURM_STEP_NODELIST = '[1-4]'"),
     ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4", "SLURM_STEP_NODELIST": "n1", "SLURM_PROCID": "1", "SLURM_LOCALID": "1",
       "JAX_COORDINATOR_PORT": "99999"}, "JAX_COORDINATOR_PORT = '99999'"),
     # JAX parses it with int() inside jax.distributed.initialize: a traceback
@@ -122,7 +139,7 @@ def test_launch_method(env, method, kwargs):
                                       "commas, e.g. 0,1,2,3"),
 ])
 def test_bad_environment_is_a_config_error(env, message):
-    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+    with pytest.raises(ConfigError, match=re.escape(message)):
         distributed.launch_method(env)
 
 
@@ -293,12 +310,16 @@ def test_two_processes_profile_every_stage_and_agree_on_it(tmp_path):
     assert len(prof.split_probes) == 2 and all(sum(p.stage_layers) == 4 for p in prof.split_probes)
 
 
-def test_coordinator_port_in_use_is_one_error_line():
+@pytest.mark.parametrize("launcher", ["holmes", "slurm"])
+def test_coordinator_port_in_use_is_one_error_line(launcher):
     # Process 0 cannot open the coordinator's port: an error line naming it, not jaxlib's traceback
-    # (or, at times, its segmentation fault).
+    # (or, at times, its segmentation fault). Under srun process 0 did not look (its index was JAX's).
     with socket.create_server(("127.0.0.1", 0)) as taken:
         address = f"127.0.0.1:{taken.getsockname()[1]}"
         env = dict(_env(), HOLMES_COORDINATOR=address, HOLMES_NUM_PROCESSES="2", HOLMES_PROCESS_ID="0")
+        if launcher == "slurm":
+            env = dict(_env(), HOLMES_COORDINATOR=address, SLURM_JOB_ID="7", SLURM_NTASKS="2",
+                       SLURM_STEP_NODELIST="127.0.0.1", SLURM_PROCID="0", SLURM_LOCALID="0")
         r = subprocess.run([sys.executable, "-m", "holmes_jax.train", "--gin.TrainConfig.steps=1"], capture_output=True,
                            text=True, timeout=120, cwd=REPO, env=env)
     assert r.returncode == 2, r.stderr
@@ -328,6 +349,27 @@ def test_processes_that_never_meet_end_in_one_error_line(rank, why):
     assert r.stderr.strip().splitlines() == [
         f"error: jax.distributed did not start within 1 s (holmes, coordinator {address}, process {rank} of 2); "
         + why.format(address=address)]
+
+
+def test_why_processes_did_not_meet(monkeypatch):
+    # Process 0 was told "not every process joined" whatever the address, and the others "nothing
+    # answers" for a host name that does not resolve (a typo, or a stale HOLMES_COORDINATOR).
+    assert distributed._why_not_met("127.0.0.1:1", 0) == (
+        "not every process joined: are they all running, with the same coordinator?")
+    # process 0 on another host than the coordinator's (192.0.2.1: a documentation address, bound
+    # only to ask whether it is this host's; nothing is sent)
+    assert distributed._why_not_met("192.0.2.1:29500", 0) == (
+        "process 0 starts the coordinator on its own host, but 192.0.2.1 is another host: is 192.0.2.1:29500 right?")
+    assert distributed._why_not_met(None, 0) == (
+        "not every process joined: are they all running, with the same coordinator?")
+
+    def no_such_host(*args, **kwargs):  # no DNS query leaves the machine
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr(socket, "getaddrinfo", no_such_host)
+    for rank in (0, 1):
+        assert distributed._why_not_met("head-typo:29500", rank) == (
+            "the coordinator's host head-typo does not resolve: is head-typo:29500 right?")
 
 
 def test_bad_distributed_environment_exits_2():
