@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -43,6 +44,24 @@ def run_module(module: str, *args: str, timeout: int = 120) -> subprocess.Comple
     env = dict(os.environ, PYTHONPATH=str(REPO))
     return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
                           timeout=timeout, cwd=REPO, env=env)
+
+
+def launch_env() -> dict:
+    """The environment for a `holmes_jax.launch` job: the package importable, and none of this
+    process's own HOLMES_ and JAX_ settings (the launcher gives each rank its own)."""
+    return {k: v for k, v in dict(os.environ, PYTHONPATH=str(REPO)).items() if not k.startswith(("HOLMES_", "JAX_"))}
+
+
+@contextlib.contextmanager
+def killed_on_exit(process: subprocess.Popen):
+    """`process`, killed and reaped if it still runs when the block ends: a failed assert or a
+    timeout must not leave it behind (Popen's own `with` would wait for it)."""
+    try:
+        yield process
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
 
 
 def load_bench(name: str):

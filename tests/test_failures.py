@@ -18,7 +18,7 @@ import pytest
 from holmes_jax import build, cli, data, guard, train
 from holmes_jax.checkpoint import Checkpointer
 from holmes_jax.config import ConfigError
-from helpers import REPO, read_metrics, run_module, small_configs
+from helpers import REPO, killed_on_exit, launch_env, read_metrics, run_module, small_configs
 
 ONE_DEVICE = ["--gin.ParallelConfig.dp=1", "--gin.ParallelConfig.cpu_devices=1"]
 # small_configs' model and data as command-line flags, for runs in a subprocess
@@ -151,12 +151,15 @@ def test_max_bad_steps_must_be_positive(tmp_path):
 def test_a_signal_saves_the_step_in_flight_and_resume_gives_the_same_losses(tmp_path, monkeypatch, uninterrupted,
                                                                              fault, stopped_after):
     sig = signal.Signals["SIG" + fault.split(":")[1]]
-    if sig == signal.SIGHUP and signal.getsignal(sig) is signal.SIG_IGN:
-        pytest.skip("SIGHUP is ignored here (nohup), and a run keeps ignoring it")
-    with pytest.raises(cli.Stopped, match=f"after step {stopped_after}; checkpoint saved") as stopped:
-        _run(tmp_path, fault=fault, monkeypatch=monkeypatch)
+    # as from a terminal: under `nohup` (the suite's own run, say) a run keeps ignoring SIGHUP
+    previous = signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    try:
+        with pytest.raises(cli.Stopped, match=f"after step {stopped_after}; checkpoint saved") as stopped:
+            _run(tmp_path, fault=fault, monkeypatch=monkeypatch)
+        assert signal.getsignal(signal.SIGTERM) is signal.getsignal(signal.SIGHUP) is signal.SIG_DFL  # restored
+    finally:
+        signal.signal(signal.SIGHUP, previous)
     assert stopped.value.status == 128 + sig
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handlers restored
     assert sorted(_losses(tmp_path)) == list(range(1, stopped_after + 1))
     ckpt = Checkpointer(tmp_path / "checkpoints", small_configs(tmp_path).checkpoint)
     assert ckpt.latest_step() == stopped_after
@@ -236,19 +239,15 @@ def test_a_second_stop_signal_while_the_first_is_handled_changes_nothing(monkeyp
 @pytest.mark.slow
 def test_a_reader_of_the_step_lines_that_leaves_stops_the_run_as_a_signal_does(tmp_path):
     # `train | head`: the step after the first failed print is saved, the status is 128 + SIGPIPE
-    p = subprocess.Popen([sys.executable, "-m", "holmes_jax.train", *FLAGS, f"--gin.TrainConfig.workdir={tmp_path}",
-                          "--gin.TrainConfig.steps=50"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)))
-    try:
+    with killed_on_exit(subprocess.Popen(
+            [sys.executable, "-m", "holmes_jax.train", *FLAGS, f"--gin.TrainConfig.workdir={tmp_path}",
+             "--gin.TrainConfig.steps=50"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+            env=dict(os.environ, PYTHONPATH=str(REPO)))) as p:
         for line in p.stdout:  # ends at the first step line (or at the end of the output)
             if line.startswith("step "):
                 break
         p.stdout.close()
         _, err = p.communicate(timeout=300)
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
     assert p.returncode == 128 + signal.SIGPIPE, err[-3000:]
     stopped = int(re.fullmatch(r"stopped by SIGPIPE after step (\d+); checkpoint saved at step \1: run the same "
                                r"command again to resume", err.strip()).group(1))
@@ -496,26 +495,21 @@ def test_workers_get_sigterm_when_the_launcher_is_killed(tmp_path):
     script = ("import os, signal, sys, time\n"
               "def save(*_): open(os.path.join(sys.argv[1], os.environ['HOLMES_PROCESS_ID']), 'w').close(); sys.exit(0)\n"
               "signal.signal(signal.SIGTERM, save); print('ready', flush=True); time.sleep(300)")
-    p = subprocess.Popen([sys.executable, "-m", "holmes_jax.launch", "-n", "2", "--", sys.executable, "-c", script,
-                          str(tmp_path)], cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=subprocess.PIPE,
-                         text=True)
-    try:
+    with killed_on_exit(subprocess.Popen(
+            [sys.executable, "-m", "holmes_jax.launch", "-n", "2", "--", sys.executable, "-c", script, str(tmp_path)],
+            cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=subprocess.PIPE, text=True)) as p:
         assert sorted(p.stdout.readline().strip() for _ in range(2)) == ["[rank 0] ready", "[rank 1] ready"]
         workers = _children(p.pid)
         assert len(workers) == 2
         p.kill()
         p.wait()
-        assert all(_gone(w) for w in workers)
-        assert sorted(f.name for f in tmp_path.iterdir()) == ["0", "1"]
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
+    assert all(_gone(w) for w in workers)
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["0", "1"]
 
 
 def _launch_two_ranks(workdir, *flags: str) -> subprocess.Popen:
     """The launcher running train in two processes of one device each, `flags` on top."""
-    env = {k: v for k, v in dict(os.environ, PYTHONPATH=str(REPO)).items() if not k.startswith(("HOLMES_", "JAX_"))}
+    env = launch_env()
     return subprocess.Popen([sys.executable, "-m", "holmes_jax.launch", "-n", "2", "--devices-per-process", "1",
                              "--grace", "60", "--", sys.executable, "-m", "holmes_jax.train", *FLAGS[2:],
                              f"--gin.TrainConfig.workdir={workdir}", "--gin.TrainConfig.steps=10000", *flags],
@@ -535,16 +529,11 @@ def _both_stepping(p: subprocess.Popen) -> list[int]:
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
 def test_a_signal_to_the_launcher_makes_two_workers_save_and_exit(tmp_path, sig):
-    p = _launch_two_ranks(tmp_path, "--gin.CheckpointConfig.every=10000")
-    try:
+    with killed_on_exit(_launch_two_ranks(tmp_path, "--gin.CheckpointConfig.every=10000")) as p:
         workers = _both_stepping(p)
         assert len(workers) == 2
         p.send_signal(sig)
         _, err = p.communicate(timeout=120)
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
     assert p.returncode == 128 + sig, err[-3000:]
     stopped = [line for line in err.splitlines() if f"stopped by {sig.name} after step" in line]
     assert len(stopped) == 2, err[-3000:]  # both ranks, after the same step
@@ -563,15 +552,10 @@ def _rank(pid: int) -> int:
 @pytest.mark.slow
 def test_a_rank_that_dies_leaves_the_other_with_one_error_line(tmp_path):
     # rank 0 printed a page of JAX traceback ending in gloo's 'Connection reset by peer'
-    p = _launch_two_ranks(tmp_path, "--gin.CheckpointConfig.enabled=False")
-    try:
+    with killed_on_exit(_launch_two_ranks(tmp_path, "--gin.CheckpointConfig.enabled=False")) as p:
         workers = _both_stepping(p)
         os.kill(next(w for w in workers if _rank(w) == 1), signal.SIGKILL)  # as the OOM killer would
         _, err = p.communicate(timeout=120)
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
     assert p.returncode == 128 + signal.SIGKILL, err[-3000:]
     rank0 = [line for line in err.splitlines() if line.startswith("[rank 0] ")]
     assert len(rank0) == 1, err[-3000:]
@@ -634,7 +618,7 @@ def test_two_processes_restore_the_newest_step_both_can_read(tmp_path):
     for step in (2, 3):
         ckpt.save(step, lambda: {"w": jnp.full(4, float(step))}, force=True)
     ckpt.close()
-    env = {k: v for k, v in dict(os.environ, PYTHONPATH=str(REPO)).items() if not k.startswith(("HOLMES_", "JAX_"))}
+    env = launch_env()
     script = RESTORE_WHERE_PROCESS_1_CANNOT_READ_STEP_3
     r = subprocess.run([sys.executable, "-m", "holmes_jax.launch", "-n", "2", "--devices-per-process", "1",
                         "--timeout", "60", "--grace", "5", "--", sys.executable, "-c", script, str(tmp_path)],

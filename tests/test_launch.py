@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from holmes_jax import launch
-from helpers import REPO, run_module
+from helpers import REPO, killed_on_exit, run_module
 
 
 def test_each_process_gets_its_rank_coordinator_devices_and_nic():
@@ -135,18 +135,14 @@ def test_ctrl_c_or_sigterm_ends_all_processes_with_one_line(signals):
     # Both together: the second signal's handler raised while the first was handled, a traceback
     # and status 1.
     script = "import os, time; print(os.getpid(), flush=True); time.sleep(300)"
-    p = subprocess.Popen([sys.executable, "-m", "holmes_jax.launch", "-n", "2", "--", sys.executable, "-c", script],
-                         cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
-    try:
+    with killed_on_exit(subprocess.Popen(
+            [sys.executable, "-m", "holmes_jax.launch", "-n", "2", "--", sys.executable, "-c", script],
+            cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True)) as p:
         pids = [int(p.stdout.readline().split()[-1]) for _ in range(2)]
         for sig in signals:
             p.send_signal(sig)
         _, err = p.communicate(timeout=30)
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
     # two signals at once arrive in either order; the one handled first names the stop
     assert p.returncode in [128 + sig for sig in signals], err
     first = signal.Signals(p.returncode - 128)
@@ -183,17 +179,13 @@ def test_a_hangup_under_nohup_leaves_the_job_running():
     # nohup ignores SIGHUP; the children inherit that, so passing one on would only wait out the
     # grace period and SIGKILL them
     script = "import os, time; print(os.getpid(), flush=True); time.sleep(3)"
-    p = subprocess.Popen([sys.executable, "-m", "holmes_jax.launch", "-n", "2", "--grace", "1", "--", sys.executable,
-                          "-c", script], cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=subprocess.PIPE,
-                         text=True, preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
-    try:
+    with killed_on_exit(subprocess.Popen(
+            [sys.executable, "-m", "holmes_jax.launch", "-n", "2", "--grace", "1", "--", sys.executable, "-c", script],
+            cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=subprocess.PIPE, text=True,
+            preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))) as p:
         [p.stdout.readline() for _ in range(2)]
         p.send_signal(signal.SIGHUP)
         assert p.wait(timeout=30) == 0
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
 
 
 def _gone(pid: int) -> bool:
@@ -252,18 +244,14 @@ def test_output_read_no_further_neither_hangs_nor_fails():
     # `launch ... | head -1`: the processes' output must still be drained (a full pipe would block
     # them for ever) and the job's status kept.
     script = "for i in range(100000): print('line', i, 'x' * 100)"
-    p = subprocess.Popen([sys.executable, "-m", "holmes_jax.launch", "-n", "2", "--", sys.executable, "-c", script],
-                         cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
-    try:
+    with killed_on_exit(subprocess.Popen(
+            [sys.executable, "-m", "holmes_jax.launch", "-n", "2", "--", sys.executable, "-c", script],
+            cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True)) as p:
         assert p.stdout.readline().startswith("[rank ")
         p.stdout.close()
         assert p.wait(timeout=60) == 0
         assert "Traceback" not in p.stderr.read()
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
 
 
 def test_timeout_stops_everything(capsys):

@@ -1,4 +1,3 @@
-import os
 import re
 import subprocess
 import sys
@@ -11,7 +10,7 @@ from holmes_jax import build, data, optimizer, train
 from holmes_jax.config import TrainConfig
 from holmes_jax.models import gpt
 from holmes_jax.pipeline import warmup
-from helpers import REPO, read_metrics, small_configs
+from helpers import REPO, launch_env, read_metrics, small_configs
 
 SIX_LAYERS = ["--gin.ModelConfig.num_layers=6", "--gin.ParallelConfig.microbatches=4", "--gin.DataConfig.global_batch=32"]
 
@@ -348,7 +347,7 @@ def test_processes_plan_from_one_measured_device_speed(tmp_path):
     args = ["--gin.ModelConfig.num_layers=4", "--gin.ModelConfig.hidden=64", "--gin.ModelConfig.num_heads=4",
             "--gin.ModelConfig.ffn_hidden=128", "--gin.DataConfig.seq_len=32", "--gin.DataConfig.global_batch=16",
             "--gin.ParallelConfig.pp=2", f"--gin.TrainConfig.workdir={tmp_path}"]
-    env = {k: v for k, v in dict(os.environ, PYTHONPATH=str(REPO)).items() if not k.startswith(("HOLMES_", "JAX_"))}
+    env = launch_env()
     r = subprocess.run([sys.executable, "-m", "holmes_jax.launch", "-n", "2", "--devices-per-process", "4",
                         "--timeout", "100", "--", sys.executable, "-c", PLAN_DEVICE_SPEED, *args],
                        capture_output=True, text=True, timeout=120, cwd=REPO, env=env)

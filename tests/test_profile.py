@@ -257,6 +257,12 @@ def test_help_names_the_run_config_flags_and_every_flag_has_help(capsys):
         profile.main(["--help"])
     text = capsys.readouterr().out
     assert "--gin_file FILE" in text and "the median kept" in text  # --gin_file was not mentioned
+    options = text.split("\noptions:\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    flags = [i for i, line in enumerate(options) if line.startswith("  -")]
+    assert [options[i].split()[0] for i in flags] == ["-h,", "--out", "--repeats", "--splits"]
+    for i in flags:  # its help on its own line (after two spaces) or on the next, indented further
+        own = options[i].strip().split("  ", 1)[1:]
+        assert own or (i + 1 < len(options) and options[i + 1].startswith(" " * 6)), options[i]
 
 
 @pytest.mark.parametrize("count", ["1", "-2", "x"])  # 'x' was argparse's "invalid int value", no 'allowed'

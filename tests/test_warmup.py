@@ -143,8 +143,11 @@ def test_warm_up_runs_under_socket_before_the_first_step_and_restores_nccl_net(t
 def test_warm_up_leaves_nccl_net_unset_when_it_was(built, monkeypatch):
     monkeypatch.delenv("NCCL_NET", raising=False)
     setup, _, _, hlo = built(2)
+    during, run_warmup = [], warmup._run
+    monkeypatch.setattr(warmup, "_run", lambda *args: during.append(os.environ.get("NCCL_NET")) or run_warmup(*args))
     lines = []
     assert warmup.warm_up(setup, hlo, lines.append)
+    assert during == ["Socket"]  # unset is no reason to leave the communicators to NCCL's own pick
     assert "NCCL_NET" not in os.environ and "stage hops 0->1" in lines[-1]
 
 
