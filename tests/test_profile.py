@@ -303,13 +303,19 @@ def test_each_part_is_said_before_it_is_timed(tmp_path, monkeypatch):
     assert said[2].endswith("each stage's speed: skipped, a process holds several stages")  # one process here
 
 
-def test_a_part_with_nothing_to_time_says_it_is_skipped(tmp_path, monkeypatch):
-    # one stage of one device: no stage speeds to compare, no data group, no boundary (each was "timing ...")
+def _one_device_with_parts_faked(tmp_path, monkeypatch):
+    """A one-device setup whose layer, update and whole-step timings are faked (instant)."""
     setup = build.build(small_configs(tmp_path), jax.devices()[:1])
     monkeypatch.setattr(profile, "profile_layer", lambda *args: (1.3e7, 1e-3, 2e-3))
     monkeypatch.setattr(profile, "profile_update", lambda *args: 1e-9)
     monkeypatch.setattr(profile, "profile_steps", lambda *args, **kwargs: [])
     monkeypatch.setattr(profile.data, "load", lambda cfg: None)
+    return setup
+
+
+def test_a_part_with_nothing_to_time_says_it_is_skipped(tmp_path, monkeypatch):
+    # one stage of one device: no stage speeds to compare, no data group, no boundary (each was "timing ...")
+    setup = _one_device_with_parts_faked(tmp_path, monkeypatch)
     said = []
     result = profile.profile(setup, repeats=1, say=said.append)
     assert (result.stage_layer_scale, result.data_links, result.stage_links) == ((), (None,), ())
@@ -321,11 +327,7 @@ def test_a_part_with_nothing_to_time_says_it_is_skipped(tmp_path, monkeypatch):
 
 def test_several_processes_without_data_groups_profile_without_a_warning(tmp_path, monkeypatch):
     # each process shared its links of no data group: numpy's "All-NaN slice encountered" on every rank
-    setup = build.build(small_configs(tmp_path), jax.devices()[:1])
-    monkeypatch.setattr(profile, "profile_layer", lambda *args: (1.3e7, 1e-3, 2e-3))
-    monkeypatch.setattr(profile, "profile_update", lambda *args: 1e-9)
-    monkeypatch.setattr(profile, "profile_steps", lambda *args, **kwargs: [])
-    monkeypatch.setattr(profile.data, "load", lambda cfg: None)
+    setup = _one_device_with_parts_faked(tmp_path, monkeypatch)
     monkeypatch.setattr(profile.jax, "process_count", lambda: 2)  # two processes that measured alike
     monkeypatch.setattr(profile.multihost_utils, "process_allgather", lambda values: np.stack([values, values]))
     with warnings.catch_warnings():
