@@ -156,13 +156,24 @@ class Setup:
         return _abstract(self._fresh_state, self.state_shardings)
 
     def batch(self, split: str, step: int, token_data: data.TokenData) -> jax.Array:
-        """The global batch of `step`. Every process reads the same global batch on the host (a pure
-        function of seed and step) and puts only its own devices' shards on them."""
+        """The global batch of `step` (a pure function of seed and step), as (microbatches,
+        microbatch rows, seq + 1). A process reads from disk only the rows its own devices hold,
+        once for all its devices that hold them (stages and tensor shards)."""
         d = self.cfgs.data
-        tokens = token_data.batch(split, self.cfgs.train.seed, step, d.global_batch, d.seq_len)
         m = self.plan.microbatches
-        tokens = tokens.reshape(m, d.global_batch // m, d.seq_len + 1)
-        return jax.make_array_from_callback(tokens.shape, self.batch_sharding, lambda index: tokens[index])
+        shape = (m, d.global_batch // m, d.seq_len + 1)
+        read = {}
+
+        def shard(index):
+            micro, rows = range(m)[index[0]], range(shape[1])[index[1]]
+            key = (micro, rows)
+            if key not in read:
+                wanted = [i * shape[1] + r for i in micro for r in rows]
+                tokens = token_data.batch(split, self.cfgs.train.seed, step, d.global_batch, d.seq_len, wanted)
+                read[key] = tokens.reshape(len(micro), len(rows), shape[2])
+            return read[key][:, :, index[2]]
+
+        return jax.make_array_from_callback(shape, self.batch_sharding, shard)
 
 
 def _abstract(make, shardings) -> dict:

@@ -68,8 +68,11 @@ class TokenData:
         raise ConfigError(f"DataConfig.source = {self.source!r} has token ids up to {self.vocab_size - 1} but "
                           f"ModelConfig.vocab_size = {model_vocab}; {fix} to at least {self.vocab_size}")
 
-    def batch(self, split: str, seed: int, step: int, batch_size: int, seq_len: int) -> np.ndarray:
-        """`batch_size` windows of `seq_len + 1` tokens (inputs and shifted targets), int32."""
+    def batch(self, split: str, seed: int, step: int, batch_size: int, seq_len: int,
+              rows: list[int] | None = None) -> np.ndarray:
+        """`batch_size` windows of `seq_len + 1` tokens (inputs and shifted targets), int32; only
+        the windows numbered `rows` where given (a process reads the rows its devices hold; the
+        windows are the same whichever rows are read)."""
         tokens = self.train if split == "train" else self.val
         span = seq_len + 1
         if len(tokens) < span:
@@ -78,6 +81,8 @@ class TokenData:
             )
         rng = np.random.default_rng([seed, 0 if split == "train" else 1, step])
         starts = rng.integers(0, len(tokens) - span + 1, size=batch_size)
+        if rows is not None:
+            starts = starts[rows]
         return np.stack([np.asarray(tokens[s : s + span], dtype=np.int32) for s in starts])
 
 

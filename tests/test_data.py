@@ -313,3 +313,9 @@ def test_a_text_folder_reads_linked_folders_and_stops_at_a_symlink_loop(tmp_path
     (corpus / "a" / "loop").symlink_to(corpus)  # a link to a folder above
     tokens = data.load(DataConfig(source=str(corpus), seq_len=8, val_fraction=0.1, cache_dir=str(tmp_path / "c")))
     assert bytes(np.concatenate([tokens.train, tokens.val])) == b"x" * 100 + b"y" * 100
+
+
+def test_rows_of_a_batch_are_those_windows_of_the_whole_batch(tmp_path):
+    tokens = data.load(DataConfig(cache_dir=str(tmp_path)))
+    whole = tokens.batch("train", seed=3, step=7, batch_size=8, seq_len=16)
+    np.testing.assert_array_equal(tokens.batch("train", 3, 7, 8, 16, rows=[5, 1, 6]), whole[[5, 1, 6]])

@@ -427,3 +427,41 @@ def test_a_skipped_steps_line_without_a_reader_stops_the_run_with_that_step_save
         train.run(small_configs(tmp_path, "--gin.CheckpointConfig.every=100"), quiet=True)
     assert stopped.value.status == 128 + signal.SIGPIPE and "after step 2" in str(stopped.value)
     assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()) == [2]
+
+
+def test_a_process_reads_only_the_batch_rows_its_devices_hold(tmp_path, monkeypatch):
+    """Played in one process: `make_array_from_callback` asks only for the shards of the devices
+    one process of a multi-host job could hold (data indices 1 and 3 of a dp 4 x tp 2 mesh)."""
+    from holmes_jax import data
+
+    setup = build.build(small_configs(tmp_path, "--gin.ParallelConfig.dp=4", "--gin.ParallelConfig.tp=2",
+                                      "--gin.ParallelConfig.microbatches=2"), jax.devices())
+    tokens = data.load(setup.cfgs.data)
+    whole = setup.batch("train", 5, tokens)
+    in_order = tokens.batch("train", setup.cfgs.train.seed, 5, 16, 32).reshape(2, 8, 33)  # microbatch-major
+    np.testing.assert_array_equal(np.asarray(whole), in_order)
+    data_axis = setup.mesh.axis_names.index("data")
+    mine = [d for d in setup.mesh.devices.flat
+            if np.argwhere(setup.mesh.devices == d)[0][data_axis] in (1, 3)]
+    read, shards = [], {}
+    real_batch = data.TokenData.batch
+
+    def counting_batch(self, *args, **kwargs):
+        out = real_batch(self, *args, **kwargs)
+        read.append(len(out))
+        return out
+
+    def only_mine(shape, sharding, callback):
+        for device, index in sharding.addressable_devices_indices_map(shape).items():
+            if device in mine:
+                shards[device] = callback(index)
+        return whole
+
+    monkeypatch.setattr(data.TokenData, "batch", counting_batch)
+    monkeypatch.setattr(build.jax, "make_array_from_callback", only_mine)
+    setup.batch("train", 5, tokens)
+    assert sum(read) == 16 // 2  # two data shards of 4, each read once for its 2 tensor devices
+    assert len(shards) == 4
+    indices = whole.sharding.devices_indices_map(whole.shape)
+    for device, shard in shards.items():
+        np.testing.assert_array_equal(shard, np.asarray(whole)[indices[device]])
