@@ -15,7 +15,8 @@ Tokenizers (T):
   A truncation or padding setting it holds is dropped: every document is tokenized whole.
 A long document goes to the BPE tokenizers in pieces of about 64K characters cut before a space,
 which gives the ids of the whole text wherever the tokenizer pre-tokenizes (a tokenizer.json
-without a pre-tokenizer gets each document in one piece).
+without a pre-tokenizer gets each document in one piece). So a text file is read in parts of
+about 4 MB, and a corpus in one large file is never held whole (except for such a tokenizer).
 
 DIR gets `tokens.bin` (every document followed by end-of-text, little-endian uint16 when the
 vocabulary fits, else uint32), `tokenizer.json` (not for bytes) and `meta.json`. It is written
@@ -32,7 +33,7 @@ import re
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, NamedTuple
 
 import numpy as np
 
@@ -63,6 +64,9 @@ PIECE_CHARS = 1 << 16
 # newline: Llama-3's pattern keeps ".\n" together.)
 PIECE_END = re.compile(r".*\S(?= )", re.DOTALL)  # matched from a piece's start: up to its last such space
 NEXT_PIECE_END = re.compile(r"\S ")
+# A text file is read in parts of about this many bytes, each cut where a piece may end, so a
+# corpus in one file is never held whole (where the tokenizer lets it be cut).
+FILE_PART_BYTES = 1 << 22
 BPE_MAX = 1 << 20  # bpe:N's largest N: 4x the largest released vocabularies; the trainer aborts the process on a huge N
 # The BPE trainer's time grows with the square of a word's length (a 300,000-letter line: 48 s, 3 MB:
 # over 12 minutes, silent and deaf to Ctrl-C), so it learns from runs of non-space characters cut
@@ -145,22 +149,57 @@ def input_files(sources: list[str]) -> list[Path]:
     return files
 
 
-def documents(files: list[Path], progress: Progress) -> Iterator[bytes]:
-    """The documents of `files` as UTF-8 bytes, advancing `progress` by the input bytes read."""
+class Part(NamedTuple):
+    """A document, or a piece of one (a long text file is read in pieces); `ends` marks its last."""
+    text: bytes
+    ends: bool = True
+
+
+def documents(files: list[Path], progress: Progress, cut: bool = True) -> Iterator[Part]:
+    """The documents of `files` as UTF-8 bytes, advancing `progress` by the input bytes read. A
+    text file is read in parts of about FILE_PART_BYTES cut before spaces (as PIECE_END) where
+    `cut`, else whole."""
     for f in files:
         try:
             if f.suffix.lower() == ".jsonl":  # in any case: DOCS.JSONL is JSONL too
                 with open(f, "rb") as lines:
-                    yield from _jsonl_documents(f, lines, progress)
-                continue
-            text = f.read_bytes()
+                    yield from (Part(text) for text in _jsonl_documents(f, lines, progress))
+            else:
+                yield from _text_file(f, progress, cut)
         except OSError as e:
             raise ConfigError(f"SRC {str(f)!r} cannot be read: {e.strerror or e}") from None
-        progress.advance(len(text))
-        if is_binary(text):
+
+
+def _text_file(f: Path, progress: Progress, cut: bool) -> Iterator[Part]:
+    held = []  # what was read since the last cut
+    with open(f, "rb") as stream:
+        if is_binary(stream.read(BINARY_SNIFF)):
             progress.binary_files += 1
-        elif text:
-            yield text
+            progress.advance(os.fstat(stream.fileno()).st_size)
+            return
+        stream.seek(0)
+        while block := stream.read(FILE_PART_BYTES):
+            progress.advance(len(block))
+            end = _last_cut(block) if cut else 0
+            if end:  # all before the block's last cut is one part
+                yield Part(b"".join(held + [memoryview(block)[:end]]), ends=False)
+                held = [block[end:]]
+            else:
+                held.append(block)
+    text = b"".join(held)
+    if text:
+        yield Part(text)
+
+
+def _last_cut(block: bytes) -> int:
+    """The byte offset of the last place PIECE_END may cut in `block`'s last 4 PIECE_CHARS bytes,
+    or 0. Bytes that are not UTF-8 (a piece starting mid-character) stand for themselves."""
+    tail = block[-4 * PIECE_CHARS:]
+    text = tail.decode("utf-8", "surrogateescape")
+    last = PIECE_END.match(text)
+    if last is None:
+        return 0
+    return len(block) - len(tail) + len(text[:last.end()].encode("utf-8", "surrogateescape"))
 
 
 def _jsonl_documents(f: Path, lines, progress: Progress) -> Iterator[bytes]:
@@ -182,6 +221,7 @@ def _jsonl_documents(f: Path, lines, progress: Progress) -> Iterator[bytes]:
 
 class ByteTokenizer:
     vocab_size, eot_id = BYTE_VOCAB + 1, BYTE_VOCAB
+    can_cut = True  # a document's ids are its bytes, however it is cut
 
     def encode(self, docs: list[bytes]) -> list[np.ndarray]:
         return [np.frombuffer(d, np.uint8) for d in docs]
@@ -220,12 +260,18 @@ class HFTokenizer:
                 ids[n].append(np.asarray(e.ids, np.uint32))  # the library's ids are 32-bit
         return [np.concatenate(parts) for parts in ids]
 
+    @property
+    def can_cut(self) -> bool:
+        """Whether a document cut before spaces (PIECE_END) gets the ids of the whole: where the
+        tokenizer pre-tokenizes (see `_pieces`)."""
+        return self.tokenizer.pre_tokenizer is not None
+
     def _pieces(self, text: str) -> Iterator[str]:
         """`text` cut before spaces into pieces of about PIECE_CHARS characters (longer where a run
         has no space to cut at), or whole where the tokenizer has no pre-tokenizer: such a model
         (Llama-2's, with a normalizer that puts "▁" before the text) sees the text as one word."""
         start = 0
-        while self.tokenizer.pre_tokenizer is not None and len(text) - start > PIECE_CHARS:
+        while self.can_cut and len(text) - start > PIECE_CHARS:
             last = PIECE_END.match(text, start, start + PIECE_CHARS)
             if last:
                 cut = last.end()
@@ -261,7 +307,7 @@ def train_bpe(size: int, docs: Callable[[Progress], Iterator[bytes]], total_byte
     trainer = trainers.BpeTrainer(vocab_size=size, special_tokens=[EOT_TEXT], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     progress = Progress(f"training bpe:{size}", total_bytes)
-    texts = (piece for d in docs(progress) for piece in bpe_training_pieces(d.decode("utf-8", "replace")))
+    texts = (piece for d in docs(progress) for piece in bpe_training_pieces(d.text.decode("utf-8", "replace")))
     tokenizer.train_from_iterator(texts, trainer)
     progress.close()
     return HFTokenizer(tokenizer)
@@ -313,13 +359,15 @@ def prepare(sources: list[str], out: str, spec: str) -> dict:
         progress = Progress("tokenizing", total)
         with open(tmp / TOKEN_FILE, "wb") as sink:
             eot = np.asarray([tokenizer.eot_id], dtype)
-            for batch in _batches(documents(files, progress), BATCH_BYTES):
+            parts = documents(files, progress, cut=tokenizer.can_cut)
+            for batch in _batches(parts, BATCH_BYTES, size=lambda part: len(part.text)):
                 # Joined straight into the file's dtype (the ids fit it): an int64 join held a huge
                 # document at 8 bytes a token besides its copy in the dtype.
-                ids = np.concatenate([part for d in tokenizer.encode(batch) for part in (d, eot)],
-                                     dtype=dtype, casting="unsafe")
+                encoded = tokenizer.encode([part.text for part in batch])
+                ids = np.concatenate([piece for part, d in zip(batch, encoded)
+                                      for piece in ((d, eot) if part.ends else (d,))], dtype=dtype, casting="unsafe")
                 ids.tofile(sink)
-                progress.advance(documents=len(batch), tokens=len(ids))
+                progress.advance(documents=sum(part.ends for part in batch), tokens=len(ids))
         progress.close()
         if progress.documents == 0:
             raise ConfigError(f"SRC {' '.join(sources)}: the corpus is empty "

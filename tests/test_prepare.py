@@ -162,21 +162,24 @@ def test_a_tokenizer_json_that_truncates_or_pads_tokenizes_each_document_whole(t
     assert [d[:-1].tolist() for d in docs] == [plain_tok.encode(t, add_special_tokens=False).ids for t in texts]
 
 
-def test_a_huge_document_is_prepared_in_a_few_bytes_of_memory_per_byte(tmp_path):
+def test_a_corpus_in_one_large_file_is_prepared_in_memory_far_below_its_size(tmp_path, monkeypatch):
     import tracemalloc
 
-    size = 8 << 20
+    size = 16 << 20
     (tmp_path / "big.txt").write_bytes(b"the quick brown fox jumps over the lazy dog\n" * (size // 44))
+    monkeypatch.setattr(prepare, "FILE_PART_BYTES", 1 << 20, raising=False)  # the file is 16 parts
     tracemalloc.start()  # numpy reports its arrays to tracemalloc too
     try:
         prepare.prepare([str(tmp_path / "big.txt")], str(tmp_path / "out"), "bytes")
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
-    assert peak < 4 * size, f"{peak / size:.1f} bytes of memory per byte of text"  # the text, its uint16 ids
+    # Read whole, it took 3 bytes a byte (the text, its uint16 ids); in parts, a few MB (a batch of
+    # one or two parts, its ids, the next block being read) whatever the file's size.
+    assert peak < size, f"{peak / size:.2f} bytes of memory per byte of text"
     ids = np.fromfile(tmp_path / "out" / "tokens.bin", "<u2")
-    assert len(ids) == (size // 44) * 44 + 1 and ids[-1] == 256
-    assert bytes(ids[:44].astype(np.uint8)) == b"the quick brown fox jumps over the lazy dog\n"
+    assert len(ids) == (size // 44) * 44 + 1 and ids[-1] == 256  # one document: one end-of-text
+    np.testing.assert_array_equal(ids[:-1], np.fromfile(tmp_path / "big.txt", np.uint8))
 
 
 def _long_document() -> str:
@@ -191,6 +194,7 @@ def _long_document() -> str:
 def test_a_long_document_is_encoded_in_pieces_to_the_ids_of_one_encoding(tmp_path, monkeypatch, spec):
     monkeypatch.setattr(prepare, "PIECE_CHARS", 200)
     monkeypatch.setattr(prepare, "BATCH_BYTES", 1000)  # a few pieces a tokenizer call
+    monkeypatch.setattr(prepare, "FILE_PART_BYTES", 700)  # the file read in parts
     text = _long_document()
     (tmp_path / "long.txt").write_text(text)
     meta = prepare.prepare([str(tmp_path / "long.txt")], str(tmp_path / "out"), spec)
@@ -206,6 +210,21 @@ def test_a_long_document_is_encoded_in_pieces_to_the_ids_of_one_encoding(tmp_pat
     assert len(pieces) > 20 and "".join(pieces) == text  # it was cut, at spaces after a non-space
     assert all(after.startswith(" ") and not before[-1].isspace() for before, after in zip(pieces, pieces[1:]))
     assert docs[0][:-1].tolist() == whole.encode(text, add_special_tokens=False).ids
+
+
+def test_a_text_file_is_read_in_parts_cut_before_spaces_that_follow_a_non_space(tmp_path, monkeypatch):
+    monkeypatch.setattr(prepare, "PIECE_CHARS", 200)
+    monkeypatch.setattr(prepare, "FILE_PART_BYTES", 700)
+    raw = _long_document().encode()
+    raw = raw[:2000] + b"\xff\xc3" + raw[2000:]  # bytes that are not UTF-8 stay as they are
+    path = tmp_path / "long.txt"
+    path.write_bytes(raw)
+    parts = list(prepare.documents([path], prepare.Progress("reading", len(raw))))
+    assert len(parts) > 5 and b"".join(part.text for part in parts) == raw
+    assert [part.ends for part in parts] == [False] * (len(parts) - 1) + [True]  # one document
+    for before, after in zip(parts, parts[1:]):
+        assert after.text.startswith(b" ") and not before.text.decode("utf-8", "replace")[-1].isspace()
+    assert list(prepare.documents([path], prepare.Progress("reading", len(raw)), cut=False)) == [prepare.Part(raw)]
 
 
 # The peak resident set of this process's memory (VmHWM, in KiB): getrusage's ru_maxrss keeps the
