@@ -1,5 +1,7 @@
 import os
+import pwd
 import re
+from types import SimpleNamespace
 
 import pytest
 
@@ -22,6 +24,16 @@ def _net(root, iface, speed=None, operstate=None):
         (d / "speed").write_text(f"{speed}\n")
     if operstate is not None:
         (d / "operstate").write_text(operstate + "\n")
+
+
+@pytest.fixture(autouse=True)
+def home(tmp_path, monkeypatch):
+    """The home directory NCCL reads .nccl.conf from (the password database's): an empty one, so
+    no test reads the real user's file."""
+    folder = tmp_path / "passwd-home"
+    folder.mkdir()
+    monkeypatch.setattr(pwd, "getpwuid", lambda uid: SimpleNamespace(pw_dir=str(folder)))
+    return folder
 
 
 IPV4_GID = "0000:0000:0000:0000:0000:ffff:0a00:00{:02x}"
@@ -214,6 +226,7 @@ def test_apply_nccl_env_uses_sockets_when_the_user_disabled_ib():
     ("NCCL_SOCKET_IFNAME", "eth0, eth1"), ("NCCL_SOCKET_IFNAME", "=^eth0"), ("NCCL_SOCKET_IFNAME", "^="),
     ("NCCL_IB_HCA", ""), ("NCCL_IB_HCA", "=mlx5_0:1,=mlx5_1:1"),  # "": every HCA; "=mlx5_1" matches none
     ("NCCL_IB_GID_INDEX", ""), ("NCCL_IB_GID_INDEX", "three"),  # NCCL reads "three" as 0
+    ("NCCL_IB_GID_INDEX", "08"), ("NCCL_IB_GID_INDEX", "010"),  # strtoll's octal: 0 and 8
 ])
 def test_apply_nccl_env_refuses_user_values_nccl_would_misread(name, value):
     with pytest.raises(ConfigError, match="^" + re.escape(f"{name} = {value!r} is not allowed: NCCL would misread it")):
@@ -252,7 +265,7 @@ def test_nccl_env_without_a_default_route_skips_ipoib_and_interfaces_without_an_
     assert nic.nccl_env(nic.Nic("ethernet", 25.0), sysfs, proc)["NCCL_SOCKET_IFNAME"] == "=eth0"
 
 
-def test_apply_nccl_env_never_overrides_nccl_config_files(tmp_path):
+def test_apply_nccl_env_never_overrides_nccl_config_files(tmp_path, home):
     # NCCL reads NCCL_CONF_FILE (else ~/.nccl.conf), then /etc/nccl.conf, for what the environment
     # leaves unset: a site's HCA and interface choices there must not be replaced
     conf = tmp_path / "nccl.conf"
@@ -263,16 +276,14 @@ def test_apply_nccl_env_never_overrides_nccl_config_files(tmp_path):
                    "NCCL_IB_GID_INDEX": "3"}
     assert lines == ['NCCL_NET="IB" (derived)', f'NCCL_IB_HCA="^mlx5_4" (from {conf})',
                      'NCCL_IB_GID_INDEX="3" (derived)', 'NCCL_SOCKET_IFNAME="eth9" (from env)']
-    home = tmp_path / "home"
-    home.mkdir()
     (home / ".nccl.conf").write_text("NCCL_IB_DISABLE=1\n")
-    env = {"HOME": str(home)}
+    env = {}
     assert nic.apply_nccl_env(ROCE_DERIVED, env)[0] == (
         f'NCCL_NET="Socket" (derived, as NCCL_IB_DISABLE="1" from {home / ".nccl.conf"})')
     (home / ".nccl.conf").write_text("NCCL_IB_GID_INDEX=three\n")
     with pytest.raises(ConfigError, match=re.escape(f"NCCL_IB_GID_INDEX = 'three' (from {home / '.nccl.conf'}) is "
                                                     "not allowed: NCCL would misread it")):
-        nic.apply_nccl_env(ROCE_DERIVED, {"HOME": str(home)})
+        nic.apply_nccl_env(ROCE_DERIVED, {})
 
 
 def test_nccl_conf_keeps_the_spaces_nccl_keeps(tmp_path):
@@ -324,3 +335,49 @@ def test_processes_exchange_their_nic_classes_without_a_device_collective(monkey
     for _ in range(2):  # twice: each exchange has keys of its own
         placed = real.device_array(np.arange(4), t, devices)
         assert [d.process_index for d in placed] == [1, 1, 0, 0]
+
+
+def test_nccl_conf_keeps_a_carriage_return_in_the_value_as_nccl_does(tmp_path):
+    # NCCL cuts only the newline (setEnvFile): a file saved with CRLF line ends gives the
+    # interface "bond0\r", which does not exist; it was read as "bond0" and taken as the user's
+    conf = tmp_path / "nccl.conf"
+    conf.write_bytes(b"NCCL_IB_GID_INDEX=3\r\nNCCL_SOCKET_IFNAME=bond0\r\n")
+    env = {"NCCL_CONF_FILE": str(conf)}
+    assert nic.nccl_conf(env)["NCCL_SOCKET_IFNAME"] == ("bond0\r", str(conf))
+    with pytest.raises(ConfigError, match=re.escape(f"NCCL_SOCKET_IFNAME = 'bond0\\r' (from {conf}) is not allowed")):
+        nic.apply_nccl_env(ROCE_DERIVED, env)
+    # strtoll stops at the carriage return: "3\r" is 3 to NCCL, and stands
+    conf.write_bytes(b"NCCL_IB_GID_INDEX=3\r\n")
+    assert f'NCCL_IB_GID_INDEX="3\r" (from {conf})' in nic.apply_nccl_env(ROCE_DERIVED, env)
+
+
+def test_nccl_conf_reads_a_file_with_bytes_that_are_not_utf8(tmp_path):
+    # NCCL reads bytes: a Latin-1 comment hid the whole file, so the derived HCA list replaced the site's
+    conf = tmp_path / "nccl.conf"
+    conf.write_bytes("# r\u00e9seau du site\nNCCL_IB_HCA=^mlx5_4\n".encode("latin-1"))
+    env = {"NCCL_CONF_FILE": str(conf)}
+    assert nic.apply_nccl_env(ROCE_DERIVED, env)[1] == f'NCCL_IB_HCA="^mlx5_4" (from {conf})'
+    assert "NCCL_IB_HCA" not in env
+
+
+def test_nccl_conf_takes_the_home_directory_from_the_password_database(tmp_path, home, monkeypatch):
+    # NCCL's userHomeDir() is getpwuid(getuid())->pw_dir, not $HOME
+    (home / ".nccl.conf").write_text("NCCL_IB_HCA=^mlx5_4\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / ".nccl.conf").write_text("NCCL_IB_HCA=^mlx5_9\n")
+    assert nic.nccl_conf({"HOME": str(elsewhere)})["NCCL_IB_HCA"] == ("^mlx5_4", f"{home}/.nccl.conf")
+
+    def no_entry(uid):
+        raise KeyError(uid)
+
+    monkeypatch.setattr(pwd, "getpwuid", no_entry)  # a user id the database lacks: NCCL reads no user file
+    assert "NCCL_IB_HCA" not in nic.nccl_conf({"HOME": str(elsewhere)})
+
+
+@pytest.mark.parametrize("disable, net", [("08", "IB"), ("0x0", "IB"), ("010", "Socket"), (" 1", "Socket")])
+def test_nccl_ib_disable_is_read_as_strtoll_reads_it(disable, net):
+    # strtoll(text, NULL, 0): "08" is octal 0 followed by "8", so IB stays on; "010" is 8
+    env = {"NCCL_IB_DISABLE": disable}
+    nic.apply_nccl_env(ROCE_DERIVED, env)
+    assert env["NCCL_NET"] == net

@@ -144,6 +144,16 @@ def test_processes_matched_to_nodes_of_their_nic_class():
         real.device_array(np.arange(8), t, _fake_devices([2, 3, 2, 1]), nics)
 
 
+def test_devices_given_as_an_array_or_an_empty_list_are_taken_as_given():
+    # `devices or jax.devices()`: an array of devices was asked for its truth ("ambiguous"
+    # ValueError), and an empty list meant every device
+    devices = _fake_devices([2, 2])
+    assert real.ordered_devices(np.array(devices[::-1], dtype=object)) == devices
+    t = real.local_topology(np.array(devices, dtype=object), nic_class="roce")
+    assert (t.clusters[0].nodes, t.clusters[0].devices_per_node) == (2, 2)
+    assert real.ordered_devices([]) == []
+
+
 def test_local_topology_one_node_per_process():
     t = real.local_topology(_fake_devices([4, 4]), nic_class="roce")
     (cluster,) = t.clusters

@@ -20,8 +20,8 @@ from holmes_jax.planning.topology import Cluster, Topology
 
 
 def ordered_devices(devices=None) -> list:
-    """Devices in (process_index, id) order."""
-    return sorted(devices or jax.devices(), key=lambda d: (d.process_index, d.id))
+    """Devices in (process_index, id) order: `devices` (a list, a 1-D array), else all of them."""
+    return sorted(jax.devices() if devices is None else devices, key=lambda d: (d.process_index, d.id))
 
 
 def _by_process(devices) -> dict[int, list]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import pwd
 import re
 from pathlib import Path
 
@@ -31,8 +32,11 @@ ENV = "HOLMES_NIC_CLASS"
 NCCL_VARIABLES = ("NCCL_NET", "NCCL_IB_HCA", "NCCL_IB_GID_INDEX", "NCCL_SOCKET_IFNAME")
 # NCCL reads these only in its own RoCE GID search, which an explicit NCCL_IB_GID_INDEX skips
 GID_SEARCH = ("NCCL_IB_ADDR_FAMILY", "NCCL_IB_ADDR_RANGE", "NCCL_IB_ROCE_VERSION_NUM")
-# what NCCL's integer variables hold (read with strtoll: text without leading digits counts as 0)
-_INTEGER = re.compile(r"\s*[+-]?(0[xX][0-9a-fA-F]+|\d+)")
+# NCCL reads its integer variables with strtoll(text, NULL, 0): spaces and a sign, then hex after
+# 0x, octal after 0 ("08" is 0, "010" is 8), else decimal, up to the first other character
+_INTEGER = re.compile(r"\s*[+-]?(0[xX][0-9a-fA-F]+|0[0-7]*|[1-9][0-9]*)")
+# an integer NCCL reads as a person does: no leading 0, which strtoll takes for octal
+_PLAIN_INTEGER = re.compile(r"\s*[+-]?(0[xX][0-9a-fA-F]+|0|[1-9][0-9]*)\s*")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,7 +193,7 @@ _LIST = "names, comma-separated without spaces, optionally led by ^ (exclude) an
 _USER_VALUES = {  # name: (whether NCCL reads the value as meant, what is allowed)
     "NCCL_NET": (lambda v: v != "" and v == v.strip(), "a network name without surrounding spaces, e.g. IB or Socket"),
     "NCCL_IB_HCA": (_nccl_list, "HCA[:port] " + _LIST),
-    "NCCL_IB_GID_INDEX": (lambda v: bool(_INTEGER.fullmatch(v.rstrip())), "an integer"),
+    "NCCL_IB_GID_INDEX": (lambda v: bool(_PLAIN_INTEGER.fullmatch(v)), "an integer without leading zeros"),
     "NCCL_SOCKET_IFNAME": (lambda v: len(v) > 1 and _nccl_list(v),
                            "interface " + _LIST + ", 2 characters at least (NCCL ignores shorter values)"),
 }
@@ -201,22 +205,33 @@ def _nonzero(text: str) -> bool:
     return bool(match) and match.group(1).strip("0xX") != ""
 
 
+def _home() -> str | None:
+    """The home directory NCCL reads .nccl.conf from: the password database's, not $HOME."""
+    try:
+        return pwd.getpwuid(os.getuid()).pw_dir
+    except KeyError:  # a user id without an entry (a container started with --user): no file
+        return None
+
+
 def nccl_conf(env=None) -> dict[str, tuple[str, str]]:
     """NCCL's variables from its config files, which NCCL reads for what the environment does not
     set (`initEnv` in NCCL's src/misc/param.cc): NCCL_CONF_FILE, else ~/.nccl.conf, then
     /etc/nccl.conf, the first to set a variable winning; name -> (value, file). Lines as NCCL
-    reads them: `NAME=value`, nothing stripped but the line's end (a newline, and a carriage
-    return before it), `#` lines skipped."""
+    reads them: `NAME=value`, nothing stripped but the newline (a carriage return before it stays
+    in the value), `#` lines skipped."""
     env = os.environ if env is None else env
-    user = env.get("NCCL_CONF_FILE") or (env.get("HOME") and os.path.join(env["HOME"], ".nccl.conf"))
+    home = _home()
+    user = env.get("NCCL_CONF_FILE") or (None if home is None else f"{home}/.nccl.conf")
     found = {}
     for path in filter(None, (user, "/etc/nccl.conf")):
         try:
-            text = Path(path).read_bytes().decode()  # as is: no newline translation, no spaces stripped
-        except (OSError, UnicodeDecodeError):
+            # as is: no newline translation, no spaces stripped; NCCL reads bytes, so a byte that
+            # is not UTF-8 (a Latin-1 comment) must not hide the file's other lines
+            text = Path(path).read_bytes().decode(errors="backslashreplace")
+        except OSError:
             continue
         for line in text.split("\n"):
-            name, eq, value = line.removesuffix("\r").partition("=")
+            name, eq, value = line.partition("=")
             if eq and name and not name.startswith("#"):
                 found.setdefault(name, (value, path))
     return found
