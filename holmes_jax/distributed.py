@@ -165,14 +165,20 @@ def _host_form(host: str) -> bool:
 
 
 def _port_in_use(port: int) -> bool:
-    """Whether a process on this host listens on `port` (the coordinator's server binds it on all
-    addresses)."""
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as that server does: TIME_WAIT is no conflict
+    """Whether a process on this host listens on `port` on any address, IPv4 or IPv6 (the
+    coordinator's server binds it on all of them)."""
+    for family, anywhere in ((socket.AF_INET, ""), (socket.AF_INET6, "::")):
         try:
-            s.bind(("", port))
-        except OSError as e:
-            return e.errno == errno.EADDRINUSE
+            s = socket.socket(family)
+        except OSError:  # a host without IPv6
+            continue
+        with s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as that server does: TIME_WAIT is no conflict
+            try:
+                s.bind((anywhere, port))
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    return True
     return False
 
 

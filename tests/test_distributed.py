@@ -328,6 +328,19 @@ def test_coordinator_port_in_use_is_one_error_line(launcher):
         "where the coordinator starts; allowed: a free port (holmes_jax.launch: leave --port out)"]
 
 
+def test_a_port_taken_on_ipv6_only_is_in_use():
+    # the coordinator's server binds every address, IPv6 too: a program on [::1] alone took the
+    # port from it, and only an IPv4 bind was tried
+    from holmes_jax import distributed
+
+    with socket.create_server(("::1", 0), family=socket.AF_INET6) as taken:
+        assert distributed._port_in_use(taken.getsockname()[1])
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        assert distributed._port_in_use(port)
+    assert not distributed._port_in_use(port)
+
+
 @pytest.mark.parametrize("rank, why", [
     (1, "nothing answers at {address}: is process 0 running, on that host and port?"),
     (0, "not every process joined: are they all running, with the same coordinator?"),
