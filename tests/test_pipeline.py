@@ -80,6 +80,20 @@ def test_every_remat_policy_gives_the_same_gradients(tmp_path, reference, remat,
         np.testing.assert_allclose(g, r, atol=1e-5, rtol=0, err_msg=jax.tree_util.keystr(path))
 
 
+@pytest.mark.parametrize("microbatches", [1, 4])
+def test_a_batch_of_another_microbatch_count_than_the_schedules_is_refused(tmp_path, microbatches):
+    # The ticks index the batch by the table's microbatches: one fewer read the last one again,
+    # more were left out, and the mean was divided by the batch's count; the loss was wrong, silently.
+    cfgs = small_configs(tmp_path, "--gin.ParallelConfig.pp=2", "--gin.ParallelConfig.microbatches=2")
+    setup = build.build(cfgs, jax.devices()[:4])
+    params = setup.abstract_state()["params"]
+    loss = lambda m: jax.eval_shape(lambda p, b: setup.pipeline.loss_and_grads(p, b, setup.grad_specs)[0],  # noqa: E731
+                                    params, jax.ShapeDtypeStruct((m, 8, cfgs.data.seq_len + 1), np.int32))
+    assert loss(2).shape == ()
+    with pytest.raises(ValueError, match=rf"batch of shape \({microbatches}, 8, 33\).* with 2 microbatches"):
+        loss(microbatches)
+
+
 ONE_STAGE = ["--gin.ParallelConfig.pp=1"]
 EVEN = ["--gin.ParallelConfig.pp=2", "--gin.ParallelConfig.stage_layers=(2,2)"]
 UNEVEN = ["--gin.ParallelConfig.pp=2", "--gin.ParallelConfig.stage_layers=(3,1)"]

@@ -33,7 +33,7 @@ garbage. What it costs: embedding and head parameters are on every stage (memory
 vocabulary on `tensor` where tp divides it), the
 tied embedding's gradient is summed over `stage` once per step (after the reduction over
 `data`: ZeRO-1's shards of it, 1/dp of its bytes across the boundary), and a tick in which some stage
-sends moves a buffer across every boundary (idle ones send what they last held, which no
+sends moves a buffer across every boundary (idle ones send a stale stash entry or zeros, which no
 stage stores: the arrival tables say when a transfer carries a microbatch). A tick in which none
 does skips that transfer (GPipe's forward ticks move no gradients, its backward ticks no
 activations): the skip is decided per tick, the same on every stage, so the collective stays
@@ -325,6 +325,11 @@ class Pipeline:
         """Mean loss over `batch` (microbatches, micro_batch, seq + 1) and the gradients of `params`
         (staged layout), laid out as `grad_specs` says. Call inside `jit`. A leaf whose spec names
         `data` (ZeRO-1) is reduce-scattered over `data` along that axis; the rest are all-reduced."""
+        # The ticks index the batch by the table's microbatches: another count read the wrong rows
+        # (past the end, the last one again) and scaled the mean by the wrong count, silently.
+        if batch.ndim != 3 or batch.shape[0] != self.table.microbatches:
+            raise ValueError(f"batch of shape {tuple(batch.shape)}: the pipeline takes (microbatches, micro_batch, "
+                             f"seq + 1) with {self.table.microbatches} microbatches, its schedule's")
         is_spec = lambda x: isinstance(x, P)  # noqa: E731
         manual = keep_axes(grad_specs, ("stage", "data"))
         scatter_dims = data_split_dims(manual)
@@ -350,9 +355,9 @@ class Pipeline:
         s = lax.axis_index("stage")
         blocks = jax.tree.map(lambda x: x[0], blocks)
         # Static where the layout allows, so XLA sees straight-line code: no padding to skip when
-        # stages are even, and one stage is both first and last.
+        # stages are even (one stage takes the plain vjp of the whole model instead, in `tick`).
         n_layers = self.stage_n_layers()
-        is_first, is_last = (True, True) if p == 1 else (s == 0, s == p - 1)
+        is_first, is_last = s == 0, s == p - 1
         m, micro_batch, seq = batch.shape[0], batch.shape[1], batch.shape[2] - 1
         scale = 1.0 / (m * lax.axis_size("data"))  # each microbatch's share of the global mean
         act = jnp.zeros((micro_batch, seq, model.cfg.hidden), jnp.dtype(model.cfg.compute_dtype))
@@ -397,8 +402,9 @@ class Pipeline:
 
             g_shared = lax.cond(is_first & (bwd >= 0), embed_backward, lambda g: g, g_shared)
             grads = (g_blocks, g_shared)
-            # Where a stage had no forward or backward, x_out and g_out hold what came in; no
-            # stage stores them (the arrival tables say when a transfer carries a microbatch).
+            # Where a stage had no forward or backward, x_out and g_out hold a stale stash entry
+            # (slot -1) or zeros; no stage stores them (the arrival tables say when a transfer
+            # carries a microbatch).
             x_in, g_in = self._transfers(x_out, g_out, x_moves, g_moves, act)
             return (stash, res, gstash, x_in, g_in, grads, loss_sum), None
 

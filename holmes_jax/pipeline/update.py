@@ -12,9 +12,10 @@ state's `pending`, until the next step opens with `settle`: the updates are all-
 replica adds them to its float32 parameters. In float32 that is exactly gathering the updated
 shards. With `update_gather_dtype = 'bfloat16'` the update is kept and gathered in bfloat16, half
 the bytes: every replica adds the same rounded update, so the replicas stay equal and the weights
-stay float32 (an update is off by at most 2^-9 of itself, where bfloat16 weights would lose small
-updates). Gathering at the start of the next step rather than at the end of this one lets a
-stage that waits for its first microbatch (the last) gather while the stages before it compute.
+stay float32 (an update is off by at most 2^-8 of itself, bfloat16's rounding, where bfloat16
+weights would lose small updates). Gathering at the start of the next step rather than at the end
+of this one lets a stage that waits for its first microbatch (the last) gather while the stages
+before it compute.
 
 Clipping needs the global gradient norm, one scalar summed over the whole mesh: every stage
 waits for the slowest stage's gradient reduction before it updates (the cost model charges
