@@ -432,14 +432,6 @@ def main(argv: list[str]) -> int:
         parser.error(f"--splits {args.splits} is not allowed; allowed: 0 (none), or 2 or more (auto takes the "
                      f"fastest of them)")
     splits = int(args.splits)
-    out = Path(args.out)
-    if not args.out or out.is_dir() or not out.parent.is_dir():  # before minutes of profiling, not after
-        parser.error(f"--out {args.out!r} is not allowed; allowed: a file in an existing folder")
-    if not os.access(out.parent, os.W_OK):
-        parser.error(f"--out {args.out!r} is not allowed: its folder is not writable; allowed: a file in a "
-                     f"folder you may write")
-    if not _replaceable(out):  # a slip of the command line (--out my_run.gin) would lose that file
-        parser.error(f"--out {args.out!r} exists and is not a profile; remove it or choose another")
     try:
         cfgs = configure.load_configs(gin_args)
     except ConfigError as e:  # what argparse left over: it may be a misspelt flag of ours, not of gin's
@@ -449,6 +441,11 @@ def main(argv: list[str]) -> int:
     # Before any backend starts: jax.distributed for several processes (as train does), the CPU device count.
     distributed.initialize(cfgs.parallel.cpu_devices)
     distributed.check_same_settings(configure.operative_config(cfgs))  # else ranks would wait on each other for ever
+    # Before minutes of profiling, not after. Only process 0 writes the profile, so its verdict on
+    # --out is every process's (the folder may exist on its host alone).
+    problem = _out_problem(args.out) if jax.process_index() == 0 else ""
+    if problem := distributed.every_process("profile --out", problem)[0]:
+        parser.error(problem)
     # Progress on stderr, the profile alone on stdout: `... > profile.json` is clean JSON too.
     say = functools.partial(print, file=sys.stderr) if jax.process_index() == 0 else (lambda *a: None)
     if cfgs.parallel.profile:
@@ -459,13 +456,25 @@ def main(argv: list[str]) -> int:
     result = profile(build.build(cfgs), args.repeats, splits, say)
     if jax.process_index() == 0:
         try:
-            cli.replace_file(out, result.to_json())
+            cli.replace_file(Path(args.out), result.to_json())
         except OSError as e:  # minutes of measurement: print them rather than lose them
             print(result.to_json())
             raise cli.RunError(f"--out {args.out!r} cannot be written: {e.strerror or e}; the profile is "
                                f"on stdout") from None
         print(result.to_json())
     return 0
+
+
+def _out_problem(arg: str) -> str:
+    """Why `--out arg` cannot take the profile, or ''."""
+    out = Path(arg)
+    if not arg or out.is_dir() or not out.parent.is_dir():
+        return f"--out {arg!r} is not allowed; allowed: a file in an existing folder"
+    if not os.access(out.parent, os.W_OK):
+        return f"--out {arg!r} is not allowed: its folder is not writable; allowed: a file in a folder you may write"
+    if not _replaceable(out):  # a slip of the command line (--out my_run.gin) would lose that file
+        return f"--out {arg!r} exists and is not a profile; remove it or choose another"
+    return ""
 
 
 def _replaceable(out: Path) -> bool:

@@ -1,5 +1,6 @@
 import dataclasses
 import errno
+import functools
 import json
 import warnings
 from pathlib import Path
@@ -197,6 +198,26 @@ def test_an_out_of_brackets_nested_too_deep_is_refused_before_profiling(tmp_path
     nested.write_text("[" * 100_000 + "]" * 100_000)
     with pytest.raises(ConfigError, match="exists and is not a profile"):  # was a RecursionError traceback
         profile.main(["--out", str(nested)])
+
+
+def test_only_process_0_checks_out_so_its_folder_need_not_exist_on_other_hosts(tmp_path, monkeypatch):
+    # Played as process 1 of 2, its host without --out's folder: it exited at once with a flag error
+    # while process 0 waited minutes for it at start-up. Process 0's verdict is every process's.
+    _fake_profiling(monkeypatch)
+    monkeypatch.setattr(profile.jax, "process_index", lambda: 1)
+    said = {}
+
+    def exchange(name, text, process_0_says=""):
+        said[name] = text
+        return [process_0_says if name == "profile --out" else text, text]
+
+    monkeypatch.setattr(profile.distributed, "every_process", exchange)
+    assert profile.main(["--out", str(tmp_path / "only-on-host-0" / "p.json")]) == 0
+    assert said["profile --out"] == "" and not (tmp_path / "only-on-host-0").exists()
+    refused = "--out 'p.json' exists and is not a profile; remove it or choose another"
+    monkeypatch.setattr(profile.distributed, "every_process", functools.partial(exchange, process_0_says=refused))
+    with pytest.raises(ConfigError, match="^--out 'p.json' exists and is not a profile"):  # process 0's, on every process
+        profile.main(["--out", str(tmp_path / "p.json")])
 
 
 def test_a_failed_write_is_one_error_and_the_profile_is_not_lost(tmp_path, monkeypatch, capsys):
