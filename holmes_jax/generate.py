@@ -83,6 +83,10 @@ def generate(m: Model, prompt: list[int], max_tokens: int, greedy: bool = False,
         padded = np.zeros((1, length), np.int32)
         padded[0, : len(context)] = context  # causal: the padding after the context changes nothing before it
         logits = np.asarray(_last_logits(m.gpt, m.params, jnp.asarray(padded), len(context)), np.float64)[:known]
+        if not np.isfinite(logits).all():  # argmax would pick a NaN's id, sampling fail on NaN probabilities
+            raise ConfigError(f"checkpoint step {m.step} gives logits that are not finite (NaN or infinity): its "
+                              f"parameters are not finite or overflow, as after a run diverged; allowed: an earlier "
+                              f"checkpoint (--step)")
         token = int(np.argmax(logits)) if greedy else _sample(logits, temperature, top_k, rng)
         if token == eot:
             break

@@ -26,7 +26,7 @@ import orbax.checkpoint as ocp
 
 from holmes_jax import configure, prepare
 from holmes_jax import data as data_sources
-from holmes_jax.checkpoint import reason
+from holmes_jax.checkpoint import SHOWN_MISMATCHES, mismatches, reason
 from holmes_jax.config import ConfigError, DataConfig, ModelConfig
 from holmes_jax.models import gpt
 
@@ -50,7 +50,9 @@ def restore_params(workdir: str | Path, cfg: ModelConfig, step: int | None = Non
     directory = (Path(workdir) / "checkpoints").absolute()
     if not directory.is_dir():
         raise ConfigError(f"--workdir {str(workdir)!r} has no checkpoint under {directory}")
-    manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(create=False))
+    # The handler lets the manager read a step's metadata (its arrays' shapes) before any data.
+    manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(create=False),
+                                    item_handlers=ocp.PyTreeCheckpointHandler())
     try:  # closed on every path: a library caller (`holmes_jax.load`) keeps running
         return _restore_params(manager, workdir, directory, cfg, step, device)
     finally:
@@ -71,11 +73,23 @@ def _restore_params(manager, workdir, directory: Path, cfg: ModelConfig, step: i
     args = ocp.args.PyTreeRestore(item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
                                   partial_restore=True)
     try:
-        params = manager.restore(step, args=args)["params"]
+        saved = manager.item_metadata(step)
+        if saved is None:
+            raise FileNotFoundError("its metadata is missing")
+        # Checked first: orbax refuses another shape blaming the checkpoint, and leaves an array
+        # the checkpoint lacks (a bias) as a placeholder that fails at the first forward.
+        wrong = mismatches({"params": saved.tree.get("params", {})}, target)
+        if not wrong:
+            params = manager.restore(step, args=args)["params"]
     except Exception as e:  # a truncated file after a crash or a full disk
         others = " or ".join(str(s) for s in sorted(steps) if s != step)
         allowed = f"allowed: --step {others}" if others else "there is no other checkpoint"
         raise ConfigError(f"checkpoint step {step} in {directory} cannot be read ({reason(e)}); {allowed}") from None
+    if wrong:
+        more = f" (and {len(wrong) - SHOWN_MISMATCHES} more)" if len(wrong) > SHOWN_MISMATCHES else ""
+        raise ConfigError(f"checkpoint step {step} in {directory} does not fit the ModelConfig of "
+                          f"{Path(workdir) / 'config.gin'}: {'; '.join(wrong[:SHOWN_MISMATCHES])}{more}; "
+                          f"allowed: the ModelConfig of the run that wrote the checkpoint")
     return params, step
 
 

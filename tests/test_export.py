@@ -415,6 +415,18 @@ def test_an_infinite_temperature_is_refused():
         generate.generate(_model_favouring(300), [65], 2, temperature=float("inf"), top_k=2)
 
 
+@pytest.mark.parametrize("kernel_value", [np.nan, 1e38])
+def test_non_finite_logits_are_an_error_naming_the_checkpoint(kernel_value):
+    # NaN (a diverged run) or overflow to infinity: greedy wrote the NaN's id as if the model chose
+    # it, sampling failed with numpy's 'probabilities contain NaN' traceback.
+    m = _model_favouring(300)
+    m.params["head"]["out"]["kernel"][:, 66] = kernel_value
+    for options in (dict(greedy=True), dict(), dict(top_k=3)):
+        with pytest.raises(ConfigError, match=r"checkpoint step 0 gives logits that are not finite "
+                                              r"\(NaN or infinity\): .*allowed: an earlier checkpoint \(--step\)"):
+            generate.generate(m, [65], 2, **options)
+
+
 def test_prompts_get_no_special_tokens_and_only_the_tokenizers_ids_come_out(tmp_path):
     import tokenizers
 

@@ -368,3 +368,33 @@ def test_the_learning_rate_warms_up_linearly_then_decays_by_cosine_to_its_floor(
         progress = min(max(k - warmup, 0) / (steps - warmup), 1.0)
         expected = lr * k / warmup if k < warmup else floor + (lr - floor) * 0.5 * (1 + np.cos(np.pi * progress))
         assert float(schedule(k)) == pytest.approx(expected, rel=1e-5, abs=1e-12), k
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_bf16_logits_reach_the_loss_unrounded_and_the_backward_stays_bf16(tied):
+    # The head's norm outputs ones, so each logit is the sum of its kernel column: 64 + 1/128 for
+    # token 0, 64 for token 1. bfloat16 holds 8 bits: a bfloat16 logit rounded the first to 64,
+    # and the float32 loss saw the two tokens as equally likely.
+    cfg = presets.resolve(ModelConfig(preset="tiny", num_layers=1, hidden=64, tie_embeddings=tied,
+                                      compute_dtype="bfloat16"))
+    model = gpt.GPT(cfg)
+    params = jax.tree.map(np.array, model.init(0))
+    params["head"]["norm"]["scale"][:], params["head"]["norm"]["bias"][:] = 0.0, 1.0
+    kernel = np.zeros((cfg.hidden, cfg.vocab_size), np.float32)
+    kernel[:, :2] = 1.0
+    kernel[0, 0] += 1 / 128
+    if tied:
+        params["embed"]["tokens"]["embedding"] = kernel.T.copy()
+    else:
+        params["head"]["out"]["kernel"] = kernel
+    x = jnp.ones((1, 3, cfg.hidden), jnp.bfloat16)
+    logits = model.head_logits(params, x)
+    assert logits.dtype == jnp.float32
+    np.testing.assert_array_equal(logits[..., 0] - logits[..., 1], 1 / 128)
+    targets = jnp.zeros((1, 3), jnp.int32)
+    z = np.log(np.exp(64 + 1 / 128) + np.exp(64) + (cfg.vocab_size - 2))  # the other logits are 0
+    np.testing.assert_allclose(model.head_loss(params, x, targets), z - (64 + 1 / 128), rtol=1e-5)
+    # The backward's matmuls take bfloat16 operands, as they did when the logits were bfloat16.
+    grad = jax.make_jaxpr(jax.grad(model.head_loss, argnums=(0, 1)))(params, x, targets)
+    dots = [e for e in grad.jaxpr.eqns if e.primitive.name == "dot_general"]
+    assert len(dots) == 3 and all(v.aval.dtype == jnp.bfloat16 for e in dots for v in e.invars)

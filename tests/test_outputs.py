@@ -5,6 +5,7 @@ import contextlib
 import glob
 import io
 import os
+import re
 import shutil
 
 import jax
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 
 from holmes_jax import cli, generate, inference, prepare, train
+from holmes_jax.config import ConfigError
 from helpers import small_configs
 
 
@@ -48,6 +50,33 @@ def test_a_damaged_checkpoint_is_one_error_line_naming_the_others(run_dir, tmp_p
     assert err.strip().endswith("allowed: --step 1") and len(err.splitlines()) == 1, err
     code, out, err = _generate("--workdir", run_dir, "--prompt", "ab", "--max-tokens", 1, "--step", 1)
     assert code == 0 and out.startswith("ab"), err
+
+
+def _with_model_bindings(run_dir, tmp_path, **fields) -> object:
+    """A copy of the run whose config.gin sets other ModelConfig `fields`: a model the checkpoint is not."""
+    copy = shutil.copytree(run_dir, tmp_path / "other_model")
+    gin = copy / "config.gin"
+    values = {f"ModelConfig.{name}": value for name, value in fields.items()}
+    lines = [(line.split(" = ")[0], line) for line in gin.read_text().splitlines()]
+    gin.write_text("\n".join(f"{name} = {values[name]!r}" if name in values else line for name, line in lines))
+    return copy
+
+
+@pytest.mark.parametrize("fields, named", [
+    (dict(ffn_hidden=256), "params.blocks.up.kernel: (2, 64, 128) in the checkpoint, (2, 64, 256) configured"),
+    (dict(tie_embeddings=False), "params.head.out.kernel: absent in the checkpoint, (64, 256) configured"),
+])
+def test_a_checkpoint_of_another_model_is_one_error_line_naming_the_arrays(run_dir, tmp_path, fields, named):
+    # Another shape was blamed on a damaged checkpoint; an array it lacks loaded as a placeholder
+    # that failed with a traceback at the first forward.
+    other = _with_model_bindings(run_dir, tmp_path, **fields)
+    code, out, err = _generate("--workdir", other, "--prompt", "ab", "--max-tokens", 1, "--greedy")
+    assert code == 2 and not out and len(err.splitlines()) == 1, err
+    assert err.startswith(f"error: checkpoint step 2 in {other / 'checkpoints'} does not fit the ModelConfig of "
+                          f"{other / 'config.gin'}: "), err
+    assert named in err and "cannot be read" not in err, err
+    with pytest.raises(ConfigError, match=re.escape(named)):
+        inference.load(other, step=1)
 
 
 def _with_data_source(run_dir, tmp_path, source) -> object:
