@@ -144,6 +144,51 @@ def test_processes_matched_to_nodes_of_their_nic_class():
         real.device_array(np.arange(8), t, _fake_devices([2, 3, 2, 1]), nics)
 
 
+def test_a_node_whose_processes_are_on_different_hosts_is_warned_of(capsys):
+    # srun --distribution=cyclic (mpirun --map-by node) puts consecutive ranks on different hosts:
+    # node 0's processes 0-3 ran on two hosts and nothing said so
+    t = Topology((Cluster("ib", "infiniband", nodes=2, devices_per_node=4),), name="ib2x4")
+    devices, grid = _fake_devices([1] * 8), np.arange(8).reshape(2, 1, 4)
+    cyclic = ["a", "b"] * 4
+    placed = real.device_array(grid, t, devices, process_hosts=cyclic)
+    # the placement is the same: a warning, not an error (one machine may give each process its own name)
+    assert np.vectorize(lambda d: d.process_index)(placed).ravel().tolist() == list(range(8))
+    assert capsys.readouterr().err.splitlines() == [
+        "warning: the processes of node 0 of topology 'ib2x4' are on different hosts (0, 2 on a; 1, 3 on b) (and 1 "
+        "other node(s) likewise), but the plan counts on intra-node links between them; start consecutive ranks on "
+        "one host (srun's default --distribution=block, mpirun --map-by slot)"]
+    # one node spread over hosts among nodes that are not: that node is named
+    real.device_array(grid, t, devices, process_hosts=["a"] * 4 + ["b", "c", "b", "b"])
+    assert "node 1 of topology 'ib2x4' are on different hosts (4, 6, 7 on b; 5 on c), but" in capsys.readouterr().err
+    # block layout, one machine for every node (a single-machine launch), one process per node: fine
+    real.device_array(grid, t, devices, process_hosts=["a"] * 4 + ["b"] * 4)
+    real.device_array(grid, t, devices, process_hosts=["a"] * 8)
+    real.device_array(grid, t, _fake_devices([4, 4]), process_hosts=["a", "a"])
+    assert capsys.readouterr().err == ""
+    with pytest.raises(ConfigError, match="2 host names given for 8 processes"):
+        real.device_array(grid, t, devices, process_hosts=["a", "b"])
+
+
+def test_host_names_are_exchanged_only_where_a_node_runs_several_processes(monkeypatch, capsys):
+    t = Topology((Cluster("ib", "infiniband", nodes=2, devices_per_node=2),), name="ib2x2")
+    exchanged = []
+
+    def every_process(name, text):
+        exchanged.append(name)
+        return ["a", "b", "a", "b"]
+
+    monkeypatch.setattr(real.distributed, "every_process", every_process)
+    # processes made up in this one process (unit tests): nothing to exchange, nothing checked
+    real.device_array(np.arange(4), t, _fake_devices([1] * 4))
+    assert exchanged == [] and capsys.readouterr().err == ""
+    monkeypatch.setattr(jax, "process_count", lambda: 4)
+    real.device_array(np.arange(4), t, _fake_devices([2, 2]), process_nics=["infiniband"] * 2)
+    assert exchanged == []  # one process per node: nothing inside a node to check
+    real.device_array(np.arange(4), t, _fake_devices([1] * 4))
+    assert exchanged == ["hostname"]
+    assert "node 0 of topology 'ib2x2' are on different hosts (0 on a; 1 on b)" in capsys.readouterr().err
+
+
 def test_devices_given_as_an_array_or_an_empty_list_are_taken_as_given():
     # `devices or jax.devices()`: an array of devices was asked for its truth ("ambiguous"
     # ValueError), and an empty list meant every device

@@ -7,6 +7,8 @@ ordered by (process_index, id).
 from __future__ import annotations
 
 import collections
+import socket
+import sys
 
 import jax
 import numpy as np
@@ -31,7 +33,7 @@ def _by_process(devices) -> dict[int, list]:
     return dict(sorted(groups.items()))
 
 
-def device_array(grid, topology: Topology, devices=None, process_nics=None) -> np.ndarray:
+def device_array(grid, topology: Topology, devices=None, process_nics=None, process_hosts=None) -> np.ndarray:
     """The real devices at the grid's places.
 
     One process: its devices, in (process_index, id) order, are the topology's devices in order.
@@ -39,6 +41,9 @@ def device_array(grid, topology: Topology, devices=None, process_nics=None) -> n
     order, each node one process or several consecutive ones (one per GPU) that fill it exactly.
     `process_nics`: each process's NIC class (or `Nic`), in process order; None: exchanged between
     processes (only when the topology has several classes).
+    `process_hosts`: each process's host name, in process order, to warn where a node's processes
+    are on different hosts; None: exchanged between processes (only when some node runs several
+    processes, and only under jax.distributed).
     """
     by_process = _by_process(devices)
     if len(by_process) == 1:
@@ -47,11 +52,11 @@ def device_array(grid, topology: Topology, devices=None, process_nics=None) -> n
             raise ConfigError(f"topology {topology.name!r} has {topology.num_devices} devices but this process has "
                               f"{len(placed)}; allowed: a topology of exactly the devices present")
     else:
-        placed = _match_processes(topology, by_process, process_nics)
+        placed = _match_processes(topology, by_process, process_nics, process_hosts)
     return np.array(placed, dtype=object)[np.asarray(grid)]
 
 
-def _match_processes(topology: Topology, by_process: dict, process_nics) -> list:
+def _match_processes(topology: Topology, by_process: dict, process_nics, process_hosts=None) -> list:
     classes = sorted({c.nic for c in topology.clusters})
     if process_nics is None:  # with one class there is nothing to match on, so no collective
         if len(classes) == 1:
@@ -61,7 +66,10 @@ def _match_processes(topology: Topology, by_process: dict, process_nics) -> list
     process_nics = [getattr(x, "nic_class", x) for x in process_nics]
     if len(process_nics) != len(by_process):
         raise ConfigError(f"{len(process_nics)} NIC classes given for {len(by_process)} processes")
+    if process_hosts is not None and len(process_hosts) != len(by_process):
+        raise ConfigError(f"{len(process_hosts)} host names given for {len(by_process)} processes")
     placed = [None] * topology.num_devices
+    shared = {}  # node: its processes, for the nodes that several processes run
     for nic_class in sorted(set(process_nics) | set(classes)):
         nodes = [n for n in range(topology.num_nodes) if topology.clusters[topology.node_cluster[n]].nic == nic_class]
         procs = [p for p, c in zip(by_process, process_nics) if c == nic_class]
@@ -72,7 +80,8 @@ def _match_processes(topology: Topology, by_process: dict, process_nics) -> list
                 f"{topology.name!r} has {len(nodes)} {nic_class} node(s) with {need}; allowed: a node's devices in "
                 "processes on a host of that node's NIC class")
         # A node runs one process or several (one per GPU, as srun and mpirun start them), taken in
-        # process order: consecutive ranks share a host under srun's and mpirun's default layout.
+        # process order: consecutive ranks share a host under srun's and mpirun's default layout
+        # (a warning below where they do not).
         queue = iter(procs)
         for node in nodes:
             want, mine, taken = topology.node_devices[node], [], []
@@ -88,14 +97,43 @@ def _match_processes(topology: Topology, by_process: dict, process_nics) -> list
                                   "or several, none spread over two nodes")
             for index, device in zip(want, mine):
                 placed[index] = device
+            if len(taken) > 1:
+                shared[node] = taken
+    if shared:
+        _warn_nodes_across_hosts(topology, shared, list(by_process), process_hosts)
     return placed
 
 
-def build_mesh(plan_or_grid, topology: Topology | None = None, devices=None, process_nics=None):
+def _warn_nodes_across_hosts(topology: Topology, shared: dict, processes: list, process_hosts) -> None:
+    """One warning line (from process 0) when the processes of one node are on different hosts:
+    srun --distribution=cyclic or mpirun --map-by node put consecutive ranks on different hosts,
+    and the plan's intra-node links (tensor and data groups inside a node) are then network hops.
+    Not an error: some container setups give each GPU's process a host name of its own on one machine."""
+    if process_hosts is None:
+        if jax.process_count() == 1:  # processes made up in one (tests): no hosts to compare
+            return
+        # Every process gets here with the same topology and devices, so all of them exchange.
+        process_hosts = distributed.every_process("hostname", socket.gethostname())
+    host_of = dict(zip(processes, process_hosts))
+    spread = {node: procs for node, procs in shared.items() if len({host_of[p] for p in procs}) > 1}
+    if not spread or jax.process_index() != 0:
+        return
+    node = min(spread)
+    on_host = collections.defaultdict(list)
+    for p in spread[node]:
+        on_host[host_of[p]].append(str(p))
+    where = "; ".join(f"{', '.join(ps)} on {host}" for host, ps in on_host.items())
+    others = f" (and {len(spread) - 1} other node(s) likewise)" if len(spread) > 1 else ""
+    print(f"warning: the processes of node {node} of topology {topology.name!r} are on different hosts ({where})"
+          f"{others}, but the plan counts on intra-node links between them; start consecutive ranks on one host "
+          "(srun's default --distribution=block, mpirun --map-by slot)", file=sys.stderr, flush=True)
+
+
+def build_mesh(plan_or_grid, topology: Topology | None = None, devices=None, process_nics=None, process_hosts=None):
     """A jax Mesh over axes (stage, data, tensor) from a Plan (or a grid and its topology)."""
     grid = getattr(plan_or_grid, "grid", plan_or_grid)
     topology = topology or plan_or_grid.topology
-    return Mesh(device_array(grid, topology, devices, process_nics), AXES)
+    return Mesh(device_array(grid, topology, devices, process_nics, process_hosts), AXES)
 
 
 def local_topology(devices=None, nic_class: str | None = None, device_tflops: float | None = None) -> Topology:
