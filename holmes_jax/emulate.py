@@ -525,7 +525,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--inter-mbit", type=float, default=INTER_MBIT, help="each cluster's uplink")
     p.add_argument("--latency-ms", type=float, default=0.0, help="uplink delay (needs tc netem)")
     p.add_argument("--devices-per-process", type=int)
-    p.add_argument("--timeout", type=float, help="stop everything after this many seconds (status 124)")
+    launch.add_stop_flags(p)
     p.add_argument("--bandwidth", action="store_true", help="measure an intra and an inter-cluster link first")
     args = p.parse_args(opts)
     # Ctrl-C, a SIGTERM (a scheduler's, `timeout`) or a SIGHUP (a closed terminal) unwinds through
@@ -538,7 +538,7 @@ def main(argv: list[str]) -> int:
     ec = EmulatedCluster(parse_clusters(args.clusters), parse_rates(args.intra_mbit) if args.intra_mbit else None,
                          args.inter_mbit, args.latency_ms)
     if cmd:  # the launcher's checks of --devices-per-process and --timeout now, not after the build and --bandwidth
-        launch._check(cmd, len(ec.hosts), args.devices_per_process, COORDINATOR_PORT, None, 0.0, args.timeout, None)
+        launch._check(cmd, len(ec.hosts), args.devices_per_process, COORDINATOR_PORT, None, args.grace, args.timeout, None)
     reason = unavailable_reason()
     if reason:
         raise ConfigError(f"the emulated cluster {reason}")
@@ -557,7 +557,7 @@ def main(argv: list[str]) -> int:
                     figure = f"{mbit:.0f}" if mbit >= 10 else f"{mbit:.3g}"  # a slow link's is not "0"
                     print(f"emulate: {kind}-cluster {pair[0].hostname} -> {pair[1].hostname}: {figure} Mbit/s measured",
                           flush=True)
-        return ec.run(cmd, args.devices_per_process, timeout_s=args.timeout) if cmd else 0
+        return ec.run(cmd, args.devices_per_process, timeout_s=args.timeout, grace_s=args.grace) if cmd else 0
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ from holmes_jax.config import ConfigError, check_positive
 from holmes_jax.planning.topology import NIC_CLASSES
 
 TIMED_OUT = 124  # the status `timeout(1)` uses
+GRACE_S = 30.0  # after a stop signal, before SIGKILL: time for a checkpoint to be written
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 LAUNCH_ID = "HOLMES_LAUNCH_ID"  # marks one launch's processes, to find those that left their group
 _libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
@@ -188,7 +189,7 @@ def _how(code: int) -> str:
 
 def launch(cmd: Sequence[str], n: int, devices_per_process: int | None = None, port: int | None = None,
            env: dict | None = None, nic_classes: Sequence[str] | None = None, coordinator_host: str = "127.0.0.1",
-           wrap: Callable[[int], list[str]] | None = None, grace_s: float = 30.0,
+           wrap: Callable[[int], list[str]] | None = None, grace_s: float = GRACE_S,
            timeout_s: float | None = None) -> int:
     """Runs `cmd` as processes 0 .. n-1 of one job and returns the job's exit status.
     `wrap(rank)` is a command prefix per process (the emulator's `ip netns exec HOST ...`);
@@ -275,10 +276,16 @@ def parser(prog: str = "python -m holmes_jax.launch") -> argparse.ArgumentParser
     p.add_argument("--port", type=int, help="coordinator port (default: a free one)")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="extra environment, repeatable")
     p.add_argument("--nic-classes", help="one NIC class per process, comma-separated, e.g. infiniband,roce")
-    p.add_argument("--grace", type=float, default=30.0,
-                   help="seconds the processes get to save and exit after a stop signal, before SIGKILL")
-    p.add_argument("--timeout", type=float, help="stop everything after this many seconds (status 124)")
+    add_stop_flags(p)
     return p
+
+
+def add_stop_flags(p: argparse.ArgumentParser) -> None:
+    """--grace and --timeout, which the emulated cluster's command line passes on to `launch`."""
+    p.add_argument("--grace", type=float, default=GRACE_S,
+                   help=f"seconds the processes get to save and exit after a stop signal, before SIGKILL "
+                        f"(default {GRACE_S:g})")
+    p.add_argument("--timeout", type=float, help="stop everything after this many seconds (status 124)")
 
 
 def split_command(argv: list[str]) -> tuple[list[str], list[str]]:

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
@@ -160,6 +161,7 @@ def test_bad_cluster_specs_are_config_errors(clusters, kwargs, message):
     (["--clusters", "ib:infiniband:2", "--bandwidth", "--devices-per-process", "0", "--", "true"],
      "--devices-per-process = 0"),
     (["--clusters", "ib:infiniband:2", "--timeout", "-1", "--", "true"], "--timeout = -1"),
+    (["--clusters", "ib:infiniband:2", "--grace", "-1", "--", "true"], "--grace = -1"),
 ])
 def test_bad_command_line_exits_2(args, message):
     r = run_module("holmes_jax.emulate", *args)
@@ -177,6 +179,24 @@ def test_command_line_runs_a_command_on_every_host():
     assert sorted(line for line in r.stdout.splitlines() if line.startswith("[rank")) == [
         "[rank 0] a-0 infiniband 0", "[rank 1] b-0 ethernet 1"]
     assert "inter-cluster uplinks 50 Mbit/s" in r.stdout
+
+
+SAVES_SLOWLY = """
+import signal, time
+signal.signal(signal.SIGTERM, lambda *args: print("saving", flush=True))
+time.sleep(8)  # resumed after the handler
+print("saved", flush=True)
+"""
+
+
+@needs_root
+def test_the_grace_flag_is_how_long_a_stopped_job_may_take_before_sigkill():
+    # the command line had no --grace: its jobs got run()'s 5 s, the launcher's own got 30 s
+    start = time.monotonic()
+    r = run_module("holmes_jax.emulate", "--clusters", "a:roce:1", "--timeout", "1", "--grace", "40", "--",
+                   sys.executable, "-c", SAVES_SLOWLY, timeout=60)
+    assert r.returncode == 124, r.stderr
+    assert "[rank 0] saved" in r.stdout and time.monotonic() - start > 8  # not killed 5 s after the stop
 
 
 @needs_root
