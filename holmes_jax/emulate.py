@@ -552,11 +552,13 @@ def main(argv: list[str]) -> int:
             pairs = [(a, b) for a in ec.hosts for b in ec.hosts if a is not b]
             for kind, same in (("intra", True), ("inter", False)):
                 pair = next(((a, b) for a, b in pairs if (a.cluster == b.cluster) == same), None)
-                if pair:
-                    mbit = ec.bandwidth_mbit(*pair)
-                    figure = f"{mbit:.0f}" if mbit >= 10 else f"{mbit:.3g}"  # a slow link's is not "0"
-                    print(f"emulate: {kind}-cluster {pair[0].hostname} -> {pair[1].hostname}: {figure} Mbit/s measured",
-                          flush=True)
+                if pair is None:
+                    print(f"emulate: {kind}-cluster: no two hosts to measure between", flush=True)
+                    continue
+                mbit = ec.bandwidth_mbit(*pair)
+                figure = f"{mbit:.0f}" if mbit >= 10 else f"{mbit:.3g}"  # a slow link's is not "0"
+                print(f"emulate: {kind}-cluster {pair[0].hostname} -> {pair[1].hostname}: {figure} Mbit/s measured",
+                      flush=True)
         return ec.run(cmd, args.devices_per_process, timeout_s=args.timeout, grace_s=args.grace) if cmd else 0
 
 

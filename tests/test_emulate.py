@@ -402,6 +402,9 @@ def test_bandwidth_alone_needs_no_command():
     r = run_module("holmes_jax.emulate", "--clusters", "a:roce:1", "--bandwidth", "--latency-ms", "5", timeout=60)
     assert r.returncode == 0, r.stderr  # was status 2: "no command to run; give it after --"
     assert "one cluster, no uplink between clusters (--inter-mbit and --latency-ms shape nothing)" in r.stdout
+    # one host: nothing to measure, said rather than nothing printed
+    assert r.stdout.splitlines()[-2:] == ["emulate: intra-cluster: no two hosts to measure between",
+                                          "emulate: inter-cluster: no two hosts to measure between"]
 
 
 def _repo_env():
