@@ -29,6 +29,37 @@ class RunError(Exception):
     """A failure during a run, not bad input: `error: ...` and exit status 1."""
 
 
+class OutputFailed(RunError):
+    """stdout cannot be written (a full disk): its later writes go nowhere, and the command ends
+    with `error: cannot write the output: ...` and status 1."""
+
+
+class _CheckedOutput:
+    """stdout, whose failed writes and flushes other than a reader that left (BrokenPipeError,
+    kept) raise `OutputFailed`: an OSError from a print, anywhere in a command, was a traceback."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def _checked(self, method, *args):
+        try:
+            return method(*args)
+        except BrokenPipeError:
+            raise
+        except OSError as e:
+            drop_output()  # or every later print, and the exit's flush, fails again
+            raise OutputFailed(f"cannot write the output: {e.strerror or e}") from None
+
+    def write(self, text: str) -> int:
+        return self._checked(self._stream.write, text)
+
+    def flush(self) -> None:
+        self._checked(self._stream.flush)
+
+    def __getattr__(self, name):  # fileno, isatty, encoding, ...
+        return getattr(self._stream, name)
+
+
 class Stopped(Exception):
     """A run stopped by signal `signum` after saving what it had: exit status 128 + signum."""
 
@@ -98,9 +129,10 @@ def run(main: Callable[[list[str]], int | None], argv: list[str] | None = None) 
     untouched = (signal.default_int_handler, signal.SIG_DFL)
     previous = {sig: signal.signal(sig, _stop) for sig in STOP_SIGNALS
                 if any(signal.getsignal(sig) is h for h in untouched)}
+    stdout, sys.stdout = sys.stdout, _CheckedOutput(sys.stdout)
     try:
         code = main(sys.argv[1:] if argv is None else argv)
-        _flush_output()
+        sys.stdout.flush()  # now: at exit, a failure was Python's 'Exception ignored ...' and status 120
     except Signalled as e:
         print(f"stopped by {signal.Signals(e.signum).name}", file=sys.stderr)
         raise SystemExit(128 + e.signum) from None
@@ -118,21 +150,10 @@ def run(main: Callable[[list[str]], int | None], argv: list[str] | None = None) 
         drop_output()
         raise SystemExit(128 + signal.SIGPIPE) from None
     finally:
+        sys.stdout = stdout
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     raise SystemExit(code or 0)
-
-
-def _flush_output() -> None:
-    """Writes what stdout still holds now: at exit, a failure (a reader that left, a full disk) is
-    Python's 'Exception ignored ...' and status 120. A reader that left stays a BrokenPipeError."""
-    try:
-        sys.stdout.flush()
-    except BrokenPipeError:
-        raise
-    except OSError as e:
-        drop_output()  # or the exit's flush fails again
-        raise RunError(f"cannot write the output: {e.strerror or e}") from None
 
 
 def non_negative_int(text: str) -> int:

@@ -300,36 +300,45 @@ def _resume_and_train(cfgs: Configs, setup: Setup, token_data, workdir: Path, ck
         hooks.append(Hook((cfgs.checkpoint.every,), lambda step, state: (bad.in_a_row and step < last)
                           or save(step, state, step == last)))
     vote = guard.StopVote(setup.mesh)
+    unwritable = []  # a console line that could not be written (a full disk): stops the run as a reader that left
     # The log closes (its TensorBoard events flushed) however the loop ends.
     with guard.Signals() as signals, contextlib.closing(log) if log else contextlib.nullcontext():
         for step, state, out in train_steps(compiled, setup, state, start, last, token_data):
             logger.collect(out)
-            with _stop_if_the_reader_left(signals):  # a skipped step's line
+            with _stop_if_the_reader_left(signals, unwritable):  # a skipped step's line
                 bad.add(step, out)
             stopping = vote.vote(signals.signum)  # the same signal (or None) on every process
             for hook in hooks:
                 if stopping or hook.due(step, start + 1, last):
-                    with _stop_if_the_reader_left(signals):
+                    with _stop_if_the_reader_left(signals, unwritable):
                         hook.fn(step, state)
             bad.check(step, ckpt and ckpt.latest_step())
             if stopping:
                 # Even a skipped step: its state is what an uninterrupted run holds after it.
                 save(step, state, True)
                 sig = signal.Signals(stopping)
-                raise cli.Stopped(sig, f"stopped by {sig.name} after step {step}; " + (
-                    f"checkpoint saved at step {step}: run the same command again to resume" if ckpt
-                    else "checkpoints are off, nothing saved"))
+                saved = (f"checkpoint saved at step {step}: run the same command again to resume" if ckpt
+                         else "checkpoints are off, nothing saved")
+                if unwritable:
+                    raise cli.OutputFailed(f"{unwritable[0]} after step {step}; {saved}")
+                raise cli.Stopped(sig, f"stopped by {sig.name} after step {step}; {saved}")
+    if unwritable:  # at the last step: the run is done and saved, its output is not
+        raise unwritable[0]
     return summarize(logger.rows, start, setup.plan.prediction.step_time_s, say)
 
 
 @contextlib.contextmanager
-def _stop_if_the_reader_left(signals: guard.Signals):
+def _stop_if_the_reader_left(signals: guard.Signals, unwritable: list):
     """A line whose reader left (`train | head`) stops the run as a signal does: at the next stop
-    vote, that step saved."""
+    vote, that step saved. So does a line that cannot be written (`cli.OutputFailed`, noted in
+    `unwritable`)."""
     try:
         yield
     except BrokenPipeError:
         cli.drop_output()
+        signals.signum = signals.signum or signal.SIGPIPE
+    except cli.OutputFailed as e:
+        unwritable.append(e)
         signals.signum = signals.signum or signal.SIGPIPE
 
 

@@ -644,12 +644,17 @@ def test_a_reader_that_left_before_the_output_was_written_is_status_141_without_
     assert p.wait(timeout=60) == 128 + signal.SIGPIPE and err == "", err
 
 
-def test_output_to_a_full_disk_is_one_error_line_and_status_1():
+@pytest.mark.parametrize("unbuffered", [False, True])
+@pytest.mark.parametrize("command", [
+    ["holmes_jax.plan", "--topology", str(REPO / "configs/topologies/cpu_2x4.toml"), "--model", "tiny"],
+    ["holmes_jax.train", "--gin.TrainConfig.steps=1"],  # its lines flush at once: a traceback, either way
+])  # run in tmp_path: train's workdir runs/default there
+def test_output_to_a_full_disk_is_one_error_line_and_status_1(tmp_path, command, unbuffered):
     env = {k: v for k, v in dict(os.environ, PYTHONPATH=str(REPO)).items() if k != "PYTHONUNBUFFERED"}
+    if unbuffered:  # every print writes at once: a traceback from inside the command
+        env["PYTHONUNBUFFERED"] = "1"
     with open("/dev/full", "w") as full:  # every write: No space left on device
-        r = subprocess.run([sys.executable, "-m", "holmes_jax.plan", "--topology",
-                            str(REPO / "configs/topologies/cpu_2x4.toml"), "--model", "tiny"],
-                           stdout=full, stderr=subprocess.PIPE, text=True, timeout=60, cwd=REPO, env=env)
+        r = subprocess.run([sys.executable, "-m", *command], stdout=full, stderr=subprocess.PIPE, text=True, timeout=120, cwd=tmp_path, env=env)
     assert r.returncode == 1 and r.stderr == "error: cannot write the output: No space left on device\n", r.stderr
 
 

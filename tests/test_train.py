@@ -2,6 +2,7 @@ import gc
 import math
 import re
 import signal
+import sys
 import time
 
 import jax
@@ -465,3 +466,30 @@ def test_a_process_reads_only_the_batch_rows_its_devices_hold(tmp_path, monkeypa
     indices = whole.sharding.devices_indices_map(whole.shape)
     for device, shard in shards.items():
         np.testing.assert_array_equal(shard, np.asarray(whole)[indices[device]])
+
+
+@pytest.mark.parametrize("fails_at", [3, 6])
+def test_a_console_line_that_cannot_be_written_stops_the_run_saved_with_one_error(tmp_path, monkeypatch, fails_at):
+    # stdout on a full disk: train's lines flush at once, so the OSError came from inside the run,
+    # a traceback with nothing saved since the last checkpoint (the last step's: the run said done)
+    from holmes_jax import cli
+
+    class FullAfterSomeSteps:
+        def write(self, text):
+            if text.startswith(f"step {fails_at}/"):
+                raise OSError(28, "No space left on device")
+            return len(text)
+
+        def flush(self):
+            pass
+
+    monkeypatch.setattr(cli, "drop_output", lambda: None)  # not this test process's stdout
+    monkeypatch.setattr(sys, "stdout", cli._CheckedOutput(FullAfterSomeSteps()))
+    with pytest.raises(cli.OutputFailed, match="^cannot write the output: No space left on device") as failed:
+        train.run(small_configs(tmp_path, "--gin.CheckpointConfig.every=100"))
+    saved = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
+    if fails_at < 6:
+        assert f"after step {fails_at + 1}; checkpoint saved at step {fails_at + 1}" in str(failed.value)
+        assert saved == [fails_at + 1]
+    else:
+        assert saved == [6]  # the last step's save, then the error
