@@ -7,7 +7,8 @@ Sources (`DataConfig.source`):
   binary files, as `prepare` reads a folder), read as bytes.
 - a flat token file ending in `.bin` (`.BIN` too): a headerless little-endian array of
   `DataConfig.token_dtype` (uint16 or uint32) token ids, e.g. written with `np.asarray(ids, np.uint16).tofile(path)`;
-  `DataConfig.vocab_size` gives its vocabulary (default: unknown; its ids are scanned once).
+  `DataConfig.vocab_size` gives its vocabulary (default: unknown; its ids are scanned once). Every
+  second id 0 is refused: ids of a wider type (uint32, int64) read as narrower ones.
 - a prepared folder (it holds `meta.json`), written by `python -m holmes_jax.data prepare`
   (holmes_jax.prepare): `tokens.bin` in the dtype and vocabulary its meta.json names.
 
@@ -18,7 +19,8 @@ has at least 256); `TokenData.check_model_vocab` rejects a model too small for t
 
 Text is cached as a uint8 memmap under `DataConfig.cache_dir`, keyed by the files' absolute paths,
 sizes, modification and change times and inodes, so an edited or replaced file (its modification
-time set back, as `cp -p` or `touch -r` leave it) or another folder of the same name is read anew.
+time set back, as `cp -p` or `touch -r` leave it) or another folder of the same name is read anew;
+a cache whose size is not the files' (cut short by a crash) is built again.
 The last `val_fraction` of the tokens is the validation split. The batch for step k is a pure
 function of (seed, split, k), so a resumed run sees exactly the batches an uninterrupted one would.
 """
@@ -28,6 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import errno
 import hashlib
 import json
 import os
@@ -92,8 +95,10 @@ def _stdlib_files() -> list[Path]:
     return sorted(p for p in root.rglob("*.py") if not skip.intersection(p.relative_to(root).parts))
 
 
-def _text_files(source: str) -> tuple[list[Path], int]:
-    """The files of a text source and how many binary files of its folder were skipped."""
+def _text_files(source: str, cache_dir: Path) -> tuple[list[Path], int]:
+    """The files of a text source and how many binary files of its folder were skipped. The cache
+    folder's files are not text of the source, though it may lie in the source folder (each run
+    would read the last run's cache as more text, doubling the corpus)."""
     path = Path(source).expanduser()
     if path.is_file():
         if _binary_file(path):  # token ids under another name would otherwise train as bytes
@@ -105,7 +110,8 @@ def _text_files(source: str) -> tuple[list[Path], int]:
         if (path / TOKEN_FILE).is_file():  # its tokenizer.json would otherwise train as text
             raise ConfigError(f"DataConfig.source = {source!r} holds {TOKEN_FILE} but no {META_FILE}: an incomplete "
                               "prepared folder (an interrupted prepare?); prepare it again into a new folder")
-        files = prepare.folder_files(path)
+        cache = cache_dir.resolve()
+        files = [f for f in prepare.folder_files(path) if not f.resolve().is_relative_to(cache)]
         text = [f for f in files if not _binary_file(f)]
         if text:
             return text, len(files) - len(text)
@@ -115,25 +121,43 @@ def _text_files(source: str) -> tuple[list[Path], int]:
 
 
 def _binary_file(path: Path) -> bool:
-    try:
-        with open(path, "rb") as f:
+    with _open_text(path) as f:
+        try:
             return prepare.is_binary(f.read(prepare.BINARY_SNIFF))
+        except OSError as e:
+            raise _unreadable(path, e) from None
+
+
+def _open_text(path: Path):
+    try:
+        return open(path, "rb")
     except OSError as e:
-        raise ConfigError(f"DataConfig.source: {str(path)!r} cannot be read ({e.strerror or e})") from None
+        raise _unreadable(path, e) from None
+
+
+def _unreadable(path: Path, e: OSError) -> ConfigError:
+    return ConfigError(f"DataConfig.source: {str(path)!r} cannot be read ({e.strerror or e})")
 
 
 def _cached_bytes(files: list[Path], cache_dir: Path, source: str) -> np.ndarray:
     """Concatenates `files` into one uint8 memmap, built once per distinct list of files and versions."""
     key = hashlib.sha256()
-    stats = [f.stat() for f in files]
+    stats = []
+    for f in files:
+        try:
+            stats.append(f.stat())
+        except OSError as e:  # removed since the folder was listed
+            raise _unreadable(f, e) from None
     for f, stat in zip(files, stats):
         # The change time and inode too: a write or a replacing rename always changes them, while
         # `cp -p`, `touch -r` or an unpacked archive can give new content the old size and mtime.
         key.update(f"{f.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}\0{stat.st_ctime_ns}\0{stat.st_ino}\0".encode())
-    if not any(stat.st_size for stat in stats):
+    size = sum(stat.st_size for stat in stats)
+    if not size:
         raise ConfigError(f"DataConfig.source = {source!r} holds no text: its files are empty")
     cache = cache_dir / f"bytes-{key.hexdigest()[:16]}.u8"
-    if not cache.exists():
+    # A cache of another size is cut short (a host that crashed before its data reached the disk): built again.
+    if not cache.exists() or cache.stat().st_size != size:
         # A name of its own, not the pid: processes on other hosts (or containers) sharing the
         # cache folder may have the same pid and would write into one file.
         partial = cache.with_name(f"{cache.name}.{uuid.uuid4().hex}.tmp")
@@ -141,14 +165,17 @@ def _cached_bytes(files: list[Path], cache_dir: Path, source: str) -> np.ndarray
             cache_dir.mkdir(parents=True, exist_ok=True)
             with open(partial, "xb") as out:
                 for f in files:
-                    with open(f, "rb") as text:  # in pieces: a file may be larger than memory
+                    with _open_text(f) as text:  # in pieces: a file may be larger than memory
                         shutil.copyfileobj(text, out, COPY_CHUNK)
-            os.replace(partial, cache)  # atomic: a crash never leaves a half-written cache behind
+            os.replace(partial, cache)  # atomic: readers see the whole cache or none
         except OSError as e:
-            with contextlib.suppress(OSError):  # nothing to remove when the folder itself failed
+            message = f"DataConfig.cache_dir = {str(cache_dir)!r} cannot be written ({e.strerror or e}); "
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):  # a failure of the run (status 1, as for --out and checkpoints)
+                raise cli.RunError(message + "free space there or choose another folder") from None
+            raise ConfigError(message + "choose a writable folder") from None  # bad input
+        finally:  # also on an error in the sources or a stop signal: no partial copy is left behind
+            with contextlib.suppress(OSError):  # nothing to remove when it was renamed or never made
                 partial.unlink()
-            raise ConfigError(f"DataConfig.cache_dir = {str(cache_dir)!r} cannot be written ({e.strerror or e}); "
-                              "choose a writable folder") from None
     return np.memmap(cache, dtype=np.uint8, mode="r")
 
 
@@ -165,9 +192,14 @@ def _token_file(path: Path, dtype: str, source: str, fix: str = "check DataConfi
     return np.memmap(path, dtype=np.dtype(dtype).newbyteorder("<"), mode="r")
 
 
-def _max_id(tokens: np.ndarray) -> int:
-    """The largest id, read in chunks so a file larger than memory is scanned in bounded memory."""
-    return max(int(tokens[i : i + SCAN_CHUNK].max()) for i in range(0, len(tokens), SCAN_CHUNK))
+def _scan(tokens: np.ndarray) -> tuple[int, bool]:
+    """The largest id and whether an id at an odd position is not 0, read in chunks so a file
+    larger than memory is scanned in bounded memory."""
+    top, odd_ids = 0, False
+    for i in range(0, len(tokens), SCAN_CHUNK):  # SCAN_CHUNK is even: a chunk's odd positions are the file's
+        chunk = tokens[i : i + SCAN_CHUNK]
+        top, odd_ids = max(top, int(chunk.max())), odd_ids or bool(chunk[1::2].any())
+    return top, odd_ids
 
 
 def prepared_folder(source: str) -> Path | None:
@@ -228,8 +260,16 @@ def load(cfg: DataConfig) -> TokenData:
         vocab, what = BYTE_VOCAB, "python stdlib sources (bytes)"
     elif is_token_file(cfg.source) and not folder:
         path = Path(cfg.source).expanduser()
+        if path.is_dir():  # a text folder named x.bin, say: found, but not a token file
+            raise ConfigError(f"DataConfig.source = {cfg.source!r} is a folder without {META_FILE}: neither a "
+                              ".bin token file nor a prepared folder")
         tokens = _token_file(path, cfg.token_dtype, cfg.source)
-        top = _max_id(tokens)
+        top, odd_ids = _scan(tokens)
+        if top and not odd_ids and len(tokens) % 2 == 0:  # each id followed by the 0 bytes of a wider one
+            raise ConfigError(f"DataConfig.source = {cfg.source!r}: every second id is 0, as when ids of a wider type "
+                              f"(uint32, or int64 from np.array(ids).tofile) are read as {cfg.token_dtype}; set "
+                              "DataConfig.token_dtype to the file's type (uint16 | uint32) or write the ids with "
+                              "np.asarray(ids, np.uint16).tofile(path)")
         if cfg.vocab_size is not None and top >= cfg.vocab_size:
             raise ConfigError(f"DataConfig.source = {cfg.source!r} holds token id {top}, outside "
                               f"DataConfig.vocab_size = {cfg.vocab_size}; set it to at least {top + 1}")
@@ -248,7 +288,7 @@ def load(cfg: DataConfig) -> TokenData:
         vocab = meta["vocab_size"]
         what = f"prepared {folder} ({meta['tokenizer']} tokenizer, vocabulary {vocab}, {prepare.count_documents(meta['documents'])})"
     else:
-        files, skipped = _text_files(cfg.source)
+        files, skipped = _text_files(cfg.source, cache_dir)
         tokens = _cached_bytes(files, cache_dir, cfg.source)
         skip_note = f", binary files skipped: {skipped}" if skipped else ""
         vocab, what = BYTE_VOCAB, f"text {cfg.source} (bytes{skip_note})"

@@ -319,3 +319,105 @@ def test_rows_of_a_batch_are_those_windows_of_the_whole_batch(tmp_path):
     tokens = data.load(DataConfig(cache_dir=str(tmp_path)))
     whole = tokens.batch("train", seed=3, step=7, batch_size=8, seq_len=16)
     np.testing.assert_array_equal(tokens.batch("train", 3, 7, 8, 16, rows=[5, 1, 6]), whole[[5, 1, 6]])
+
+
+@pytest.mark.parametrize("written, token_dtype", [("<i8", "uint16"), ("<u4", "uint16"), ("<i8", "uint32")])
+def test_ids_wider_than_the_token_dtype_are_an_error_not_every_second_id_zero(tmp_path, written, token_dtype):
+    # np.array(ids).tofile writes int64: read as uint16 it was each id followed by three 0 ids, trained on
+    # without complaint (the vocabulary check passes)
+    path = _write(tmp_path / "ids.bin", (np.arange(5000) % 1000 + 1).astype(written).tobytes())
+    cfg = DataConfig(source=path, seq_len=8, token_dtype=token_dtype, vocab_size=1024, cache_dir=str(tmp_path))
+    with pytest.raises(ConfigError, match="every second id is 0.*set DataConfig.token_dtype to the file's type"):
+        data.load(cfg)
+    ids = (np.arange(5000) % 1000 + 1).astype(np.dtype(token_dtype).newbyteorder("<"))
+    _write(tmp_path / "ids.bin", ids.tobytes())  # the same ids in the right type
+    tokens = data.load(cfg)
+    np.testing.assert_array_equal(np.concatenate([tokens.train, tokens.val]), ids)
+
+
+@pytest.mark.parametrize("left", [0, 500])
+def test_a_text_cache_cut_short_is_built_again(tmp_path, left):
+    # what a host that crashed before the cache reached its disk can leave under the cache's name
+    path = _write(tmp_path / "a.txt", b"0123456789" * 100)
+    cfg = DataConfig(source=path, seq_len=8, cache_dir=str(tmp_path / "c"))
+    data.load(cfg)
+    [cache] = (tmp_path / "c").iterdir()
+    with open(cache, "r+b") as f:
+        f.truncate(left)
+    tokens = data.load(cfg)  # was the cut-short bytes, or a traceback for an empty file
+    assert bytes(np.concatenate([tokens.train, tokens.val])) == b"0123456789" * 100
+
+
+@pytest.mark.parametrize("when", ["before the cache", "while the cache is written"])
+def test_a_text_file_removed_after_the_folder_was_listed_is_named(tmp_path, monkeypatch, when):
+    corpus = tmp_path / "corpus"
+    for name in ("a.txt", "b.txt"):
+        _write(corpus / name, name.encode() * 100)
+    if when == "before the cache":
+        listed = data._text_files
+
+        def list_then_remove(*args):
+            files = listed(*args)
+            (corpus / "b.txt").unlink()
+            return files
+
+        monkeypatch.setattr(data, "_text_files", list_then_remove)
+    else:
+        copy = shutil.copyfileobj
+
+        def copy_then_remove(source, out, length):
+            copy(source, out, length)
+            (corpus / "b.txt").unlink(missing_ok=True)
+
+        monkeypatch.setattr(shutil, "copyfileobj", copy_then_remove)
+    # was a FileNotFoundError traceback, or "DataConfig.cache_dir ... cannot be written"
+    with pytest.raises(ConfigError, match=r"DataConfig.source: '.*b\.txt' cannot be read \(No such file"):
+        data.load(DataConfig(source=str(corpus), seq_len=8, cache_dir=str(tmp_path / "c")))
+    assert not list(tmp_path.rglob("*.tmp"))
+
+
+def test_a_stop_while_the_text_cache_is_written_leaves_no_partial_copy(tmp_path, monkeypatch):
+    path = _write(tmp_path / "a.txt", b"text " * 100)
+
+    def interrupted(source, out, length):
+        raise KeyboardInterrupt  # Ctrl-C (or the trainer's stop signal) during a long copy
+
+    monkeypatch.setattr(shutil, "copyfileobj", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        data.load(DataConfig(source=path, seq_len=8, cache_dir=str(tmp_path / "c")))
+    assert list((tmp_path / "c").iterdir()) == []  # was a .tmp file as large as the corpus, never removed
+
+
+def test_a_folder_named_bin_without_meta_json_is_named_as_a_folder(tmp_path):
+    _write(tmp_path / "corpus.bin" / "a.txt", b"text " * 100)
+    with pytest.raises(ConfigError, match="'.*corpus.bin' is a folder without meta.json"):  # was "not found"
+        data.load(DataConfig(source=str(tmp_path / "corpus.bin"), seq_len=8, cache_dir=str(tmp_path / "c")))
+
+
+def test_a_full_cache_disk_is_a_run_error_and_leaves_no_partial_copy(tmp_path, monkeypatch):
+    # status 1 as for a full disk under a checkpoint or --out (README's table), not 2 "bad input"
+    import errno
+
+    from holmes_jax import cli
+
+    path = _write(tmp_path / "a.txt", b"text " * 100)
+
+    def disk_full(source, out, length):
+        out.write(source.read(10))
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(shutil, "copyfileobj", disk_full)
+    with pytest.raises(cli.RunError, match="DataConfig.cache_dir = .* cannot be written \\(No space left on device\\); "
+                                           "free space there"):
+        data.load(DataConfig(source=path, seq_len=8, cache_dir=str(tmp_path / "c")))
+    assert list((tmp_path / "c").iterdir()) == []
+
+
+def test_a_cache_folder_inside_the_text_folder_is_not_read_as_text(tmp_path):
+    corpus = tmp_path / "corpus"
+    _write(corpus / "a.txt", b"hello world " * 100)
+    cfg = DataConfig(source=str(corpus), seq_len=8, cache_dir=str(corpus / "cache"))
+    for _ in range(3):  # each run read the caches of the runs before as text: 1,200, 2,400, 4,800 tokens
+        tokens = data.load(cfg)
+        assert bytes(np.concatenate([tokens.train, tokens.val])) == b"hello world " * 100
+    assert len(list((corpus / "cache").iterdir())) == 1
