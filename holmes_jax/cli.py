@@ -91,6 +91,13 @@ def positive_int(text: str) -> int:
     return int(text)
 
 
+def stop_message(e: Signalled | KeyboardInterrupt) -> tuple[str, int]:
+    """The line and status a stop signal ends a command with, before it took the signal over."""
+    if isinstance(e, Signalled):
+        return f"stopped by {signal.Signals(e.signum).name}", 128 + e.signum
+    return "interrupted", 128 + signal.SIGINT
+
+
 def drop_output() -> None:
     """Sends stdout to /dev/null once its reader has left, so that later prints and the exit's
     flush do not fail again."""
@@ -133,9 +140,10 @@ def run(main: Callable[[list[str]], int | None], argv: list[str] | None = None) 
     try:
         code = main(sys.argv[1:] if argv is None else argv)
         sys.stdout.flush()  # now: at exit, a failure was Python's 'Exception ignored ...' and status 120
-    except Signalled as e:
-        print(f"stopped by {signal.Signals(e.signum).name}", file=sys.stderr)
-        raise SystemExit(128 + e.signum) from None
+    except (Signalled, KeyboardInterrupt) as e:  # Ctrl-C before a command took over SIGINT: nothing to save yet
+        line, status = stop_message(e)
+        print(line, file=sys.stderr)
+        raise SystemExit(status) from None
     except ConfigError as e:
         fail(str(e))
     except RunError as e:
@@ -143,9 +151,6 @@ def run(main: Callable[[list[str]], int | None], argv: list[str] | None = None) 
     except Stopped as e:
         print(str(e), file=sys.stderr)
         raise SystemExit(e.status) from None
-    except KeyboardInterrupt:  # Ctrl-C before a command took over SIGINT: nothing to save yet
-        print("interrupted", file=sys.stderr)
-        raise SystemExit(128 + signal.SIGINT) from None
     except BrokenPipeError:  # the reader of our output left (`| head`): end quietly, as on SIGPIPE
         drop_output()
         raise SystemExit(128 + signal.SIGPIPE) from None

@@ -44,6 +44,7 @@ import threading
 
 import jax
 
+from holmes_jax import cli
 from holmes_jax.cli import RunError
 from holmes_jax.config import ConfigError, check_positive
 from holmes_jax.mesh import nic
@@ -330,11 +331,29 @@ def _why_not_met(address: str | None, index: int | None) -> str:
 def _start(method: str, kwargs: dict) -> None:
     """`jax.distributed.initialize`, or one error line and status 1 after `INIT_TIMEOUT_S`: when its
     own timeout runs out, jaxlib aborts the process with a C++ check failure and a stack dump."""
-    started = threading.Event()
+    started, failed = threading.Event(), []
 
-    def give_up():
-        if started.wait(INIT_TIMEOUT_S):
-            return
+    def start():
+        try:
+            jax.distributed.initialize(**kwargs, initialization_timeout=int(INIT_TIMEOUT_S) + 60)
+        except BaseException as e:  # raised again in the main thread
+            failed.append(e)
+        finally:
+            started.set()
+
+    # Started in a thread of its own: the main thread waits here, where a stop signal's handler runs
+    # (inside jaxlib it ran only once the processes met, up to INIT_TIMEOUT_S later).
+    threading.Thread(target=start, daemon=True).start()
+    try:
+        met = started.wait(INIT_TIMEOUT_S)
+    except (cli.Signalled, KeyboardInterrupt) as e:  # said as cli.run says it, then out at once:
+        # jaxlib's thread cannot be stopped, and would hold the exit
+        line, status = cli.stop_message(e)
+        print(line, file=sys.stderr, flush=True)
+        os._exit(status)
+    if failed:
+        raise failed[0]
+    if not met:
         address, index = kwargs.get("coordinator_address"), kwargs.get("process_id")
         where = f"{method}, coordinator {address or 'found by JAX'}"
         if index is not None:
@@ -342,13 +361,7 @@ def _start(method: str, kwargs: dict) -> None:
         why = _why_not_met(address, index)
         print(f"error: jax.distributed did not start within {INIT_TIMEOUT_S:g} s ({where}); {why}",
               file=sys.stderr, flush=True)
-        os._exit(1)  # the main thread waits inside jaxlib, which aborts if it gives up first
-
-    threading.Thread(target=give_up, daemon=True).start()
-    try:
-        jax.distributed.initialize(**kwargs, initialization_timeout=int(INIT_TIMEOUT_S) + 60)
-    finally:
-        started.set()
+        os._exit(1)  # jaxlib's thread waits on, and aborts the process if it gives up first
 
 
 def initialize(cpu_devices_per_process: int | None = None) -> ProcessInfo:

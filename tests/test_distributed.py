@@ -4,16 +4,18 @@ multi-process training (gloo on CPU) matching one process with the same devices.
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
 from holmes_jax import distributed
 from holmes_jax.config import ConfigError
 from holmes_jax.mesh import nic
-from helpers import REPO, read_metrics
+from helpers import REPO, killed_on_exit, read_metrics
 
 # --------------------------------------------------------------------------- launch detection
 
@@ -326,6 +328,24 @@ def test_coordinator_port_in_use_is_one_error_line(launcher):
     assert r.stderr.strip().splitlines() == [
         f"error: HOLMES_COORDINATOR = {address!r}: port {address.rpartition(':')[2]} is in use on this host, process 0's, "
         "where the coordinator starts; allowed: a free port (holmes_jax.launch: leave --port out)"]
+
+
+@pytest.mark.parametrize("sig, line", [(signal.SIGTERM, "stopped by SIGTERM"), (signal.SIGINT, "interrupted")])
+def test_a_stop_signal_while_the_processes_wait_to_meet_ends_the_process_at_once(tmp_path, sig, line):
+    # jaxlib held the main thread until the processes met: Ctrl-C did nothing for up to 300 s
+    with socket.create_server(("127.0.0.1", 0)) as coordinator:  # it accepts, and answers nothing
+        env = dict(_env(), HOLMES_COORDINATOR=f"127.0.0.1:{coordinator.getsockname()[1]}",
+                   HOLMES_NUM_PROCESSES="2", HOLMES_PROCESS_ID="1")
+        coordinator.settimeout(120)
+        process = subprocess.Popen([sys.executable, "-m", "holmes_jax.train"], stderr=subprocess.PIPE, text=True,
+                                   cwd=tmp_path, env=env)
+        with killed_on_exit(process):
+            connection, _ = coordinator.accept()  # process 1 is inside jax.distributed's start-up
+            with connection:
+                time.sleep(0.5)
+                process.send_signal(sig)
+                err = process.communicate(timeout=30)[1]
+    assert process.returncode == 128 + sig and err.strip().splitlines() == [line], err
 
 
 def test_a_port_taken_on_ipv6_only_is_in_use():
