@@ -19,7 +19,8 @@ has at least 256); `TokenData.check_model_vocab` rejects a model too small for t
 
 Text is cached as a uint8 memmap under `DataConfig.cache_dir`, keyed by the files' absolute paths,
 sizes, modification and change times and inodes, so an edited or replaced file (its modification
-time set back, as `cp -p` or `touch -r` leave it) or another folder of the same name is read anew;
+time set back, as `cp -p` or `touch -r` leave it) or another folder of the same name is read anew
+(the new cache replaces the folder's older one);
 a cache whose size is not the files' (cut short by a crash) is built again.
 The last `val_fraction` of the tokens is the validation split. The batch for step k is a pure
 function of (seed, split, k), so a resumed run sees exactly the batches an uninterrupted one would.
@@ -140,7 +141,9 @@ def _unreadable(path: Path, e: OSError) -> ConfigError:
 
 
 def _cached_bytes(files: list[Path], cache_dir: Path, source: str) -> np.ndarray:
-    """Concatenates `files` into one uint8 memmap, built once per distinct list of files and versions."""
+    """Concatenates `files` into one uint8 memmap, built once per distinct list of files and versions.
+    A new version's cache replaces the older ones of the same files' folder, which would otherwise
+    pile up, a copy of the corpus for each edit."""
     key = hashlib.sha256()
     stats = []
     for f in files:
@@ -155,7 +158,8 @@ def _cached_bytes(files: list[Path], cache_dir: Path, source: str) -> np.ndarray
     size = sum(stat.st_size for stat in stats)
     if not size:
         raise ConfigError(f"DataConfig.source = {source!r} holds no text: its files are empty")
-    cache = cache_dir / f"bytes-{key.hexdigest()[:16]}.u8"
+    where = hashlib.sha256(os.path.commonpath([f.resolve() for f in files]).encode()).hexdigest()[:12]
+    cache = cache_dir / f"bytes-{where}-{key.hexdigest()[:16]}.u8"
     # A cache of another size is cut short (a host that crashed before its data reached the disk): built again.
     if not cache.exists() or cache.stat().st_size != size:
         # A name of its own, not the pid: processes on other hosts (or containers) sharing the
@@ -168,6 +172,10 @@ def _cached_bytes(files: list[Path], cache_dir: Path, source: str) -> np.ndarray
                     with _open_text(f) as text:  # in pieces: a file may be larger than memory
                         shutil.copyfileobj(text, out, COPY_CHUNK)
             os.replace(partial, cache)  # atomic: readers see the whole cache or none
+            for older in cache_dir.glob(f"bytes-{where}-*.u8"):  # a run mapping one keeps reading it
+                if older != cache:
+                    with contextlib.suppress(OSError):
+                        older.unlink()
         except OSError as e:
             message = f"DataConfig.cache_dir = {str(cache_dir)!r} cannot be written ({e.strerror or e}); "
             if e.errno in (errno.ENOSPC, errno.EDQUOT):  # a failure of the run (status 1, as for --out and checkpoints)

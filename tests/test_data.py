@@ -213,6 +213,9 @@ def test_the_text_cache_reads_an_edited_file_and_another_folder_of_the_same_name
     os.utime(edited, ns=(later, later))
     tokens = data.load(DataConfig(source="corpus", seq_len=8, cache_dir=cache))
     assert set(np.unique(tokens.train)) == {ord("C")}
+    # p2's edited corpus replaced p2's old cache (each edit left a copy of the corpus); p1's stays
+    caches = sorted(Path(cache).glob("*.u8"))
+    assert len(caches) == 2 and {bytes(np.fromfile(c, np.uint8)[:1]) for c in caches} == {b"A", b"C"}
 
 
 def test_a_text_folder_skips_hidden_paths_and_binary_files(tmp_path):
