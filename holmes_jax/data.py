@@ -46,6 +46,7 @@ from holmes_jax import cli, prepare
 from holmes_jax.config import ConfigError, DataConfig
 from holmes_jax.prepare import BYTE_VOCAB, META_FILE, TOKEN_FILE, TOKENIZER_FILE
 
+LARGEST_ID = 1 << 24  # 16x prepare's largest bpe:N: a larger id in a token file is a misread file
 SCAN_CHUNK = 1 << 24  # token ids read at a time when scanning a file for its largest id
 COPY_CHUNK = 1 << 20  # bytes read at a time when copying text files into the cache
 # A prepared source's meta.json as a run keeps it in its workdir (its end-of-text id, for export and
@@ -278,6 +279,10 @@ def load(cfg: DataConfig) -> TokenData:
                               f"(uint32, or int64 from np.array(ids).tofile) are read as {cfg.token_dtype}; set "
                               "DataConfig.token_dtype to the file's type (uint16 | uint32) or write the ids with "
                               "np.asarray(ids, np.uint16).tofile(path)")
+        if top >= LARGEST_ID:  # pairs of uint16 ids read as one uint32: ids in the billions
+            raise ConfigError(f"DataConfig.source = {cfg.source!r} holds token id {top:,} as {cfg.token_dtype}, beyond "
+                              f"any vocabulary, as when uint16 ids are read as uint32; set DataConfig.token_dtype "
+                              f"to the file's type")
         if cfg.vocab_size is not None and top >= cfg.vocab_size:
             raise ConfigError(f"DataConfig.source = {cfg.source!r} holds token id {top}, outside "
                               f"DataConfig.vocab_size = {cfg.vocab_size}; set it to at least {top + 1}")

@@ -338,6 +338,17 @@ def test_ids_wider_than_the_token_dtype_are_an_error_not_every_second_id_zero(tm
     np.testing.assert_array_equal(np.concatenate([tokens.train, tokens.val]), ids)
 
 
+@pytest.mark.parametrize("vocab_size", [None, 1024])
+def test_uint16_ids_read_as_uint32_are_an_error_naming_the_dtype(tmp_path, vocab_size):
+    # pairs of ids read as one: ids in the billions, so the model took a vocabulary of billions
+    # (or the error said to raise DataConfig.vocab_size to that)
+    path = _write(tmp_path / "ids.bin", (np.arange(5000) % 1000 + 1).astype("<u2").tobytes())
+    cfg = DataConfig(source=path, seq_len=8, token_dtype="uint32", vocab_size=vocab_size, cache_dir=str(tmp_path))
+    with pytest.raises(ConfigError, match="as uint32, beyond any vocabulary.*set DataConfig.token_dtype"):
+        data.load(cfg)
+    assert data.load(dataclasses.replace(cfg, token_dtype="uint16")).vocab_size == (vocab_size or 1001)
+
+
 @pytest.mark.parametrize("left", [0, 500])
 def test_a_text_cache_cut_short_is_built_again(tmp_path, left):
     # what a host that crashed before the cache reached its disk can leave under the cache's name
