@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -101,10 +102,18 @@ def _say(text: str, stream, lock: threading.Lock) -> None:
             pass
 
 
+# What gloo prints on stdout for every context it connects, in every process (dozens a run): left
+# out where all the peers it expected connected; a shortfall is shown.
+GLOO_CONNECTED = re.compile(r"\[Gloo\] Rank \d+ is connected to (\d+) peer ranks\. "
+                            r"Expected number of connected peer ranks is : \1")
+
+
 def _pump(pipe, prefix: str, stream, lock: threading.Lock) -> None:
     # Reads to the end even when `stream` is gone: a process blocked on a full pipe would hang the job.
     for raw in iter(pipe.readline, b""):
-        _say(prefix + raw.decode(errors="replace").rstrip("\n"), stream, lock)
+        line = raw.decode(errors="replace").rstrip("\n")
+        if not GLOO_CONNECTED.fullmatch(line):
+            _say(prefix + line, stream, lock)
     pipe.close()
 
 

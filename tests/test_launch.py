@@ -76,6 +76,15 @@ def test_output_is_prefixed_line_by_line_on_both_streams():
     assert sorted(r.stderr.splitlines()) == sorted([f"[rank {i}] one" for i in range(3)] + [f"[rank {i}] two {i}" for i in range(3)])
 
 
+def test_gloos_line_for_every_connected_context_is_left_out_and_a_shortfall_shown():
+    # gloo prints one such line per context and process: dozens in a run's console
+    connected = "[Gloo] Rank 0 is connected to 3 peer ranks. Expected number of connected peer ranks is : 3"
+    short = "[Gloo] Rank 0 is connected to 2 peer ranks. Expected number of connected peer ranks is : 3"
+    script = f"print({connected!r}); print({short!r}); print('step 1')"
+    r = run_module("holmes_jax.launch", "-n", "1", "--", sys.executable, "-c", script)
+    assert r.returncode == 0 and r.stdout.splitlines() == [f"[rank 0] {short}", "[rank 0] step 1"], r.stdout
+
+
 def _exit_once_rank_0_is_ready(status: int) -> str:
     """Script lines for rank 1: exit with `status` once rank 0 has made the file $READY, so that
     its failure never overtakes rank 0's start (a fixed sleep did on a loaded machine); 9 if
