@@ -252,11 +252,11 @@ class Checkpointer:
 
     def _set_aside(self, steps: list[int]) -> None:
         """Renames damaged step directories so that orbax ignores them and the run can save those
-        steps again. Process 0 renames; every process waits for it. A step with no directory here
-        (listed by another process only) is left: there is nothing to rename."""
-        from jax.experimental import multihost_utils
-
-        multihost_utils.sync_global_devices("holmes_jax: restored")
+        steps again. Process 0 renames; every process waits for it, through the key-value store
+        (a device barrier would open a communicator over every device before the warm-up, which
+        across NIC classes cannot connect). A step with no directory here (listed by another
+        process only) is left: there is nothing to rename."""
+        distributed.every_process("checkpoint set aside: all read", "")
         if jax.process_index() == 0:
             for step in steps:
                 if not (self.directory / str(step)).exists():
@@ -265,7 +265,7 @@ class Checkpointer:
                 while aside.exists():  # set aside before, at the same step
                     aside, n = self.directory / f"{step}.damaged{n}", n + 1
                 (self.directory / str(step)).rename(aside)
-        multihost_utils.sync_global_devices("holmes_jax: damaged checkpoints set aside")
+        distributed.every_process("checkpoint set aside: renamed", "")
         self._manager.reload()
 
     def close(self) -> None:
