@@ -105,11 +105,15 @@ def _fields(hf: dict) -> dict:
             raise ConfigError(f"config.json hidden_act = {hf['hidden_act']!r}: only 'silu' (SwiGLU) is supported")
         if hf.get("attention_bias", False) != hf.get("mlp_bias", False):
             raise ConfigError("config.json attention_bias and mlp_bias differ; ModelConfig.bias covers both")
-        heads = hf["num_attention_heads"]
-        if hf.get("head_dim", hf["hidden_size"] // heads) * heads != hf["hidden_size"]:
-            raise ConfigError(f"config.json head_dim = {hf['head_dim']}: only hidden_size / num_attention_heads")
+        heads, hidden = hf["num_attention_heads"], hf["hidden_size"]
+        if heads < 1 or hidden % heads:
+            raise ConfigError(f"config.json hidden_size = {hidden!r} is not a multiple of num_attention_heads = "
+                              f"{heads!r}")
+        head_dim = hf.get("head_dim") or hidden // heads  # null or absent: LlamaConfig's default
+        if head_dim * heads != hidden:
+            raise ConfigError(f"config.json head_dim = {head_dim!r}: only hidden_size / num_attention_heads")
         return dict(positions="rotary", norm="rmsnorm", mlp="swiglu", num_layers=hf["num_hidden_layers"],
-                    hidden=hf["hidden_size"], num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
+                    hidden=hidden, num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
                     ffn_hidden=hf["intermediate_size"], vocab_size=hf["vocab_size"],
                     norm_eps=hf.get("rms_norm_eps", 1e-6), rope_base=rope.get("rope_theta", hf.get("rope_theta", 1e4)),
                     tie_embeddings=hf.get("tie_word_embeddings", False), bias=hf.get("attention_bias", False))
@@ -272,9 +276,10 @@ def _from_hf(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict:
 
 
 def _tensor_files(folder: Path) -> list[Path]:
-    """model.safetensors, or every shard a model.safetensors.index.json lists."""
+    """model.safetensors, or (without one) every shard a model.safetensors.index.json lists: the
+    order `transformers` looks in, so a folder holding both gives its model."""
     index = folder / "model.safetensors.index.json"
-    if index.is_file():
+    if not (folder / "model.safetensors").is_file() and index.is_file():
         weight_map = _read_json(index).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map or not all(
                 isinstance(name, str) and name for name in weight_map.values()):

@@ -190,17 +190,28 @@ def _drop(config: dict, key: str) -> dict:
     return {k: v for k, v in config.items() if k != key}
 
 
+def _index_only(folder, index: dict) -> None:
+    """A sharded folder: its index and no model.safetensors (which transformers would read first)."""
+    (folder / "model.safetensors").unlink()
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
 DAMAGED_FOLDERS = {  # case: (what is written over the saved folder, what the error names)
     "config.json not JSON": (lambda f, c, t: (f / "config.json").write_text("{broken"), "cannot be read as JSON"),
     "a field missing": (lambda f, c, t: (f / "config.json").write_text(json.dumps(_drop(c, "intermediate_size"))),
                         "config.json has no 'intermediate_size'"),
-    "a field null": (lambda f, c, t: (f / "config.json").write_text(json.dumps(c | {"head_dim": None})), "wrong type"),
-    "an index without weight_map": (lambda f, c, t: (f / "model.safetensors.index.json").write_text("{}"),
-                                    "has no weight_map"),
-    "a weight_map of numbers": (lambda f, c, t: (f / "model.safetensors.index.json").write_text(
-        json.dumps({"weight_map": {"model.norm.weight": 1}})), "has no weight_map"),
-    "an empty weight_map": (lambda f, c, t: (f / "model.safetensors.index.json").write_text(
-        json.dumps({"weight_map": {}})), "has no weight_map"),
+    "a field null": (lambda f, c, t: (f / "config.json").write_text(json.dumps(c | {"num_attention_heads": None})),
+                     "wrong type"),
+    # was a ZeroDivisionError traceback
+    "no heads": (lambda f, c, t: (f / "config.json").write_text(json.dumps(c | {"num_attention_heads": 0})),
+                 "hidden_size = 64 is not a multiple of num_attention_heads = 0"),
+    # was "config.json has no 'head_dim'"
+    "heads that do not divide hidden": (lambda f, c, t: (f / "config.json").write_text(json.dumps(
+        _drop(c, "head_dim") | {"num_attention_heads": 5})), "hidden_size = 64 is not a multiple of num_attention_heads = 5"),
+    "an index without weight_map": (lambda f, c, t: _index_only(f, {}), "has no weight_map"),
+    "a weight_map of numbers": (lambda f, c, t: _index_only(f, {"weight_map": {"model.norm.weight": 1}}),
+                                "has no weight_map"),
+    "an empty weight_map": (lambda f, c, t: _index_only(f, {"weight_map": {}}), "has no weight_map"),
     "integer tensors": (lambda f, c, t: safetensors.numpy.save_file({k: v.astype(np.int32) for k, v in t.items()},
                                                                      f / "model.safetensors"),
                         "allowed: float32, float16, bfloat16"),
@@ -354,6 +365,29 @@ def test_importing_the_package_starts_no_jax():
                           env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "no jax"
+
+
+@pytest.mark.parametrize("head_dim", [None, "absent"])
+def test_a_llama_config_without_head_dim_means_hidden_over_heads(tmp_path, head_dim):
+    # LlamaConfig takes a null or absent head_dim as hidden_size / num_attention_heads; a null one
+    # was refused as 'a field of the wrong type'.
+    cfg = presets.resolve(ModelConfig(preset="llama-tiny", num_layers=2, hidden=64, ffn_hidden=96))
+    folder, params = _saved(tmp_path, cfg)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(_drop(config, "head_dim") | ({} if head_dim else {"head_dim": None})))
+    jax.tree.map(np.testing.assert_array_equal, export.import_hf(folder, cfg), params)
+
+
+def test_a_folder_with_both_model_safetensors_and_an_index_gives_model_safetensors(tmp_path):
+    # transformers reads model.safetensors first; the import read the index's shards (here an
+    # older model's) and started the run from other weights than transformers gives.
+    cfg = presets.resolve(ModelConfig(preset="llama-tiny", num_layers=2, hidden=64, ffn_hidden=96))
+    folder, params = _saved(tmp_path, cfg)
+    older = safetensors.numpy.load_file(_saved(tmp_path / "older", cfg, seed=1)[0] / "model.safetensors")
+    safetensors.numpy.save_file(older, folder / "model-00001-of-00001.safetensors")
+    (folder / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {name: "model-00001-of-00001.safetensors" for name in older}}))
+    jax.tree.map(np.testing.assert_array_equal, export.import_hf(folder, cfg), params)
 
 
 def test_import_reads_sharded_bfloat16_folders(tmp_path):
