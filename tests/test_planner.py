@@ -12,7 +12,7 @@ import pytest
 from holmes_jax.config import ConfigError, ModelConfig, ParallelConfig
 from holmes_jax.mesh import devices as real
 from holmes_jax.models import presets
-from holmes_jax.planning import placement, plan, search
+from holmes_jax.planning import partition, placement, plan, search
 from holmes_jax.planning.topology import NIC_CLASSES, Cluster, Topology, load
 
 from helpers import REPO
@@ -361,3 +361,19 @@ def test_where_stages_spanning_clusters_would_not_fit_either_the_error_does_not_
     assert "spanning clusters" not in str(e.value) and "allow_mixed" not in str(e.value)
 
 
+
+
+@pytest.mark.parametrize("topology, model, batch, allow_mixed", [
+    ("ib3_roce5", "350m", 64, True),  # a stage spanning clusters syncs slowly: its best split is 3,21
+    ("three_clusters", "350m", 64, False),
+])
+def test_plan_is_the_fastest_layout_and_split_the_cost_model_predicts(topology, model, batch, allow_mixed):
+    # every layout the search considers, each at every split: the time-balanced split ignores the
+    # gradient sync, and a layout screened at it alone never got the partition search
+    t, cfg = topo(topology), presets.resolve(ModelConfig(preset=model))
+    found = plan(t, cfg, global_batch=batch, allow_mixed=allow_mixed).prediction.step_time_s
+    candidates, _, _ = search._candidates(t, cfg, ParallelConfig(), set(search.SEARCHABLE), batch, cfg.max_seq_len,
+                                          allow_mixed, None)
+    fastest = min(float(c.model.step_times(partition.compositions(cfg.num_layers, c.model.num_stages)).min())
+                  for c in candidates if c.model.num_stages <= 4)
+    assert found <= fastest * (1 + 1e-9)

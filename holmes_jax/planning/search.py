@@ -2,9 +2,10 @@
 
 Sizes left to the planner (tp, pp,
 dp, microbatches, schedule) are searched: every layout that fits the topology, the model, the
-batch and device memory is screened with a cheap split (the time-balanced one for `auto`),
-simulated in the order of its lower bound until no bound can win, and the best few get the full
-partition search. Predictions come from holmes_jax.planning.cost; TFLOPS use Megatron's formula
+batch and device memory is screened (for `auto` at every split where there are few, as its
+partition search would try them, else at the time-balanced one), simulated in the order of its
+lower bound until no bound can win, and the best few get the full partition search.
+Predictions come from holmes_jax.planning.cost; TFLOPS use Megatron's formula
 (holmes_jax.planning.workload.megatron_flops), the recompute variant when the model's remat
 policy is 'full'.
 
@@ -433,7 +434,7 @@ def plan(topology, model, parallel: ParallelConfig | None = None, *, global_batc
     for c in sorted(candidates, key=lambda c: c.bound):
         if len(timed) >= FULL_SEARCH and c.bound >= timed[FULL_SEARCH - 1][0]:
             break
-        timed = sorted(timed + [(float(c.model.step_times([c.split])[0]), len(timed), c)], key=lambda t: t[:2])
+        timed = sorted(timed + [(c.screen_time(), len(timed), c)], key=lambda t: t[:2])
     best = None
     for _, _, c in timed[:FULL_SEARCH]:
         prediction = c.model.predict(partition.split(par.partition, c.model, c.weights, par.stage_layers))
@@ -456,13 +457,13 @@ def plan(topology, model, parallel: ParallelConfig | None = None, *, global_batc
 
 def _mixed_hint(mixed: list["_Candidate"]) -> str | None:
     """Where nothing fits without allow_mixed, a line on the fastest of the candidates only it
-    allows (at their screening split), or None where there is none. Only a plan's, not a note:
+    allows (at their screening splits), or None where there is none. Only a plan's, not a note:
     training has no such setting."""
     best, best_time = None, math.inf
     for c in sorted(mixed, key=lambda c: c.bound):  # simulated in lower-bound order, as the search does
         if c.bound >= best_time:
             break
-        step = float(c.model.step_times([c.split])[0])
+        step = c.screen_time()
         if step < best_time:
             best, best_time = c, step
     if best is None:
@@ -503,8 +504,14 @@ class _Candidate:
     placement: Placement
     model: CostModel
     weights: list[float]  # holmes-ratio's per stage
-    split: tuple[int, ...]  # the screening split: time-balanced for auto, else the method's own
+    # the screening splits: for auto every split where there are few, else the time-balanced one (or the
+    # even one where that is over memory); else the method's own
+    splits: np.ndarray  # (count, stages)
     notes: tuple[str, ...]  # how a measured profile entered its cost model
+
+    def screen_time(self) -> float:
+        """The predicted step of the fastest screening split (walks the tick table)."""
+        return float(self.model.step_times(self.splits).min())
 
 
 def _candidates(topo: Topology, cfg: ModelConfig, par: ParallelConfig, free: set, global_batch: int, seq_len: int,
@@ -583,7 +590,15 @@ def _candidates(topo: Topology, cfg: ModelConfig, par: ParallelConfig, free: set
                                  f"device_memory_gb in the topology{remat_hint}"
                                  f"{', or a more even split: partition auto picks one that fits' if uneven else ''})"))
                     continue
-                found.append(_Candidate(bound, pl, model, weights, split, notes))
+                splits = np.array([split])
+                if not own_split and math.comb(cfg.num_layers - 1, pp - 1) <= partition.EXHAUSTIVE_LIMIT:
+                    # Every split where auto's full search would try them all (one batched walk of
+                    # the ticks): the time-balanced split ignores each stage's gradient sync, and
+                    # where a slow data ring makes that weigh, a layout screened at it alone looks
+                    # too slow to get the full search.
+                    splits = partition.compositions(cfg.num_layers, pp)
+                    bound = float(model.lower_bounds(splits).min())
+                found.append(_Candidate(bound, pl, model, weights, splits, notes))
         if "microbatches" in free and len(found) == fitted:
             beyond += _past_the_cap(cfg, pl, global_batch, seq_len, schedules, par, prof, topo)
     if unsplit:
