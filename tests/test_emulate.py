@@ -171,6 +171,18 @@ def test_bad_command_line_exits_2(args, message):
     assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], r.stderr
 
 
+def test_the_emulated_topology_file_describes_the_emulators_default_testbed():
+    # the README's emulated run plans on it: rates that drift from the emulator's mislead the plan
+    from holmes_jax.planning import topology as topologies
+
+    topology = topologies.load(str(pathlib.Path(__file__).resolve().parents[1] / "configs/topologies/emulated_2x2.toml"))
+    assert [(c.name, c.nic, c.nodes, c.devices_per_node) for c in topology.clusters] == [
+        ("ib", "infiniband", 2, 1), ("roce", "roce", 2, 1)]
+    for cluster in topology.clusters:
+        assert cluster.nic_gbps * 1000 == emulate.INTRA_MBIT[cluster.nic]
+    assert topology.inter_cluster.gbps * 1000 == emulate.INTER_MBIT / 2  # one uplink shared by a cluster's 2 hosts
+
+
 @needs_root
 def test_command_line_runs_a_command_on_every_host():
     r = run_module("holmes_jax.emulate", "--clusters", "a:infiniband:1,b:ethernet:1", "--inter-mbit", "50", "--",
