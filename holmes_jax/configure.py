@@ -222,11 +222,20 @@ def _include_cycle(e: RecursionError) -> str:
     return chain + ": an include cycle; allowed: includes that never lead back to a file including them"
 
 
+def _default_gin() -> Path:
+    """configs/default.gin of the repository the package is installed from (editable, as the
+    README installs it: a wheel holds the package alone)."""
+    if not DEFAULT_GIN.is_file():
+        raise ConfigError(f"{DEFAULT_GIN} is missing: holmes_jax reads configs/default.gin from the repository it "
+                          "was installed from (pip install -e . there), or skip it with --no_default_gin")
+    return DEFAULT_GIN
+
+
 def load_configs(argv: list[str]) -> Configs:
     """Parses configs/default.gin, the gin files on top of it and the bindings into validated configs
     (the model resolved from its preset)."""
     files, bindings = parse_args(argv)
-    base = [] if None in files else [str(DEFAULT_GIN)]
+    base = [] if None in files else [str(_default_gin())]
     files = [f for f in files if f is not None]
     for f in files:
         if not Path(f).is_file():
@@ -318,7 +327,7 @@ def fields_help(width: int | None = None) -> str:
     where there is room, else under it."""
     width = width or shutil.get_terminal_size().columns
     gin.clear_config()
-    gin.parse_config_file(str(DEFAULT_GIN))
+    gin.parse_config_file(str(_default_gin()))
     based = {cls.__name__: cls() for cls in CLASSES}
     gin.clear_config()
     preset = presets.resolve(based["ModelConfig"])  # what a None model field runs with

@@ -42,6 +42,14 @@ def test_no_default_gin_starts_from_the_class_defaults(tmp_path):
     assert cfgs.train == dataclasses.replace(class_defaults(TrainConfig), steps=7)
 
 
+def test_a_missing_default_gin_is_one_error_naming_the_way_out(tmp_path, monkeypatch):
+    # a wheel install (pip install ., not -e) holds no configs/: gin's FileNotFoundError traceback
+    monkeypatch.setattr(configure, "DEFAULT_GIN", tmp_path / "configs" / "default.gin")
+    with pytest.raises(ConfigError, match="default.gin is missing: .*pip install -e . there.*--no_default_gin"):
+        configure.load_configs([])
+    assert configure.load_configs(["--no_default_gin"]).model.preset  # the class defaults still run
+
+
 def test_the_operative_config_holds_the_resolved_model_and_reloads_to_it(tmp_path):
     cfgs = configure.load_configs(["--gin.ModelConfig.hidden=64"])
     operative = configure.operative_config(cfgs)
