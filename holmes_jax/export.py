@@ -249,15 +249,14 @@ def _check_tensors(found: dict[str, tuple[str, tuple, str, Path]], cfg: ModelCon
                                       f"layer {i}) is nonzero; set ModelConfig.bias = True")
 
 
-def _from_hf(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict:
-    """Hugging Face tensors, already checked against `cfg` (`check_hf_folder`) -> canonical float32
-    parameters of `cfg`."""
-    tensors = _full_names(tensors, cfg)
+def _from_hf(read, cfg: ModelConfig) -> dict:
+    """Hugging Face tensors, already checked against `cfg` (`check_hf_folder`), each `read(name)`
+    by its causal-LM name -> canonical float32 parameters of `cfg`."""
     abstract = jax.eval_shape(lambda: gpt.GPT(cfg).init(0))
     params = jax.tree.map(lambda s: np.zeros(s.shape, np.float32), abstract)
     for name, path, layer, transposed in _pairs(cfg):
         leaf = _get(params, path)
-        x = np.asarray(tensors[name], np.float32)
+        x = np.asarray(read(name), np.float32)
         x = x.T if transposed else x
         if layer is None:
             _get(params, path[:-1])[path[-1]] = x
@@ -267,10 +266,10 @@ def _from_hf(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict:
         blocks = params["blocks"]
         for i in range(cfg.num_layers):
             pre = f"transformer.h.{i}."
-            for p, x in zip("qkv", np.split(np.asarray(tensors[pre + "attn.c_attn.weight"], np.float32), 3, axis=1)):
+            for p, x in zip("qkv", np.split(np.asarray(read(pre + "attn.c_attn.weight"), np.float32), 3, axis=1)):
                 blocks[p]["kernel"][i] = x
             if cfg.bias:
-                for p, x in zip("qkv", np.split(np.asarray(tensors[pre + "attn.c_attn.bias"], np.float32), 3)):
+                for p, x in zip("qkv", np.split(np.asarray(read(pre + "attn.c_attn.bias"), np.float32), 3)):
                     blocks[p]["bias"][i] = x
     return params
 
@@ -301,6 +300,11 @@ def check_hf_folder(folder: str | Path, cfg: ModelConfig) -> Path:
     """`folder` as a Path, once its config.json and its tensors' names, types and shapes fit `cfg`
     (a ConfigError otherwise). It reads the tensor headers, not the weights (only GPT-2's biases when
     `cfg` has none), so a run checks its init_from before it writes anything."""
+    return _checked_reader(folder, cfg)[0]
+
+
+def _checked_reader(folder: str | Path, cfg: ModelConfig):
+    """`check_hf_folder`'s folder and a `read(name)` of one tensor by our name, from its file."""
     folder = Path(folder).expanduser()
     if not (folder / "config.json").is_file():
         raise ConfigError(f"ModelConfig.init_from = {str(folder)!r} is not allowed; allowed: a Hugging Face model "
@@ -325,7 +329,7 @@ def check_hf_folder(folder: str | Path, cfg: ModelConfig) -> Path:
     where = (repr(str(files[0])) if len(files) == 1 else
              f"the {len(files)} shards model.safetensors.index.json lists in {str(folder)!r}")
     _check_tensors(found, cfg, read, where)
-    return folder
+    return folder, read
 
 
 def _read_json(path: Path) -> dict:
@@ -339,11 +343,10 @@ def _read_json(path: Path) -> dict:
 
 
 def import_hf(folder: str | Path, cfg: ModelConfig) -> dict:
-    """Canonical float32 parameters (numpy) of the Hugging Face model in `folder`, which must fit `cfg`."""
-    tensors = {}
-    for path in _tensor_files(check_hf_folder(folder, cfg)):
-        tensors.update(safetensors.numpy.load_file(path))
-    return _from_hf(tensors, cfg)
+    """Canonical float32 parameters (numpy) of the Hugging Face model in `folder`, which must fit `cfg`.
+    Read a tensor at a time, and only those `cfg` takes: a whole file at once held an 8B model's
+    bfloat16 weights (16 GB) beside their float32 copies."""
+    return _from_hf(_checked_reader(folder, cfg)[1], cfg)
 
 
 def save_hf(params: dict, cfg: ModelConfig, out: str | Path, tokenizer: Path | None = None,

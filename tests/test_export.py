@@ -186,6 +186,27 @@ def test_import_names_every_field_that_does_not_fit(tmp_path):
         export.import_hf(folder, gpt2)
 
 
+def test_import_reads_a_tensor_at_a_time_and_only_those_the_model_takes(tmp_path):
+    # the files were read whole: an 8B model's bfloat16 weights (16 GB) beside their float32 copies,
+    # and tensors the model never takes (GPT-2's causal-mask buffers)
+    import tracemalloc
+
+    cfg = presets.resolve(ModelConfig(preset="tiny", num_layers=2, hidden=64, ffn_hidden=96))
+    folder, params = _saved(tmp_path, cfg)
+    tensors = safetensors.numpy.load_file(folder / "model.safetensors")
+    unused = {f"transformer.h.{i}.attn.bias": np.ones((1, 1, 1024, 1024), np.float32) for i in range(2)}  # 4 MB each
+    safetensors.numpy.save_file(tensors | unused, folder / "model.safetensors")
+    model_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+    tracemalloc.start()  # numpy reports its arrays to tracemalloc too
+    try:
+        imported = export.import_hf(folder, cfg)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    jax.tree.map(np.testing.assert_array_equal, imported, params)
+    assert peak < 2 * model_bytes + (1 << 20), f"peak {peak:,} bytes for a model of {model_bytes:,}"
+
+
 def _drop(config: dict, key: str) -> dict:
     return {k: v for k, v in config.items() if k != key}
 
