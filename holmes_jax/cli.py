@@ -140,7 +140,7 @@ def run(main: Callable[[list[str]], int | None], argv: list[str] | None = None) 
     try:
         code = main(sys.argv[1:] if argv is None else argv)
         sys.stdout.flush()  # now: at exit, a failure was Python's 'Exception ignored ...' and status 120
-    except (Signalled, KeyboardInterrupt) as e:  # Ctrl-C before a command took over SIGINT: nothing to save yet
+    except (Signalled, KeyboardInterrupt) as e:  # a stop before a command took the signal over: nothing to save yet
         line, status = stop_message(e)
         print(line, file=sys.stderr)
         raise SystemExit(status) from None
