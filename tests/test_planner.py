@@ -361,8 +361,6 @@ def test_where_stages_spanning_clusters_would_not_fit_either_the_error_does_not_
     assert "spanning clusters" not in str(e.value) and "allow_mixed" not in str(e.value)
 
 
-
-
 @pytest.mark.parametrize("topology, model, batch, allow_mixed", [
     ("ib3_roce5", "350m", 64, True),  # a stage spanning clusters syncs slowly: its best split is 3,21
     ("three_clusters", "350m", 64, False),
