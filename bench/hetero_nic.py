@@ -38,7 +38,12 @@ the uplink (gloo's ring sends both ways at once, and a shaped link carrying data
 other flow's acks back gives TCP less than a one-way transfer measures: 51-92 Mbit/s against 94
 of 100).
 
-Run (root): python bench/hetero_nic.py     Last line: one JSON object of the figures.
+Run (root): python bench/hetero_nic.py     Last line: one JSON object of the figures: the measured
+step times in seconds a_homogeneous_s, b_naive_s, c_holmes_uniform_s, d_holmes_auto_s,
+e_holmes_ratio_s (and f_slow_devices_uniform_s, g_slow_devices_auto_s where CPU caps work),
+predicted_s and stage_layers (each keyed by the same names), auto_stage_layers (d's) and
+slow_auto_stage_layers (g's). Targets: (d) <= 0.87 (c) with an uneven split, (d) <= (e),
+(b)/(d) >= 2.5, (d)/(a) <= 1.10, every prediction within 15%, (g) <= 0.85 (f).
 Sizing (no root): python bench/hetero_nic.py --size   The cost model's (a)-(e) for candidate rates.
 A stop (Ctrl-C, SIGTERM, SIGHUP) tears the testbed down and exits 128 + the signal's number.
 """
