@@ -152,14 +152,15 @@ def _cached_bytes(files: list[Path], cache_dir: Path, source: str) -> np.ndarray
             stats.append(f.stat())
         except OSError as e:  # removed since the folder was listed
             raise _unreadable(f, e) from None
-    for f, stat in zip(files, stats):
+    resolved = [f.resolve() for f in files]
+    for f, stat in zip(resolved, stats):
         # The change time and inode too: a write or a replacing rename always changes them, while
         # `cp -p`, `touch -r` or an unpacked archive can give new content the old size and mtime.
-        key.update(f"{f.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}\0{stat.st_ctime_ns}\0{stat.st_ino}\0".encode())
+        key.update(f"{f}\0{stat.st_size}\0{stat.st_mtime_ns}\0{stat.st_ctime_ns}\0{stat.st_ino}\0".encode())
     size = sum(stat.st_size for stat in stats)
     if not size:
         raise ConfigError(f"DataConfig.source = {source!r} holds no text: its files are empty")
-    where = hashlib.sha256(os.path.commonpath([f.resolve() for f in files]).encode()).hexdigest()[:12]
+    where = hashlib.sha256(os.path.commonpath(resolved).encode()).hexdigest()[:12]
     cache = cache_dir / f"bytes-{where}-{key.hexdigest()[:16]}.u8"
     # A cache of another size is cut short (a host that crashed before its data reached the disk): built again.
     if not cache.exists() or cache.stat().st_size != size:

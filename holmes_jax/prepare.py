@@ -298,7 +298,7 @@ def bpe_training_pieces(text: str) -> Iterator[str]:
         yield text[start:]
 
 
-def train_bpe(size: int, docs: Callable[[Progress], Iterator[bytes]], total_bytes: int) -> HFTokenizer:
+def train_bpe(size: int, docs: Callable[[Progress], Iterator[Part]], total_bytes: int) -> HFTokenizer:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())
@@ -313,7 +313,7 @@ def train_bpe(size: int, docs: Callable[[Progress], Iterator[bytes]], total_byte
     return HFTokenizer(tokenizer)
 
 
-def make_tokenizer(spec: str, docs: Callable[[Progress], Iterator[bytes]], total_bytes: int):
+def make_tokenizer(spec: str, docs: Callable[[Progress], Iterator[Part]], total_bytes: int):
     if spec == "bytes":
         return ByteTokenizer()
     if spec.startswith("bpe:"):

@@ -443,9 +443,9 @@ def main(argv: list[str]) -> int:
     distributed.check_same_settings(configure.operative_config(cfgs))  # else ranks would wait on each other for ever
     # Before minutes of profiling, not after. Only process 0 writes the profile, so its verdict on
     # --out is every process's (the folder may exist on its host alone).
-    problem = _out_problem(args.out) if jax.process_index() == 0 else ""
-    if problem := distributed.every_process("profile --out", problem)[0]:
-        parser.error(problem)
+    verdict = distributed.every_process("profile --out", _out_problem(args.out) if jax.process_index() == 0 else "")
+    if verdict[0]:
+        parser.error(verdict[0])
     # Progress on stderr, the profile alone on stdout: `... > profile.json` is clean JSON too.
     say = functools.partial(print, file=sys.stderr) if jax.process_index() == 0 else (lambda *a: None)
     if cfgs.parallel.profile:
