@@ -37,6 +37,7 @@ import time
 
 import jax
 
+jax.config.update("jax_platforms", "cpu")  # what it measures is the CPU devices', also on a GPU host
 jax.config.update("jax_num_cpu_devices", 8)
 
 import numpy as np  # noqa: E402

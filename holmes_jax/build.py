@@ -18,12 +18,12 @@ from holmes_jax.configure import Configs
 from holmes_jax.mesh.devices import build_mesh, local_topology, ordered_devices
 from holmes_jax.models import gpt
 from holmes_jax.optimizer import make_optimizer
-from holmes_jax.pipeline.runtime import Pipeline
+from holmes_jax.pipeline.runtime import Pipeline, map_blocks
 from holmes_jax.pipeline.update import make_settle, make_update
 from holmes_jax.planning import Plan
 from holmes_jax.planning.communicators import cross_cluster_hops
 from holmes_jax.planning.measured import Profile
-from holmes_jax.sharding import gradient_specs, pending_shapes, pending_specs, state_shardings
+from holmes_jax.sharding import canonical_shardings, gradient_specs, pending_shapes, pending_specs, state_shardings
 
 
 def peak_tflops(devices) -> tuple[float, str]:
@@ -103,11 +103,26 @@ class Setup:
         params = self.model.init(self.cfgs.train.seed) if params is None else params
         return {"params": params, "opt_state": self.tx.init(params), "step": jnp.zeros((), jnp.int32)}
 
+    @functools.cached_property
+    def _between_layouts(self) -> dict:
+        """Where a state passes between the canonical and the staged layout: staged, each block
+        leaf split over `data` where the canonical splits it over `stage` and `data` together,
+        so each change of layout is one all-to-all over `stage`. Left to XLA, it gathered whole
+        leaves on every device (a resume's temporaries were the whole model)."""
+        def staged(sharding):
+            dims = [None if d == "stage" else "data" if d == ("stage", "data") else d for d in sharding.spec]
+            return NamedSharding(self.mesh, P("stage", *dims))
+
+        return map_blocks(staged, self.canonical_shardings)
+
     def _staged_state(self, canonical: dict) -> dict:
-        return self._with_nothing_pending(self.pipeline.to_staged(canonical))
+        staged = jax.lax.with_sharding_constraint(self.pipeline.to_staged(canonical), self._between_layouts)
+        return self._with_nothing_pending(staged)
 
     def _fresh_state(self, params: dict | None = None) -> dict:
-        return self._staged_state(self._canonical_state(params))
+        # spread as a checkpoint's state is: left to XLA, each device made the whole model first
+        return self._staged_state(jax.lax.with_sharding_constraint(self._canonical_state(params),
+                                                                   self.canonical_shardings))
 
     # The jitted programs below are made once per Setup: a new `jax.jit` of a new function traces
     # and compiles again on every call (a profile starts many fresh states, a run saves often).
@@ -141,7 +156,9 @@ class Setup:
     def canonical(self):
         """`canonical(state)`: what a checkpoint stores, the updates settled, real layers only, in
         model order; jitted once, run at every save."""
-        return jax.jit(lambda st: self.pipeline.to_canonical(self._settled(st)), out_shardings=self.canonical_shardings)
+        return jax.jit(lambda st: self.pipeline.to_canonical(
+            jax.lax.with_sharding_constraint(self._settled(st), self._between_layouts)),
+            out_shardings=self.canonical_shardings)
 
     @functools.cached_property
     def staged(self):
@@ -199,7 +216,7 @@ def build(cfgs: Configs, devices=None) -> Setup:
     shardings["pending"] = jax.tree.map(lambda spec: NamedSharding(mesh, spec), pending_specs(grad_specs),
                                         is_leaf=lambda x: isinstance(x, P))
     return Setup(cfgs, the_plan, mesh, model, pipeline, tx, schedule, shardings,
-                 state_shardings(mesh, tx, canonical, None, par.zero1), grad_specs,
+                 canonical_shardings(mesh, tx, canonical), grad_specs,
                  NamedSharding(mesh, P(None, "data", None)),
                  pending_shapes(staged, grad_specs, jnp.dtype(par.update_gather_dtype)))
 

@@ -1,7 +1,7 @@
 """Where a run's arrays live on the mesh (stage, data, tensor): parameters as the model's
 tensor-parallel specs say (blocks split over `stage` in the staged layout), gradients, Adam
 moments and the pending updates (pipeline.update) additionally over `data` with ZeRO-1, counters
-replicated."""
+replicated; a checkpoint's canonical state spread over every device."""
 
 from __future__ import annotations
 
@@ -11,15 +11,21 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from holmes_jax.models import gpt
 
 
+def _split_free_axis(spec: P, shape: tuple, axis, parts: int, skip: int = 0) -> P | None:
+    """`spec` with mesh `axis` (a name or a tuple of names) added on the first unsplit axis of a
+    leaf that `parts` divides, past the first `skip` axes; None where there is none."""
+    dims = list(spec) + [None] * (len(shape) - len(spec))
+    for i, (name, size) in enumerate(zip(dims, shape)):
+        if i >= skip and name is None and size % parts == 0:
+            dims[i] = axis
+            return P(*dims)
+    return None
+
+
 def _zero1_spec(spec: P, shape: tuple, dp: int, skip: int = 0) -> P:
     """Adds `data` to the first unsplit axis of a leaf that `dp` divides (ZeRO stage 1), past the
     first `skip` axes."""
-    dims = list(spec) + [None] * (len(shape) - len(spec))
-    for i, (name, size) in enumerate(zip(dims, shape)):
-        if i >= skip and name is None and size % dp == 0:
-            dims[i] = "data"
-            return P(*dims)
-    return spec
+    return _split_free_axis(spec, shape, "data", dp, skip) or spec
 
 
 def gradient_specs(params_shapes: dict, stage_axis: str | None, dp: int, zero1: bool, tp: int = 1) -> dict:
@@ -37,6 +43,29 @@ def gradient_specs(params_shapes: dict, stage_axis: str | None, dp: int, zero1: 
         return _zero1_spec(spec, leaf.shape, dp, layer_axes if blocks else 0)
 
     return jax.tree_util.tree_map_with_path(spec, pspecs, params_shapes, is_leaf=lambda x: isinstance(x, P))
+
+
+def canonical_shardings(mesh: Mesh, tx, params_shapes: dict) -> dict:
+    """Where the canonical state (a checkpoint's layout: every layer in model order) lives while a
+    save makes it or a restore reads it: split as tensor parallelism splits it, and each leaf
+    also spread over the stage and data replicas together on an axis their count divides (else
+    over `data`, else over `stage`), parameters and their moments alike. Kept whole on every
+    stage and replica, it took each device several times its share of the train state at every
+    save."""
+    pp, dp = mesh.shape["stage"], mesh.shape["data"]
+    ways = [(("stage", "data"), pp * dp)] if pp > 1 and dp > 1 else []
+    ways += [(axis, parts) for axis, parts in (("data", dp), ("stage", pp)) if parts > 1]
+
+    def spread(path, spec, leaf):
+        # not along the layer axis: picking each stage's layers from it, XLA gathered every layer everywhere
+        skip = 1 if getattr(path[0], "key", None) == "blocks" else 0
+        return next((s for axis, parts in ways if (s := _split_free_axis(spec, leaf.shape, axis, parts, skip))), spec)
+
+    pspecs = jax.tree_util.tree_map_with_path(spread, gpt.param_specs(params_shapes, None, mesh.shape["tensor"]),
+                                              params_shapes, is_leaf=lambda x: isinstance(x, P))
+    specs = {"params": pspecs, "opt_state": optimizer_specs(jax.eval_shape(tx.init, params_shapes), pspecs),
+             "step": P()}
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
 
 
 def keep_axes(specs, axes: tuple[str, ...]):

@@ -114,7 +114,7 @@ def test_hetero_nic_stopped_during_a_configuration_exits_with_the_signal_status(
     assert capsys.readouterr().err.strip().splitlines() == ["hetero_nic: run (c) failed with status 1"]
 
 
-SCRIPTS = ("overhead", "planner_scale", "paper_scenarios", "pipeline", "gpu", "schedules")
+SCRIPTS = ("overhead", "planner_scale", "paper_scenarios", "pipeline", "gpu", "schedules", "checkpoint_memory")
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
@@ -126,6 +126,17 @@ def test_a_bench_help_prints_its_whole_docstring(capsys, name):
         bench.main(["--help"])
     assert stop.value.code == 0
     assert " ".join(bench.__doc__.split()) in " ".join(capsys.readouterr().out.split())
+
+
+@pytest.mark.parametrize("name", ["overhead", "pipeline"])
+def test_a_cpu_bench_runs_on_cpu_devices_on_a_gpu_host_too(name):
+    # on a GPU host JAX picked the GPU: one device where the bench builds a mesh of 8
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    r = subprocess.run([sys.executable, "-c", f"import jax, helpers; helpers.load_bench({name!r}); "
+                        "print(jax.config.jax_platforms)"], capture_output=True, text=True, timeout=120,
+                       cwd=REPO / "tests", env=env)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["cpu"]
 
 
 def fake_plan(*args, **kwargs):
@@ -160,6 +171,12 @@ def run_paper_scenarios(bench, monkeypatch) -> None:
     bench.main([])  # the cost model only: a few seconds
 
 
+def run_checkpoint_memory(bench, monkeypatch) -> None:
+    """One layout, really compiled (a few seconds)."""
+    monkeypatch.setattr(bench, "LAYOUTS", [(2, 4, 1, [6, 2])])
+    bench.main([])
+
+
 def run_schedules(bench, monkeypatch) -> None:
     """No launch: the profile, both schedules' runs and the predictions are fakes."""
     monkeypatch.setattr(bench, "run", lambda module_args: None)
@@ -170,7 +187,7 @@ def run_schedules(bench, monkeypatch) -> None:
 
 @pytest.mark.parametrize("name, run", [("planner_scale", run_planner_scale), ("pipeline", run_pipeline),
                                        ("overhead", run_overhead), ("paper_scenarios", run_paper_scenarios),
-                                       ("schedules", run_schedules)])
+                                       ("schedules", run_schedules), ("checkpoint_memory", run_checkpoint_memory)])
 def test_a_bench_docstring_names_every_key_of_its_json_line(monkeypatch, capsys, name, run):
     """Their docstrings (and so --help) did not say that the last line is JSON, nor what its keys are."""
     bench = load_bench(name)

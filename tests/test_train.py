@@ -163,10 +163,42 @@ def test_checkpoint_restores_onto_a_different_mesh(tmp_path):
     other = build.build(small_configs(tmp_path, "--gin.ParallelConfig.dp=2", "--gin.ParallelConfig.tp=4"))
     on_tp4 = ckpt.restore(2, other.abstract_canonical())
     ckpt.close()
-    assert on_tp4["params"]["blocks"]["q"]["kernel"].sharding.spec == P(None, None, "tensor")  # canonical layout
+    assert on_tp4["params"]["blocks"]["q"]["kernel"].sharding.spec == P(None, "data", "tensor")  # canonical layout
     assert on_tp4["params"]["blocks"]["q"]["kernel"].sharding.mesh.shape["tensor"] == 4
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), on_data8, on_tp4)
     assert int(on_tp4["step"]) == 2
+
+
+@pytest.mark.parametrize("layout, ways", [((2, 4, 1), 8), ((4, 1, 2), 8), ((2, 2, 2), 8), ((1, 8, 1), 8)])
+def test_a_save_spreads_the_checkpoint_over_every_device(tmp_path, layout, ways):
+    # The canonical state a save makes (and a restore reads) was whole on every stage and data
+    # replica: at every save each device held the whole model, several times its train state.
+    pp, dp, tp = layout
+    setup = build.build(small_configs(tmp_path, f"--gin.ParallelConfig.pp={pp}", f"--gin.ParallelConfig.dp={dp}",
+                                      f"--gin.ParallelConfig.tp={tp}", f"--gin.ParallelConfig.microbatches={pp}",
+                                      "--gin.ModelConfig.num_layers=4"))
+    leaves = jax.tree.leaves(setup.abstract_canonical())
+    whole = sum(x.size * x.dtype.itemsize for x in leaves)
+    per_device = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in leaves)
+    # tensor replicates the norms and biases, so (2, 2, 2) spreads a little less than 8 ways
+    assert per_device <= whole / ways * (1.2 if tp > 1 else 1.001)
+    compiled = setup.canonical.lower(setup.abstract_state()).compile().memory_analysis()
+    assert compiled.output_size_in_bytes == pytest.approx(per_device, rel=0.01)  # what a save makes
+
+
+def test_a_resume_and_a_fresh_state_gather_no_whole_model_on_a_device(tmp_path):
+    # Turning the canonical state into the staged one, XLA gathered whole leaves on every device:
+    # a resume read the whole model onto each device, and a fresh state made it there first.
+    setup = build.build(small_configs(tmp_path, "--gin.ParallelConfig.pp=2", "--gin.ParallelConfig.dp=4",
+                                      "--gin.ParallelConfig.microbatches=2", "--gin.ModelConfig.num_layers=4",
+                                      "--gin.ModelConfig.hidden=256", "--gin.ModelConfig.ffn_hidden=1024",
+                                      "--gin.ParallelConfig.stage_layers=[3,1]"))
+    params = jax.eval_shape(lambda: setup.model.init(0))
+    whole = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+    resume = setup.staged.lower(setup.abstract_canonical()).compile().memory_analysis()
+    assert resume.argument_size_in_bytes + resume.temp_size_in_bytes < whole  # 1.5x before
+    fresh = setup._jitted_fresh_state.lower().compile().memory_analysis()
+    assert fresh.temp_size_in_bytes < whole / 2  # 2.4x before
 
 
 def test_metrics_rows_hold_the_contract_fields(tmp_path):
