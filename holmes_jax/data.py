@@ -137,6 +137,20 @@ def _open_text(path: Path):
         raise _unreadable(path, e) from None
 
 
+class _NamedReads:
+    """An open source file whose read errors name it: copied into the cache, an error of either
+    file was blamed on the cache folder."""
+
+    def __init__(self, file, path: Path):
+        self.file, self.path = file, path
+
+    def read(self, size: int) -> bytes:
+        try:
+            return self.file.read(size)
+        except OSError as e:
+            raise _unreadable(self.path, e) from None
+
+
 def _unreadable(path: Path, e: OSError) -> ConfigError:
     return ConfigError(f"DataConfig.source: {str(path)!r} cannot be read ({e.strerror or e})")
 
@@ -172,7 +186,9 @@ def _cached_bytes(files: list[Path], cache_dir: Path, source: str) -> np.ndarray
             with open(partial, "xb") as out:
                 for f in files:
                     with _open_text(f) as text:  # in pieces: a file may be larger than memory
-                        shutil.copyfileobj(text, out, COPY_CHUNK)
+                        shutil.copyfileobj(_NamedReads(text, f), out, COPY_CHUNK)
+                out.flush()
+                os.fsync(out.fileno())  # else a host crash can leave the renamed cache full of zeros
             os.replace(partial, cache)  # atomic: readers see the whole cache or none
             for older in cache_dir.glob(f"bytes-{where}-*.u8"):  # a run mapping one keeps reading it
                 if older != cache:
@@ -229,7 +245,7 @@ def read_meta(folder: Path) -> dict:
         raise ConfigError(f"DataConfig.source = {str(folder)!r}: unreadable {META_FILE} ({e})") from None
     counts = ("vocab_size", "documents", "tokens", "eot_id")
     ok = (isinstance(meta, dict) and meta.get("dtype") in ("uint16", "uint32") and isinstance(meta.get("tokenizer"), str)
-          and all(isinstance(meta.get(k), int) and meta[k] >= 0 for k in counts))
+          and all(type(meta.get(k)) is int and meta[k] >= 0 for k in counts))  # JSON true is no count
     if not ok:
         raise ConfigError(f"DataConfig.source = {str(folder)!r}: {META_FILE} needs tokenizer, dtype (uint16 | uint32) "
                           f"and the non-negative integers {', '.join(counts)}; prepare the folder again")

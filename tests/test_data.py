@@ -275,7 +275,7 @@ def test_text_caches_written_at_once_under_one_pid_do_not_mix(tmp_path, monkeypa
     copy, nested = shutil.copyfileobj, {}
 
     def copyfileobj(source, out, length):
-        if Path(source.name).name == "b" and not nested:
+        if source.path.name == "b" and not nested:
             nested["started"] = True
             nested["cache"] = data._cached_bytes(files, tmp_path / "cache", "t")
         return copy(source, out, length)
@@ -425,6 +425,47 @@ def test_a_full_cache_disk_is_a_run_error_and_leaves_no_partial_copy(tmp_path, m
                                            "free space there"):
         data.load(DataConfig(source=path, seq_len=8, cache_dir=str(tmp_path / "c")))
     assert list((tmp_path / "c").iterdir()) == []
+
+
+def test_a_source_file_that_fails_mid_copy_is_named_not_the_cache_folder(tmp_path, monkeypatch):
+    import errno
+    import io
+
+    path = _write(tmp_path / "a.txt", b"text " * 100)
+
+    class FailingDisk(io.BytesIO):
+        def read(self, size=-1):
+            if size == data.COPY_CHUNK:  # the copy's reads fail, not the look for binary files before it
+                raise OSError(errno.EIO, "Input/output error")
+            return super().read(size)
+
+    monkeypatch.setattr(data, "_open_text", lambda p: FailingDisk(b"text " * 100))
+    with pytest.raises(ConfigError, match="DataConfig.source: '.*a.txt' cannot be read \\(Input/output error\\)"):
+        data.load(DataConfig(source=path, seq_len=8, cache_dir=str(tmp_path / "c")))  # was "cache_dir cannot be written"
+    assert list((tmp_path / "c").iterdir()) == []
+
+
+def test_the_text_cache_reaches_the_disk_before_it_takes_its_name(tmp_path, monkeypatch):
+    # renamed before its data was written out, a host crash could leave a cache of the right size
+    # holding zeros, which no later run would notice
+    path = _write(tmp_path / "a.txt", b"text " * 100)
+    events = []
+    fsync, replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))) or fsync(fd))
+    monkeypatch.setattr(os, "replace", lambda a, b: events.append(("replace", str(a))) or replace(a, b))
+    data.load(DataConfig(source=path, seq_len=8, cache_dir=str(tmp_path / "c")))
+    assert [name for name, _ in events] == ["fsync", "replace"] and events[0][1] == events[1][1]
+
+
+def test_meta_json_counts_must_be_integers_not_true(tmp_path):
+    from holmes_jax import prepare
+
+    _write(tmp_path / "a.txt", b"hello world, " * 100)
+    prepare.prepare([str(tmp_path / "a.txt")], str(tmp_path / "p"), "bytes")
+    meta = json.loads((tmp_path / "p" / "meta.json").read_text())
+    (tmp_path / "p" / "meta.json").write_text(json.dumps(dict(meta, eot_id=True)))  # was read as id 1
+    with pytest.raises(ConfigError, match="meta.json needs tokenizer, dtype"):
+        data.load(DataConfig(source=str(tmp_path / "p"), seq_len=16))
 
 
 def test_a_cache_folder_inside_the_text_folder_is_not_read_as_text(tmp_path):
