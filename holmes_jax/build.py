@@ -137,10 +137,6 @@ class Setup:
                                   export.import_hf(folder, self.cfgs.model), self.canonical_shardings["params"])
         return self._jitted_fresh_state(params)
 
-    def _settled(self, state: dict, settle=None) -> dict:
-        return {"params": (settle or self.settle)(state["params"], state["pending"]), "opt_state": state["opt_state"],
-                "step": state["step"]}
-
     @functools.cached_property
     def _jitted_settle(self):
         return jax.jit(self.settle, out_shardings=self.state_shardings["params"])
@@ -150,15 +146,27 @@ class Setup:
         the parameters the next step computes with; run at every eval. Only the parameters go
         through the (once jitted) program: the optimizer state is the state's own, not a copy of
         the moments made on every eval."""
-        return self._settled(state, self._jitted_settle)
+        return {"params": self._jitted_settle(state["params"], state["pending"]), "opt_state": state["opt_state"],
+                "step": state["step"]}
 
     @functools.cached_property
     def canonical(self):
         """`canonical(state)`: what a checkpoint stores, the updates settled, real layers only, in
-        model order; jitted once, run at every save."""
-        return jax.jit(lambda st: self.pipeline.to_canonical(
-            jax.lax.with_sharding_constraint(self._settled(st), self._between_layouts)),
-            out_shardings=self.canonical_shardings)
+        model order; jitted once, run at every save. Each replica adds the pending updates of its
+        own shard (`settle`'s all-gather would put a stage's whole parameters on every device
+        first; the sums are the same, element by element), then one all-to-all over `stage`
+        spreads them as the canonical layout is."""
+        spread = map_blocks(lambda s: NamedSharding(self.mesh, P(None, *s.spec)), self.canonical_shardings)
+
+        def canonical(state):
+            # pending is (0,) for a leaf ZeRO-1 does not split: nothing waits there
+            params = jax.tree.map(lambda p, u: p + u.astype(p.dtype) if u.shape == p.shape else p,
+                                  state["params"], state["pending"])
+            settled = {"params": params, "opt_state": state["opt_state"], "step": state["step"]}
+            on_shards = jax.lax.with_sharding_constraint(settled, self._between_layouts)
+            return self.pipeline.to_canonical(jax.lax.with_sharding_constraint(on_shards, spread))
+
+        return jax.jit(canonical, out_shardings=self.canonical_shardings)
 
     @functools.cached_property
     def staged(self):

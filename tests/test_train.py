@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from holmes_jax import build, configure, optimizer, train
+from holmes_jax import build, configure, data, optimizer, train
 from holmes_jax.config import ConfigError
 from helpers import read_metrics, run_module, small_configs
 
@@ -186,9 +186,10 @@ def test_a_save_spreads_the_checkpoint_over_every_device(tmp_path, layout, ways)
     assert compiled.output_size_in_bytes == pytest.approx(per_device, rel=0.01)  # what a save makes
 
 
-def test_a_resume_and_a_fresh_state_gather_no_whole_model_on_a_device(tmp_path):
+def test_a_save_a_resume_and_a_fresh_state_gather_no_whole_model_on_a_device(tmp_path):
     # Turning the canonical state into the staged one, XLA gathered whole leaves on every device:
-    # a resume read the whole model onto each device, and a fresh state made it there first.
+    # a resume read the whole model onto each device, and a fresh state made it there first; a
+    # save gathered each stage's settled parameters on every device before spreading them.
     setup = build.build(small_configs(tmp_path, "--gin.ParallelConfig.pp=2", "--gin.ParallelConfig.dp=4",
                                       "--gin.ParallelConfig.microbatches=2", "--gin.ModelConfig.num_layers=4",
                                       "--gin.ModelConfig.hidden=256", "--gin.ModelConfig.ffn_hidden=1024",
@@ -199,6 +200,24 @@ def test_a_resume_and_a_fresh_state_gather_no_whole_model_on_a_device(tmp_path):
     assert resume.argument_size_in_bytes + resume.temp_size_in_bytes < whole  # 1.5x before
     fresh = setup._jitted_fresh_state.lower().compile().memory_analysis()
     assert fresh.temp_size_in_bytes < whole / 2  # 2.4x before
+    save = setup.canonical.lower(setup.abstract_state()).compile().memory_analysis()
+    assert save.temp_size_in_bytes < whole  # 1.5x before
+
+
+def test_a_save_settles_the_pending_updates_exactly_as_the_step_does(tmp_path):
+    # A save adds each replica's shard of the pending updates where it lies; the step's settle
+    # gathers them first. The checkpoint must hold the same parameters, bit for bit.
+    cfgs = small_configs(tmp_path, "--gin.ParallelConfig.pp=2", "--gin.ParallelConfig.dp=4",
+                         "--gin.ParallelConfig.microbatches=2", "--gin.ModelConfig.num_layers=4",
+                         "--gin.ParallelConfig.stage_layers=[3,1]", "--gin.ParallelConfig.update_gather_dtype='bfloat16'")
+    setup = build.build(cfgs)
+    step, tokens, state = build.make_train_step(setup), data.load(cfgs.data), setup.init_state()
+    for k in range(2):
+        state, _ = step(state, setup.batch("train", k, tokens))
+    assert any(np.abs(np.asarray(x)).max() > 0 for x in jax.tree.leaves(state["pending"]) if x.size)
+    saved = setup.canonical(state)
+    settled = jax.jit(setup.pipeline.to_canonical)(setup.settled(state))
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), saved, settled)
 
 
 def test_metrics_rows_hold_the_contract_fields(tmp_path):
