@@ -36,10 +36,13 @@ class OutputFailed(RunError):
 
 class _CheckedOutput:
     """stdout, whose failed writes and flushes other than a reader that left (BrokenPipeError,
-    kept) raise `OutputFailed`: an OSError from a print, anywhere in a command, was a traceback."""
+    kept) raise `OutputFailed`: an OSError from a print, anywhere in a command, was a traceback.
+    It passes on whole lines, each in one write (the rest at a flush): print writes its text and
+    its newline apart, and unbuffered (under the launcher) gloo's lines, written to the same
+    stdout from C++, landed between them."""
 
     def __init__(self, stream):
-        self._stream = stream
+        self._stream, self._line = stream, ""
 
     def _checked(self, method, *args):
         try:
@@ -51,10 +54,19 @@ class _CheckedOutput:
             raise OutputFailed(f"cannot write the output: {e.strerror or e}") from None
 
     def write(self, text: str) -> int:
-        return self._checked(self._stream.write, text)
+        lines, newline, self._line = (self._line + text).rpartition("\n")
+        if newline:
+            self._checked(self._stream.write, lines + newline)
+        return len(text)
 
     def flush(self) -> None:
+        if self._line:
+            self._checked(self._stream.write, self.pop_partial_line())
         self._checked(self._stream.flush)
+
+    def pop_partial_line(self) -> str:
+        line, self._line = self._line, ""
+        return line
 
     def __getattr__(self, name):  # fileno, isatty, encoding, ...
         return getattr(self._stream, name)
@@ -136,7 +148,8 @@ def run(main: Callable[[list[str]], int | None], argv: list[str] | None = None) 
     untouched = (signal.default_int_handler, signal.SIG_DFL)
     previous = {sig: signal.signal(sig, _stop) for sig in STOP_SIGNALS
                 if any(signal.getsignal(sig) is h for h in untouched)}
-    stdout, sys.stdout = sys.stdout, _CheckedOutput(sys.stdout)
+    stdout = sys.stdout
+    sys.stdout = checked = _CheckedOutput(stdout)
     try:
         code = main(sys.argv[1:] if argv is None else argv)
         sys.stdout.flush()  # now: at exit, a failure was Python's 'Exception ignored ...' and status 120
@@ -156,6 +169,8 @@ def run(main: Callable[[list[str]], int | None], argv: list[str] | None = None) 
         raise SystemExit(128 + signal.SIGPIPE) from None
     finally:
         sys.stdout = stdout
+        with contextlib.suppress(OSError):  # a line without its newline yet, as an error ends the command
+            stdout.write(checked.pop_partial_line())
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     raise SystemExit(code or 0)

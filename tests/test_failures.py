@@ -658,6 +658,40 @@ def test_output_to_a_full_disk_is_one_error_line_and_status_1(tmp_path, command,
     assert r.returncode == 1 and r.stderr == "error: cannot write the output: No space left on device\n", r.stderr
 
 
+def test_a_printed_line_reaches_stdout_in_one_write():
+    # print writes a line's text and its newline apart: unbuffered, as under the launcher, gloo's
+    # lines (written from C++ to the same stdout) landed between them, glued to ours
+    writes = []
+
+    class Recorder:
+        def write(self, text):
+            writes.append(text)
+            return len(text)
+
+        def flush(self):
+            writes.append("<flush>")
+
+    out = cli._CheckedOutput(Recorder())
+    print("resumed with settings changed:", "TrainConfig.steps 10 -> 20", file=out)
+    print("two\nlines", file=out)
+    print("a partial", end="", file=out)
+    assert writes == ["resumed with settings changed: TrainConfig.steps 10 -> 20\n", "two\n", "lines\n"]
+    print(" line", file=out, flush=True)
+    print("held until a flush", end="", file=out)
+    out.flush()
+    assert writes[3:] == ["a partial line\n", "<flush>", "held until a flush", "<flush>"]
+
+
+def test_a_line_without_its_newline_still_reaches_stdout_when_a_command_fails(capsys):
+    def main(argv):
+        print("written so far:", end="")
+        raise ConfigError("bad input")
+
+    with pytest.raises(SystemExit):
+        cli.run(main, [])
+    assert capsys.readouterr() == ("written so far:", "error: bad input\n")
+
+
 def test_holmes_plan_imports_matplotlib_only_for_draw(tmp_path):
     # as `python -m holmes_jax.plan` does: most of a second of every plan's start
     script = ("import sys\nfrom holmes_jax import scripts\nsys.argv[1:] = sys.argv[2:]\n"
