@@ -132,9 +132,8 @@ class Setup:
 
     def init_state(self) -> dict:
         params, folder = None, self.cfgs.model.init_from
-        if folder:  # a Hugging Face model's weights, as global arrays (every process reads the files)
-            params = jax.tree.map(lambda x, sh: jax.make_array_from_callback(x.shape, sh, lambda i: x[i]),
-                                  export.import_hf(folder, self.cfgs.model), self.canonical_shardings["params"])
+        if folder:  # a Hugging Face model's weights, as global arrays (a process reads its devices' parts)
+            params = export.import_hf(folder, self.cfgs.model, self.canonical_shardings["params"])
         return self._jitted_fresh_state(params)
 
     @functools.cached_property

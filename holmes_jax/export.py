@@ -20,6 +20,8 @@ beforehand); `import_hf` reads it and checks that it fits the run's ModelConfig.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import math
 import re
@@ -249,29 +251,40 @@ def _check_tensors(found: dict[str, tuple[str, tuple, str, Path]], cfg: ModelCon
                                       f"layer {i}) is nonzero; set ModelConfig.bias = True")
 
 
-def _from_hf(read, cfg: ModelConfig) -> dict:
-    """Hugging Face tensors, already checked against `cfg` (`check_hf_folder`), each `read(name)`
-    by its causal-LM name -> canonical float32 parameters of `cfg`."""
+def _part(tensor, name: str, transposed: bool, offset: int, shape: tuple, index: tuple) -> np.ndarray:
+    """float32 values at `index` (a slice per axis) of a leaf of `shape` (one layer's) that is
+    Hugging Face tensor `name`, transposed or not, from its column `offset` on (GPT-2's fused
+    c_attn); only that part is read."""
+    index = [slice(*i.indices(n)) for i, n in zip(index, shape)]
+    if offset:
+        index[-1] = slice(index[-1].start + offset, index[-1].stop + offset)
+    x = np.asarray(tensor(name)[tuple(index[::-1] if transposed else index)], np.float32)
+    return x.T if transposed else x
+
+
+def _leaf_readers(tensor, cfg: ModelConfig) -> dict:
+    """Our leaf path -> `read(index)`, the float32 values of that canonical leaf at `index` (a
+    slice per axis), from the Hugging Face tensors (`tensor(name)`: one, by its causal-LM name, to
+    slice), already checked against `cfg`."""
     abstract = jax.eval_shape(lambda: gpt.GPT(cfg).init(0))
-    params = jax.tree.map(lambda s: np.zeros(s.shape, np.float32), abstract)
+    readers, layers = {}, {}  # layers: stacked leaf -> (name, transposed, column offset) per layer
     for name, path, layer, transposed in _pairs(cfg):
-        leaf = _get(params, path)
-        x = np.asarray(read(name), np.float32)
-        x = x.T if transposed else x
         if layer is None:
-            _get(params, path[:-1])[path[-1]] = x
+            readers[path] = functools.partial(_part, tensor, name, transposed, 0, _get(abstract, path).shape)
         else:
-            leaf[layer] = x
-    if architecture(cfg) == GPT2:
-        blocks = params["blocks"]
+            layers.setdefault(path, []).append((name, transposed, 0))
+    if architecture(cfg) == GPT2:  # q, k and v: column blocks of c_attn
+        fused = [("kernel", "weight")] + ([("bias", "bias")] if cfg.bias else [])
         for i in range(cfg.num_layers):
-            pre = f"transformer.h.{i}."
-            for p, x in zip("qkv", np.split(np.asarray(read(pre + "attn.c_attn.weight"), np.float32), 3, axis=1)):
-                blocks[p]["kernel"][i] = x
-            if cfg.bias:
-                for p, x in zip("qkv", np.split(np.asarray(read(pre + "attn.c_attn.bias"), np.float32), 3)):
-                    blocks[p]["bias"][i] = x
-    return params
+            for j, p in enumerate("qkv"):
+                for ours, theirs in fused:
+                    layers.setdefault(("blocks", p, ours), []).append(
+                        (f"transformer.h.{i}.attn.c_attn.{theirs}", False, j * cfg.hidden))
+    for path, parts in layers.items():
+        shape = _get(abstract, path).shape[1:]
+        readers[path] = lambda index, parts=parts, shape=shape: np.stack(
+            [_part(tensor, *part, shape, index[1:]) for part in parts[index[0]]])
+    return readers
 
 
 def _tensor_files(folder: Path) -> list[Path]:
@@ -304,7 +317,8 @@ def check_hf_folder(folder: str | Path, cfg: ModelConfig) -> Path:
 
 
 def _checked_reader(folder: str | Path, cfg: ModelConfig):
-    """`check_hf_folder`'s folder and a `read(name)` of one tensor by our name, from its file."""
+    """`check_hf_folder`'s folder and what it found there: our name -> (dtype name, shape, name in
+    the file, file) of every tensor."""
     folder = Path(folder).expanduser()
     if not (folder / "config.json").is_file():
         raise ConfigError(f"ModelConfig.init_from = {str(folder)!r} is not allowed; allowed: a Hugging Face model "
@@ -329,7 +343,7 @@ def _checked_reader(folder: str | Path, cfg: ModelConfig):
     where = (repr(str(files[0])) if len(files) == 1 else
              f"the {len(files)} shards model.safetensors.index.json lists in {str(folder)!r}")
     _check_tensors(found, cfg, read, where)
-    return folder, read
+    return folder, found
 
 
 def _read_json(path: Path) -> dict:
@@ -342,11 +356,33 @@ def _read_json(path: Path) -> dict:
     return found
 
 
-def import_hf(folder: str | Path, cfg: ModelConfig) -> dict:
-    """Canonical float32 parameters (numpy) of the Hugging Face model in `folder`, which must fit `cfg`.
-    Read a tensor at a time, and only those `cfg` takes: a whole file at once held an 8B model's
-    bfloat16 weights (16 GB) beside their float32 copies."""
-    return _from_hf(_checked_reader(folder, cfg)[1], cfg)
+def import_hf(folder: str | Path, cfg: ModelConfig, shardings: dict | None = None) -> dict:
+    """Canonical float32 parameters of the Hugging Face model in `folder`, which must fit `cfg`:
+    numpy arrays, or, given `shardings` (a NamedSharding per leaf), global arrays of which each
+    process reads only the parts its devices hold, each part once (whole, an 8B model was 32 GB of
+    float32 in every process). Only the tensors `cfg` takes are read."""
+    found = _checked_reader(folder, cfg)[1]
+    abstract = jax.eval_shape(lambda: gpt.GPT(cfg).init(0))
+    with contextlib.ExitStack() as stack:
+        files = {path: stack.enter_context(safetensors.safe_open(path, framework="numpy"))
+                 for path in {path for *_, path in found.values()}}
+        readers = _leaf_readers(lambda name: files[found[name][3]].get_slice(found[name][2]), cfg)
+
+        def leaf(key_path, like, sharding=None):
+            read = readers[tuple(k.key for k in key_path)]
+            if sharding is None:
+                return read((slice(None),) * like.ndim)
+            parts = {}  # a part that several devices hold (replicas) is read once
+
+            def part(index):
+                key = tuple(i.indices(n) for i, n in zip(index, like.shape))
+                if key not in parts:
+                    parts[key] = read(index)
+                return parts[key]
+            return jax.make_array_from_callback(like.shape, sharding, part)
+        if shardings is None:
+            return jax.tree_util.tree_map_with_path(leaf, abstract)
+        return jax.tree_util.tree_map_with_path(leaf, abstract, shardings)
 
 
 def save_hf(params: dict, cfg: ModelConfig, out: str | Path, tokenizer: Path | None = None,

@@ -10,11 +10,12 @@ import sys
 
 import jax
 import numpy as np
+import optax
 import pytest
 import safetensors.numpy
 
 from helpers import REPO, run_module, small_configs
-from holmes_jax import build, export, generate, inference, prepare, train
+from holmes_jax import build, export, generate, inference, prepare, sharding, train
 from holmes_jax.config import ConfigError, DataConfig, ModelConfig
 from holmes_jax.models import gpt, presets
 
@@ -297,6 +298,35 @@ def test_a_fresh_run_starts_from_init_from(tmp_path):
     state = setup.canonical(setup.init_state())
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), state["params"], params)
     assert int(state["step"]) == 0
+
+
+@pytest.mark.parametrize("style", ["gpt2", "llama"])
+def test_a_sharded_import_reads_each_device_part_once(tmp_path, monkeypatch, style):
+    """With shardings, each device's part of a leaf is read from the files alone (GPT-2's q, k and v
+    as column blocks of c_attn): the values read add up to one model, not one per process or per
+    replica, and every shard equals the whole import's."""
+    kw = dict(preset="tiny") if style == "gpt2" else dict(preset="llama-tiny", num_kv_heads=2)
+    cfg = presets.resolve(ModelConfig(num_layers=4, hidden=64, num_heads=4, ffn_hidden=96,
+                                      bias=True, tie_embeddings=False, **kw))
+    folder, params = _saved(tmp_path, cfg, seed=3)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 2), ("stage", "data", "tensor"))
+    shapes = jax.eval_shape(lambda: gpt.GPT(cfg).init(0))
+    shardings = sharding.canonical_shardings(mesh, optax.adam(1e-3), shapes)["params"]
+    # one leaf kept whole on every device: its part is read once, not eight times
+    shardings["head"]["norm"]["scale"] = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    read, part = [], export._part
+
+    def counted(*args):
+        x = part(*args)
+        read.append(x.size)
+        return x
+    monkeypatch.setattr(export, "_part", counted)
+    imported = export.import_hf(folder, cfg, shardings)
+    assert sum(read) == sum(x.size for x in jax.tree.leaves(params))
+    for got, want, sh in zip(jax.tree.leaves(imported), jax.tree.leaves(params), jax.tree.leaves(shardings)):
+        assert got.sharding == sh
+        for shard in got.addressable_shards:
+            np.testing.assert_array_equal(np.asarray(shard.data), want[shard.index])
 
 
 def test_a_run_refuses_an_init_from_that_does_not_fit_before_writing_anything(tmp_path):
