@@ -260,6 +260,12 @@ def _probes(**changes):
     ({"stage_links": (Link(10e9 / 8, float("inf")),)}, "stage_links[0].latency_s = inf is not allowed"),
     ({"step_probes": _probes(schedule="zb")}, "step_probes[0].schedule = 'zb' is not allowed"),
     ({"step_probes": _probes(microbatches=0)}, "step_probes[0].microbatches = 0 is not allowed"),
+    # the fit predicts each probe: a MemoryError (a model of 2**40 layers), an OverflowError (its ticks)
+    ({"step_probes": _probes()[:1] + (StepProbe((2 ** 40, 1), 4, 1, 64, "gpipe", 2.0),)},
+     "step_probes[1].stage_layers = [1099511627776, 1] is not allowed; allowed: positive layer counts per stage, "
+     "at most 1024 in all"),
+    ({"step_probes": _probes(microbatches=2 ** 70)}, f"step_probes[0].microbatches = {2 ** 70} is not allowed; "
+                                                     f"allowed: at most 4096"),
 ])
 def test_profile_figures_the_cost_model_cannot_use_are_config_errors(changes, words):
     """They gave nan predictions, a negative step or a traceback (ValueError, ZeroDivisionError)."""
@@ -267,6 +273,33 @@ def test_profile_figures_the_cost_model_cannot_use_are_config_errors(changes, wo
         plan(TOPOLOGIES / "cpu_2x4.toml", "tiny", ParallelConfig(pp=2, dp=4, microbatches=64),
              profile=_tiny_profile(**changes))
     assert words in str(e.value)
+
+
+def test_step_probes_of_seconds_past_int64_are_fitted():
+    # numpy made an object array of the measured steps, and lstsq raised a UFuncTypeError
+    probes = _probes()[:1] + (StepProbe((2, 2), 4, 1, 64, "gpipe", 2 ** 70),)
+    p = plan(TOPOLOGIES / "cpu_2x4.toml", "tiny", ParallelConfig(pp=2, dp=4, microbatches=64),
+             profile=_tiny_profile(step_probes=probes))
+    assert any(note.startswith("profile: step probes") and "compute x" in note for note in p.notes)
+
+
+@pytest.mark.parametrize("changes", [{"layer_fwd_s": 1e308}, {"step_probes": _probes(), "layer_fwd_s": 1e308}])
+def test_a_step_too_slow_for_a_float_is_named_not_called_over_memory(changes):
+    # it said "do not fit in device memory: stage 0 needs 1.26 GB, its devices have 80 GB"; with step
+    # probes, lstsq on their infinite predictions raised a LinAlgError
+    with np.errstate(over="ignore", invalid="ignore"), pytest.raises(ConfigError) as e:
+        plan(TOPOLOGIES / "cpu_2x4.toml", "tiny", ParallelConfig(pp=2, dp=4, microbatches=64),
+             profile=_tiny_profile(**changes))
+    assert "the predicted step is infinite" in str(e.value) and "device memory" not in str(e.value)
+
+
+def test_a_topology_too_slow_for_a_float_is_one_error_line(tmp_path):
+    path = tmp_path / "slow.toml"
+    path.write_text('[[cluster]]\nname = "x"\nnic = "roce"\nnodes = 2\ndevices_per_node = 4\ndevice_tflops = 1e-308\n')
+    with np.errstate(over="ignore", invalid="ignore"):  # every layout: some are over memory too
+        code, out, err = _cli("--topology", str(path), "--model", "1.3b")
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert "the predicted step is infinite" in err and "device memory" not in err
 
 
 def test_a_reader_that_leaves_ends_the_command_quietly():
@@ -368,6 +401,16 @@ def test_the_command_loads_matplotlib_only_to_draw(tmp_path):
                            timeout=120)
         assert r.returncode == 0 and r.stdout.splitlines()[-1] == drawn, r.stderr
     assert (tmp_path / "plan.png").stat().st_size > 0
+
+
+def test_a_batch_that_no_dp_divides_names_the_smallest_dp():
+    # it named the first layout's dp alone, the largest: "allowed: a multiple of 64", where 4 does
+    args = ("--topology", str(TOPOLOGIES / "ib8.toml"), "--model", "tiny")
+    code, _, err = _cli(*args, "--global-batch", "3")
+    assert code == 2 and err.count("\n") == 1
+    assert ("global_batch = 3 is not allowed: every data replica needs the same samples, and no dp tried divides it "
+            "(dp = 4, 8, 16, 32, 64); allowed: a multiple of one of them (the smallest: 4)") in err
+    assert _cli(*args, "--global-batch", "4")[0] == 0
 
 
 def test_given_microbatches_that_split_no_replica_name_every_dp_tried():

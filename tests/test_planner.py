@@ -375,3 +375,13 @@ def test_plan_is_the_fastest_layout_and_split_the_cost_model_predicts(topology, 
     fastest = min(float(c.model.step_times(partition.compositions(cfg.num_layers, c.model.num_stages)).min())
                   for c in candidates if c.model.num_stages <= 4)
     assert found <= fastest * (1 + 1e-9)
+
+
+def test_a_stage_spanning_many_clusters_names_a_few_of_them():
+    # the error line listed all 300 names ('c0', 'c1', ... 'c299'): thousands of characters
+    many = Topology(tuple(Cluster(f"c{i}", "infiniband", 1, 2) for i in range(300)))
+    with pytest.raises(ConfigError) as e:
+        placement.place(many, 1, 1)
+    assert "stage 0 would span clusters 'c0', 'c1', 'c2', 'c3', ... (300 in all), so" in str(e.value)
+    with pytest.raises(ConfigError, match="stage 0 would span clusters 'ib', 'roce', so"):  # a few: every name
+        placement.place(topo("ib4_roce4"), 1, 1)

@@ -97,6 +97,12 @@ def _layers_limit(topology: Topology, tp: int, max_pp: int | None, joiner: str =
     return f"{joiner}up to the model's {max_pp} layers" if cut else ""
 
 
+def _names(clusters: list, shown: int = 4) -> str:
+    """The clusters' names for an error line: the first few of many, and how many in all."""
+    names = ", ".join(repr(c.name) for c in clusters[:shown])
+    return names if len(clusters) <= shown else f"{names}, ... ({len(clusters)} in all)"
+
+
 def check_dp(devices: int, tp: int, dp: int) -> None:
     """A ConfigError naming dp where dp * tp does not divide the devices (no pp then fills them)."""
     if devices % (dp * tp):
@@ -144,7 +150,7 @@ def place(topology: Topology, tp: int, pp: int, dp: int | None = None, method: s
         s = mixed[0]
         raise ConfigError(
             f"pp = {pp} is not allowed with tp = {tp}: stage {s} would span clusters "
-            f"{', '.join(repr(c.name) for c in clusters[s])}, so its data groups would sync across clusters; "
+            f"{_names(clusters[s])}, so its data groups would sync across clusters; "
             f"allowed pp (every cluster holding whole stages{_layers_limit(topology, tp, max_pp, ', ')}): "
             f"{', '.join(map(str, _fitting_pp(topology, tp, max_pp))) or 'none'}; "
             f"or allow mixed stages (the planner's allow_mixed=True, --allow-mixed)")

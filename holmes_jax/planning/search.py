@@ -133,11 +133,14 @@ def _fit_step_probes(model: CostModel, prof: Profile, cfg: ModelConfig, pl: Plac
         no_compute = probe.with_stages([dataclasses.replace(s, device_flops=math.inf) for s in probe.stages])
         base = no_compute.predict(p.stage_layers).step_time_s
         rows.append((base, probe.predict(p.stage_layers).step_time_s - base, p.step_s))
-    base, compute, measured = (np.array(c) for c in zip(*rows))
+    base, compute, measured = (np.array(c, dtype=float) for c in zip(*rows))  # an int step_s past int64 too
+    probes_text = ", ".join(f"{list(p.stage_layers)} {p.step_s * 1e3:.0f} ms" for p in probes)
+    if not np.isfinite(np.concatenate([base, compute, measured])).all():  # lstsq cannot solve them
+        notes.append(f"profile: step probes {probes_text} do not fit (their predictions overflow); not used")
+        return model
     (k, f), *_ = np.linalg.lstsq(np.stack([compute, np.ones_like(compute)], axis=1), measured - base, rcond=None)
     if f < 0:  # no negative work: compute alone, through the origin
         k, f = float(compute @ (measured - base) / (compute @ compute)), 0.0
-    probes_text = ", ".join(f"{list(p.stage_layers)} {p.step_s * 1e3:.0f} ms" for p in probes)
     if not k > 0:
         notes.append(f"profile: step probes {probes_text} do not fit (compute x {k:.3g}); not used")
         return model
@@ -181,11 +184,16 @@ def _load_profile(profile, cfg: ModelConfig, setting: str = "profile"):
     for kind in ("step_probes", "split_probes"):
         for i, probe in enumerate(getattr(prof, kind)):
             layers = probe.stage_layers
-            if not (layers and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in layers)):
+            # at most a plan's layers and microbatches: the fit predicts each probe (its layers, its ticks)
+            if not (layers and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in layers)
+                    and sum(layers) <= MAX_LAYERS):
                 raise ConfigError(f"{where}: {kind}[{i}].stage_layers = {list(layers)!r} is not allowed; "
-                                  f"allowed: positive layer counts per stage")
+                                  f"allowed: positive layer counts per stage, at most {MAX_LAYERS} in all")
             for name in ("dp", "tp", "microbatches"):
                 check_positive(f"{where}: {kind}[{i}].{name}", getattr(probe, name))
+            if probe.microbatches > MAX_GIVEN_MICROBATCHES:
+                raise ConfigError(f"{where}: {kind}[{i}].microbatches = {probe.microbatches} is not allowed; "
+                                  f"allowed: at most {MAX_GIVEN_MICROBATCHES}")
             if probe.schedule not in SCHEDULES:
                 raise ConfigError(f"{where}: {kind}[{i}].schedule = {probe.schedule!r} is not allowed; "
                                   f"choose one of {', '.join(map(repr, SCHEDULES))}")
@@ -344,9 +352,7 @@ def _check_model(cfg: ModelConfig, tp: int, pp: int) -> None:
 
 
 def _microbatch_options(par: ParallelConfig, free: set, global_batch: int, dp: int, pp: int) -> list[int]:
-    if global_batch % dp:
-        raise ConfigError(f"global_batch = {global_batch} is not allowed with dp = {dp}: every data replica needs "
-                          f"the same samples; allowed: a multiple of {dp}")
+    """The microbatch counts to try for `dp` replicas (which the caller has checked divide the batch)."""
     per_replica = global_batch // dp
     if "microbatches" in free:
         cap = min(MAX_MICROBATCHES_PER_STAGE * pp, MAX_MICROBATCHES)
@@ -523,9 +529,11 @@ def _candidates(topo: Topology, cfg: ModelConfig, par: ParallelConfig, free: set
     (default: every one `_layouts` yields)."""
     found, errors, misfits = [], [], []  # misfits: layouts the model or the topology refuse
     mixed = []  # layouts refused only for a stage spanning clusters
+    undivided = set()  # dp that do not divide the global batch
     unsplit = {}  # dp -> a replica's samples, where the given microbatches do not split them
     over = []  # (need / have, why) of the layouts over device memory
     beyond = []  # layouts that fit memory only with more microbatches than the search tries
+    infinite = []  # layouts that fit memory but whose predicted step overflows
     remat_hint = "" if cfg.remat == "full" else ", or ModelConfig.remat = 'full', the plan CLI's --remat"
     own_split = par.stage_layers is not None or par.partition != "auto"  # else the search picks one that fits
     schedules = SCHEDULES if "schedule" in free else [par.schedule]
@@ -546,22 +554,21 @@ def _candidates(topo: Topology, cfg: ModelConfig, par: ParallelConfig, free: set
                 mixed.append((tp, pp, dp))
             continue
         replicas = pl.grid.shape[1]
-        if "microbatches" not in free and global_batch % replicas == 0 and (global_batch // replicas) % par.microbatches:
+        if global_batch % replicas:
+            undivided.add(replicas)  # one error for all of them, below
+            continue
+        if "microbatches" not in free and (global_batch // replicas) % par.microbatches:
             unsplit[replicas] = global_batch // replicas  # one error for all of them, below
             continue
-        try:
-            options = _microbatch_options(par, free, global_batch, replicas, pp)
-        except ConfigError as e:
-            errors.append(str(e))
-            continue
+        options = _microbatch_options(par, free, global_batch, replicas, pp)
         weights = _stage_ratios(topo, pl, ratios)
         even = partition.uniform(cfg.num_layers, pp)
         # Past the microbatch cap only where nothing under it fits memory: smaller micro batches
         # then are what makes the layout fit at all.
         more = _more_microbatches(global_batch // pl.grid.shape[1], options) if "microbatches" in free else []
-        fitted = len(found)
+        fitted, overflowed = len(found), len(infinite)
         for group in (options, more):
-            if len(found) > fitted:
+            if len(found) > fitted or len(infinite) > overflowed:  # some fit memory
                 break
             for m, schedule in itertools.product(group, schedules):
                 model, notes = _cost_model(cfg, pl, global_batch, seq_len, m, schedule, par, prof, topo)
@@ -578,7 +585,13 @@ def _candidates(topo: Topology, cfg: ModelConfig, par: ParallelConfig, free: set
                         split = even
                 bound = float(model.lower_bounds([split])[0])
                 if bound == np.inf:
-                    memory = model.stage_terms([split])["memory"][0]
+                    terms = model.stage_terms([split])
+                    if terms["fits"][0]:  # in memory, but its times overflow a float (device_tflops = 1e-308)
+                        infinite.append(f"tp = {tp}, pp = {pp}, microbatches = {m}, schedule {schedule}: the "
+                                      f"predicted step is infinite; allowed: device, link and profile figures "
+                                      f"whose times a float holds")
+                        continue
+                    memory = terms["memory"][0]
                     s = int(np.argmax(memory / np.array(pl.device_memory)))
                     # memory is the longest stage's: an uneven split of the user's may be what is over
                     uneven = own_split and max(split) > -(-cfg.num_layers // pp)
@@ -599,15 +612,18 @@ def _candidates(topo: Topology, cfg: ModelConfig, par: ParallelConfig, free: set
                     splits = partition.compositions(cfg.num_layers, pp)
                     bound = float(model.lower_bounds(splits).min())
                 found.append(_Candidate(bound, pl, model, weights, splits, notes))
-        if "microbatches" in free and len(found) == fitted:
+        if "microbatches" in free and len(found) == fitted and len(infinite) == overflowed:
             beyond += _past_the_cap(cfg, pl, global_batch, seq_len, schedules, par, prof, topo)
+    if undivided:
+        errors.append(_undivided_batch(global_batch, undivided))
     if unsplit:
         errors.append(_unsplit_microbatches(par.microbatches, global_batch, unsplit))
-    # What stopped the layouts that divide the batch first (over memory, the nearest to fitting
-    # first: the one worth reading), then batch misfits: another layout's dp not dividing the batch
-    # is no news when those that do fail on memory. A searched pp that does not fit the clusters
+    # What stopped the layouts that divide the batch first (an infinite step: in memory, so its
+    # figures are what is wrong; then over memory, the nearest to fitting first: the one worth
+    # reading), then batch misfits: another layout's dp not dividing the batch is no news when
+    # those that do fail on memory. A searched pp that does not fit the clusters
     # comes last (--microbatches 7 is not an --allow-mixed problem).
-    tried = beyond + [text for _, text in sorted(over, key=lambda o: o[0])]
+    tried = infinite + beyond + [text for _, text in sorted(over, key=lambda o: o[0])]
     return found, tried + errors + misfits, mixed
 
 
@@ -621,6 +637,18 @@ def _refused_as_mixed(topo: Topology, tp: int, pp: int, dp: int | None, par: Par
     except ConfigError:
         return False
     return True
+
+
+def _undivided_batch(global_batch: int, undivided: set[int]) -> str:
+    """The error for a global batch that no tried layout's dp divides, naming every such dp (the
+    first layout's is often the largest, a needlessly large batch to suggest)."""
+    if len(undivided) == 1:
+        (dp,) = undivided
+        return (f"global_batch = {global_batch} is not allowed with dp = {dp}: every data replica needs the same "
+                f"samples; allowed: a multiple of {dp}")
+    return (f"global_batch = {global_batch} is not allowed: every data replica needs the same samples, and no dp "
+            f"tried divides it (dp = {', '.join(map(str, sorted(undivided)))}); allowed: a multiple of one of them "
+            f"(the smallest: {min(undivided)})")
 
 
 def _unsplit_microbatches(microbatches: int, global_batch: int, unsplit: Mapping[int, int]) -> str:
