@@ -188,10 +188,14 @@ def new_folder(out: str | Path) -> Path:
     if not str(out):
         raise ConfigError("--out '' is not allowed; allowed: a new or empty folder")
     path = Path(out).expanduser().resolve()  # `.` has no name to put a temporary folder beside
-    blocked = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
+    try:
+        blocked = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
+        taken = path.exists() and (not path.is_dir() or any(path.iterdir()))
+    except OSError as e:  # a folder on the way without permission: was a traceback
+        raise ConfigError(f"--out {str(path)!r} cannot be written: {e.strerror or e}") from None
     if blocked:  # mkdir would say only 'File exists'
         raise ConfigError(f"--out {str(path)!r} cannot be written: {str(blocked)!r} is a file, not a folder")
-    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+    if taken:
         raise ConfigError(f"--out {str(path)!r} already exists and is not an empty folder; remove it or choose another")
     return path
 

@@ -113,7 +113,11 @@ def _text_files(source: str, cache_dir: Path) -> tuple[list[Path], int]:
             raise ConfigError(f"DataConfig.source = {source!r} holds {TOKEN_FILE} but no {META_FILE}: an incomplete "
                               "prepared folder (an interrupted prepare?); prepare it again into a new folder")
         cache = cache_dir.resolve()
-        files = [f for f in prepare.folder_files(path) if not f.resolve().is_relative_to(cache)]
+        try:
+            listed = prepare.folder_files(path)
+        except OSError as e:  # a folder under it without permission: its files were left out unsaid
+            raise _unreadable(Path(e.filename or path), e) from None
+        files = [f for f in listed if not f.resolve().is_relative_to(cache)]
         text = [f for f in files if not _binary_file(f)]
         if text:
             return text, len(files) - len(text)
@@ -170,14 +174,23 @@ def _cached_bytes(files: list[Path], cache_dir: Path, source: str) -> np.ndarray
     for f, stat in zip(resolved, stats):
         # The change time and inode too: a write or a replacing rename always changes them, while
         # `cp -p`, `touch -r` or an unpacked archive can give new content the old size and mtime.
-        key.update(f"{f}\0{stat.st_size}\0{stat.st_mtime_ns}\0{stat.st_ctime_ns}\0{stat.st_ino}\0".encode())
+        # os.fsencode: a name that is not UTF-8 (an old archive's Latin-1) holds surrogates str.encode refuses.
+        key.update(os.fsencode(f))
+        key.update(f"\0{stat.st_size}\0{stat.st_mtime_ns}\0{stat.st_ctime_ns}\0{stat.st_ino}\0".encode())
     size = sum(stat.st_size for stat in stats)
     if not size:
         raise ConfigError(f"DataConfig.source = {source!r} holds no text: its files are empty")
-    where = hashlib.sha256(os.path.commonpath(resolved).encode()).hexdigest()[:12]
+    where = hashlib.sha256(os.fsencode(os.path.commonpath(resolved))).hexdigest()[:12]
     cache = cache_dir / f"bytes-{where}-{key.hexdigest()[:16]}.u8"
     # A cache of another size is cut short (a host that crashed before its data reached the disk): built again.
-    if not cache.exists() or cache.stat().st_size != size:
+    try:
+        whole = cache.stat().st_size == size
+    except (FileNotFoundError, NotADirectoryError):
+        whole = False
+    except OSError as e:  # a folder without permission: was a traceback
+        raise ConfigError(f"DataConfig.cache_dir = {str(cache_dir)!r} cannot be read ({e.strerror or e}); "
+                          "choose a readable folder") from None
+    if not whole:
         # A name of its own, not the pid: processes on other hosts (or containers) sharing the
         # cache folder may have the same pid and would write into one file.
         partial = cache.with_name(f"{cache.name}.{uuid.uuid4().hex}.tmp")
@@ -232,9 +245,12 @@ def prepared_folder(source: str) -> Path | None:
     """The folder of a prepared source (one holding meta.json; a folder may be named x.bin), else None.
     The folder's own tokens.bin counts as the folder: its dtype and vocabulary are in meta.json."""
     path = Path(source).expanduser()
-    if path.name == TOKEN_FILE and (path.parent / META_FILE).is_file():
-        return path.parent
-    return path if source != "stdlib" and (path / META_FILE).is_file() else None
+    try:  # a folder without permission fails the look for meta.json: was a traceback
+        if path.name == TOKEN_FILE and (path.parent / META_FILE).is_file():
+            return path.parent
+        return path if source != "stdlib" and (path / META_FILE).is_file() else None
+    except OSError as e:
+        raise _unreadable(path, e) from None
 
 
 def read_meta(folder: Path) -> dict:
@@ -249,6 +265,9 @@ def read_meta(folder: Path) -> dict:
     if not ok:
         raise ConfigError(f"DataConfig.source = {str(folder)!r}: {META_FILE} needs tokenizer, dtype (uint16 | uint32) "
                           f"and the non-negative integers {', '.join(counts)}; prepare the folder again")
+    if meta["eot_id"] >= meta["vocab_size"]:  # an edited vocab_size below the ids: the model trained to NaN
+        raise ConfigError(f"DataConfig.source = {str(folder)!r}: {META_FILE} says eot_id {meta['eot_id']}, not below "
+                          f"its vocab_size {meta['vocab_size']}; prepare the folder again")
     return meta
 
 

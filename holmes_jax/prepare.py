@@ -1,7 +1,8 @@
 """Text to a prepared token folder: `python -m holmes_jax.data prepare SRC ... --out DIR --tokenizer T`.
 
 Inputs: text files, folders of them (every file under the folder, linked folders included, sorted,
-hidden paths skipped) and JSONL files (`*.jsonl`, one JSON object a line with a "text" string).
+hidden paths skipped; a folder under it that cannot be listed is an error) and JSONL files
+(`*.jsonl`, one JSON object a line with a "text" string).
 Each text file is one document, each JSONL line one more; empty ones are skipped, and so are
 binary files (a NUL byte in their first 8 KiB, as git decides: compiled `.pyc` files, images).
 Text is read as UTF-8; bytes that are not UTF-8 become U+FFFD for the BPE tokenizers (the bytes
@@ -115,9 +116,10 @@ class Progress:
 def folder_files(folder: Path) -> list[Path]:
     """The files under `folder`, sorted, without hidden paths (a `.git` folder, say) and without
     the prepared folders under it (prepare's own output, written into its source folder). Linked
-    folders are read like linked files, each real folder once (a link to a folder above is a loop)."""
+    folders are read like linked files, each real folder once (a link to a folder above is a loop).
+    A folder under it that cannot be listed is an OSError, not left out (its files were dropped unsaid)."""
     files, seen = [], set()
-    for root, dirs, names in os.walk(folder, followlinks=True):
+    for root, dirs, names in os.walk(folder, followlinks=True, onerror=_raise):
         real = os.path.realpath(root)
         if real in seen or (META_FILE in names and TOKEN_FILE in names):
             dirs.clear()  # met already (a symlink loop), or a prepared folder
@@ -126,6 +128,10 @@ def folder_files(folder: Path) -> list[Path]:
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))  # sorted: which link to a folder counts is fixed
         files += [Path(root, n) for n in names if not n.startswith(".") and Path(root, n).is_file()]
     return sorted(files)
+
+
+def _raise(error: OSError) -> None:
+    raise error
 
 
 def is_binary(head: bytes) -> bool:
@@ -137,13 +143,16 @@ def input_files(sources: list[str]) -> list[Path]:
     files = []
     for source in sources:
         path = Path(source).expanduser()
-        if path.is_file():
-            files.append(path)
-        elif path.is_dir():
-            files += folder_files(path)
-        else:
-            raise ConfigError(f"SRC {source!r} is not a readable file or folder; "
-                              "give text files, folders or .jsonl files")
+        try:
+            if path.is_file():
+                files.append(path)
+            elif path.is_dir():
+                files += folder_files(path)
+            else:
+                raise ConfigError(f"SRC {source!r} is not a readable file or folder; "
+                                  "give text files, folders or .jsonl files")
+        except OSError as e:  # a folder without permission: was a traceback, or its files left out
+            raise ConfigError(f"SRC {str(e.filename or source)!r} cannot be read: {e.strerror or e}") from None
     if not files:
         raise ConfigError(f"SRC {' '.join(sources)}: no files to read (empty folders; hidden files are skipped)")
     return files
@@ -324,7 +333,11 @@ def make_tokenizer(spec: str, docs: Callable[[Progress], Iterator[Part]], total_
                               f"{BPE_MAX:,}, e.g. bpe:8192")
         return train_bpe(int(size), docs, total_bytes)
     path = Path(spec).expanduser()
-    if not path.is_file():
+    try:
+        found = path.is_file()
+    except OSError as e:  # its folder without permission: was blamed on --out
+        raise ConfigError(f"--tokenizer {spec!r} cannot be read: {e.strerror or e}") from None
+    if not found:
         raise ConfigError(f"--tokenizer {spec!r} is not allowed; allowed: bytes, bpe:N (N > {BYTE_VOCAB + 1}) "
                           "or the path of a Hugging Face tokenizer.json")
     from tokenizers import Tokenizer

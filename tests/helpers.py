@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import importlib.util
 import json
 import os
@@ -72,3 +73,26 @@ def load_bench(name: str):
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def lock_folder(monkeypatch, folder: Path) -> None:
+    """`folder` reads as a folder without permission (mode 000) does for a user other than root:
+    it cannot be listed, nor anything in it looked at. (Tests run as root, who reads it anyway.)"""
+    folder = Path(folder)
+    stat, scandir = os.stat, os.scandir
+
+    def denied(path) -> bool:
+        return isinstance(path, (str, os.PathLike)) and Path(path) != folder and Path(path).is_relative_to(folder)
+
+    def locked_stat(path, *args, **kwargs):
+        if denied(path):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return stat(path, *args, **kwargs)
+
+    def locked_scandir(path="."):
+        if isinstance(path, (str, os.PathLike)) and (Path(path) == folder or denied(path)):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return scandir(path)
+
+    monkeypatch.setattr(os, "stat", locked_stat)
+    monkeypatch.setattr(os, "scandir", locked_scandir)

@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from helpers import lock_folder
 from holmes_jax import data
 from holmes_jax.config import ConfigError, DataConfig
 
@@ -476,3 +477,51 @@ def test_a_cache_folder_inside_the_text_folder_is_not_read_as_text(tmp_path):
         tokens = data.load(cfg)
         assert bytes(np.concatenate([tokens.train, tokens.val])) == b"hello world " * 100
     assert len(list((corpus / "cache").iterdir())) == 1
+
+
+def test_a_folder_in_a_text_folder_that_cannot_be_listed_is_named_not_left_out(tmp_path, monkeypatch):
+    corpus = tmp_path / "corpus"
+    _write(corpus / "a.txt", b"read " * 100)
+    _write(corpus / "locked" / "b.txt", b"never read " * 100)
+    lock_folder(monkeypatch, corpus / "locked")
+    # was a run on a.txt alone, without a word about the folder left out
+    with pytest.raises(ConfigError, match=r"DataConfig.source: '.*locked' cannot be read \(Permission denied\)"):
+        data.load(DataConfig(source=str(corpus), seq_len=8, cache_dir=str(tmp_path / "c")))
+
+
+@pytest.mark.parametrize("name", ["", "a.txt", "ids.bin", "tokens.bin"])
+def test_a_source_in_a_folder_without_permission_is_an_error_line_not_a_traceback(tmp_path, monkeypatch, name):
+    _write(tmp_path / "locked" / "a.txt", b"text " * 100)
+    lock_folder(monkeypatch, tmp_path / "locked")
+    source = str(tmp_path / "locked" / name) if name else str(tmp_path / "locked")
+    with pytest.raises(ConfigError, match=r"DataConfig.source: '.*locked.*' cannot be read \(Permission denied\)"):
+        data.load(DataConfig(source=source, seq_len=8, cache_dir=str(tmp_path / "c")))  # was a PermissionError
+
+
+def test_a_cache_folder_without_permission_is_an_error_line_not_a_traceback(tmp_path, monkeypatch):
+    path = _write(tmp_path / "a.txt", b"text " * 100)
+    (tmp_path / "locked").mkdir()
+    lock_folder(monkeypatch, tmp_path / "locked")
+    with pytest.raises(ConfigError, match=r"DataConfig.cache_dir = '.*locked' cannot be read \(Permission denied\)"):
+        data.load(DataConfig(source=path, seq_len=8, cache_dir=str(tmp_path / "locked")))  # was a PermissionError
+
+
+def test_a_meta_json_vocabulary_that_leaves_out_its_end_of_text_id_is_an_error(tmp_path):
+    from holmes_jax import prepare
+
+    _write(tmp_path / "a.txt", b"hello world, " * 100)
+    prepare.prepare([str(tmp_path / "a.txt")], str(tmp_path / "p"), "bytes")
+    meta = json.loads((tmp_path / "p" / "meta.json").read_text())
+    (tmp_path / "p" / "meta.json").write_text(json.dumps(dict(meta, vocab_size=100)))  # edited by hand
+    # was loaded as vocabulary 100: a model of 128 embeddings for ids up to 256, trained to NaN
+    with pytest.raises(ConfigError, match="meta.json says eot_id 256, not below its vocab_size 100"):
+        data.load(DataConfig(source=str(tmp_path / "p"), seq_len=16))
+
+
+def test_a_text_file_whose_name_is_not_utf8_is_read(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / os.fsdecode(b"caf\xe9.txt")).write_bytes(b"hello world " * 100)  # a Latin-1 name, from an old archive
+    # was a UnicodeEncodeError
+    tokens = data.load(DataConfig(source=str(corpus), seq_len=8, cache_dir=str(tmp_path / "c")))
+    assert bytes(np.concatenate([tokens.train, tokens.val])) == b"hello world " * 100

@@ -18,7 +18,7 @@ import pytest
 from holmes_jax import build, cli, data, guard, train
 from holmes_jax.checkpoint import Checkpointer
 from holmes_jax.config import ConfigError
-from helpers import REPO, killed_on_exit, launch_env, read_metrics, run_module, small_configs
+from helpers import REPO, killed_on_exit, launch_env, lock_folder, read_metrics, run_module, small_configs
 
 ONE_DEVICE = ["--gin.ParallelConfig.dp=1", "--gin.ParallelConfig.cpu_devices=1"]
 # small_configs' model and data as command-line flags, for runs in a subprocess
@@ -723,6 +723,13 @@ def test_a_superscript_digit_flag_names_what_is_allowed(parse):
     # '²'.isdigit() is true but int('²') fails: argparse said only "invalid positive_int value"
     with pytest.raises(argparse.ArgumentTypeError, match="allowed: a"):
         parse("²")
+
+
+def test_an_out_in_a_folder_without_permission_is_one_error(tmp_path, monkeypatch):
+    lock_folder(monkeypatch, tmp_path / "locked")
+    (tmp_path / "locked").mkdir()
+    with pytest.raises(ConfigError, match=r"--out '.*/locked/hf' cannot be written: Permission denied"):
+        cli.new_folder(tmp_path / "locked" / "hf")  # was a PermissionError traceback
 
 
 def test_a_leftover_beside_out_whose_pid_is_no_number_is_left_alone(tmp_path):

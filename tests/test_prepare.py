@@ -12,7 +12,7 @@ import pytest
 
 from holmes_jax import cli, data, prepare
 from holmes_jax.config import ConfigError, DataConfig
-from helpers import read_metrics, small_configs
+from helpers import lock_folder, read_metrics, small_configs
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 
@@ -405,3 +405,27 @@ def test_bad_input_is_one_error_line_and_leaves_nothing_behind(tmp_path, case):
     assert code == 2 and out == ""
     assert len(err.splitlines()) == 1 and err.startswith("error: ") and names.format(d=tmp_path.resolve()) in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # no DIR, no temporary folder
+
+
+LOCKED_INPUTS = {  # case: (arguments after `prepare`, {d} the test's folder; what the error line names)
+    "a folder in SRC": ("{d}/corpus --out {d}/out", "SRC '{d}/corpus/locked' cannot be read: Permission denied"),
+    "SRC itself": ("{d}/corpus/locked --out {d}/out", "SRC '{d}/corpus/locked' cannot be read: Permission denied"),
+    "a file in it": ("{d}/corpus/locked/b.txt --out {d}/out", "SRC '{d}/corpus/locked/b.txt' cannot be read"),
+    "the tokenizer": ("{d}/corpus/a.txt --out {d}/out --tokenizer {d}/corpus/locked/tokenizer.json",
+                      "--tokenizer '{d}/corpus/locked/tokenizer.json' cannot be read: Permission denied"),
+}
+
+
+@pytest.mark.parametrize("case", LOCKED_INPUTS)
+def test_a_folder_without_permission_is_one_error_line_naming_it(tmp_path, monkeypatch, case):
+    (tmp_path / "corpus" / "locked").mkdir(parents=True)
+    (tmp_path / "corpus" / "a.txt").write_text("read " * 50)
+    (tmp_path / "corpus" / "locked" / "b.txt").write_text("never read " * 50)
+    lock_folder(monkeypatch, tmp_path / "corpus" / "locked")
+    args, names = LOCKED_INPUTS[case]
+    # were: a.txt prepared alone (the locked folder's files left out unsaid), "no files to read",
+    # a PermissionError traceback, and "--out ... cannot be written"
+    code, out, err = _cli("prepare", *args.format(d=tmp_path).split())
+    assert code == 2 and out == ""
+    assert len(err.splitlines()) == 1 and names.format(d=tmp_path) in err, err
+    assert not (tmp_path / "out").exists()
