@@ -141,6 +141,7 @@ class Checkpointer:
                                                cleanup_tmp_directories=True)
         self._manager = ocp.CheckpointManager(self.directory, options=options,
                                              item_handlers=ocp.StandardCheckpointHandler())
+        self._newest_save = None  # the step of the newest save, which may still be written in the background
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
@@ -155,6 +156,7 @@ class Checkpointer:
             except Exception as e:
                 raise RunError(f"cannot write checkpoints in {self.directory} (saving step {step}, or the one "
                                f"before it in the background): {reason(e)}") from None
+            self._newest_save = step
 
     def restore(self, step: int, target):
         """`target`: arrays or `jax.ShapeDtypeStruct`s carrying the shardings to restore onto.
@@ -268,11 +270,17 @@ class Checkpointer:
         distributed.every_process("checkpoint set aside: renamed", "")
         self._manager.reload()
 
-    def close(self) -> None:
-        """Waits for async saves to finish: a run must never exit with a checkpoint half-written."""
+    def wait(self) -> None:
+        """Waits for the save in the background to be written; one that fails is a `RunError`."""
         try:
             self._manager.wait_until_finished()
         except Exception as e:
-            raise RunError(f"cannot write checkpoints in {self.directory}: {reason(e)}") from None
+            saving = "" if self._newest_save is None else f" (saving step {self._newest_save})"
+            raise RunError(f"cannot write checkpoints in {self.directory}{saving}: {reason(e)}") from None
+
+    def close(self) -> None:
+        """Waits for async saves to finish: a run must never exit with a checkpoint half-written."""
+        try:
+            self.wait()
         finally:
             self._manager.close()

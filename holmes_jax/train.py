@@ -317,11 +317,14 @@ def _resume_and_train(cfgs: Configs, setup: Setup, token_data, workdir: Path, ck
                 # Even a skipped step: its state is what an uninterrupted run holds after it.
                 save(step, state, True)
                 sig = signal.Signals(stopping)
-                saved = (f"checkpoint saved at step {step}: run the same command again to resume" if ckpt
-                         else "checkpoints are off, nothing saved")
+                # at the last step a rerun of the same command finds nothing to do: no 'resume' then
+                resume = ": run the same command again to resume" if step < last else ", the run's last step"
+                saved = f"checkpoint saved at step {step}{resume}" if ckpt else "checkpoints are off, nothing saved"
                 if unwritable:
                     raise cli.OutputFailed(f"{unwritable[0]} after step {step}; {saved}")
                 raise cli.Stopped(sig, f"stopped by {sig.name} after step {step}; {saved}")
+        if ckpt:  # the last step's save written, a signal held off, before the run says it is done
+            ckpt.wait()
     if unwritable:  # at the last step: the run is done and saved, its output is not
         raise unwritable[0]
     return summarize(logger.rows, start, setup.plan.prediction.step_time_s, say)

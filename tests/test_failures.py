@@ -256,14 +256,15 @@ def test_a_reader_of_the_step_lines_that_leaves_stops_the_run_as_a_signal_does(t
 
 @pytest.mark.slow
 def test_a_signal_while_the_last_checkpoint_is_written_does_not_cut_it_short(tmp_path):
-    # The signal comes as the run waits for its last write, after the loop's handlers are gone.
+    # The signal comes as the run waits for its last write: after the loop, and again as the
+    # checkpointer closes, once the loop's handlers are gone.
     script = ("import os, signal, sys\n"
               "from holmes_jax import checkpoint, train\n"
-              "close = checkpoint.Checkpointer.close\n"
+              "wait = checkpoint.Checkpointer.wait\n"
               "def signalled(self):\n"
               "    os.kill(os.getpid(), signal.SIGTERM)\n"
-              "    close(self)\n"
-              "checkpoint.Checkpointer.close = signalled\n"
+              "    wait(self)\n"
+              "checkpoint.Checkpointer.wait = signalled\n"
               "train.main(sys.argv[1:])\n")
     r = subprocess.run([sys.executable, "-c", script, *FLAGS, f"--gin.TrainConfig.workdir={tmp_path}",
                         "--gin.TrainConfig.steps=3"], capture_output=True, text=True, timeout=300, cwd=REPO,

@@ -544,3 +544,38 @@ def test_a_console_line_that_cannot_be_written_stops_the_run_saved_with_one_erro
         assert saved == [fails_at + 1]
     else:
         assert saved == [6]  # the last step's save, then the error
+
+
+def test_a_last_save_that_fails_ends_the_run_with_its_step_and_no_done_line(tmp_path, monkeypatch, capsys):
+    # The last step's save is written in the background: the run printed 'done: step 6 ...' and
+    # only then 'error: cannot write checkpoints' (a full disk), without naming the step.
+    import orbax.checkpoint as ocp
+
+    save, wait, saved, failed_once = ocp.CheckpointManager.save, ocp.CheckpointManager.wait_until_finished, [], []
+
+    def save_started(self, step, *args, **kwargs):
+        done = save(self, step, *args, **kwargs)
+        saved.append(step)
+        return done
+
+    def background_write_fails(self):  # the write of a save already started fails, reported once (as orbax does)
+        wait(self)
+        if saved and not failed_once:
+            failed_once.append(True)
+            raise OSError(28, "No space left on device")
+    monkeypatch.setattr(ocp.CheckpointManager, "save", save_started)
+    monkeypatch.setattr(ocp.CheckpointManager, "wait_until_finished", background_write_fails)
+    with pytest.raises(train.cli.RunError) as failed:
+        train.run(small_configs(tmp_path, "--gin.TrainConfig.log_every=100"), devices=jax.devices()[:1])
+    assert saved == [6] and failed_once
+    assert "done:" not in capsys.readouterr().out
+    assert re.fullmatch(r"cannot write checkpoints in .* \(saving step 6\): .*No space left on device",
+                        str(failed.value))
+
+
+def test_a_signal_in_the_last_step_does_not_ask_for_a_rerun_that_has_nothing_to_do(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOLMES_FAULT", "signal:TERM:step:6")
+    with pytest.raises(train.cli.Stopped) as stopped:
+        train.run(small_configs(tmp_path), devices=jax.devices()[:1], quiet=True)
+    assert str(stopped.value) == "stopped by SIGTERM after step 6; checkpoint saved at step 6, the run's last step"
+    assert train.run(small_configs(tmp_path), devices=jax.devices()[:1], quiet=True) == {"steps": 6}  # nothing to do
