@@ -32,6 +32,7 @@ import argparse
 import contextlib
 import dataclasses
 import errno
+import fcntl
 import hashlib
 import json
 import os
@@ -182,40 +183,65 @@ def _cached_bytes(files: list[Path], cache_dir: Path, source: str) -> np.ndarray
         raise ConfigError(f"DataConfig.source = {source!r} holds no text: its files are empty")
     where = hashlib.sha256(os.fsencode(os.path.commonpath(resolved))).hexdigest()[:12]
     cache = cache_dir / f"bytes-{where}-{key.hexdigest()[:16]}.u8"
-    # A cache of another size is cut short (a host that crashed before its data reached the disk): built again.
-    try:
-        whole = cache.stat().st_size == size
-    except (FileNotFoundError, NotADirectoryError):
-        whole = False
-    except OSError as e:  # a folder without permission: was a traceback
-        raise ConfigError(f"DataConfig.cache_dir = {str(cache_dir)!r} cannot be read ({e.strerror or e}); "
-                          "choose a readable folder") from None
-    if not whole:
-        # A name of its own, not the pid: processes on other hosts (or containers) sharing the
-        # cache folder may have the same pid and would write into one file.
-        partial = cache.with_name(f"{cache.name}.{uuid.uuid4().hex}.tmp")
+    if not _whole(cache, size, cache_dir):
         try:
             cache_dir.mkdir(parents=True, exist_ok=True)
-            with open(partial, "xb") as out:
-                for f in files:
-                    with _open_text(f) as text:  # in pieces: a file may be larger than memory
-                        shutil.copyfileobj(_NamedReads(text, f), out, COPY_CHUNK)
-                out.flush()
-                os.fsync(out.fileno())  # else a host crash can leave the renamed cache full of zeros
-            os.replace(partial, cache)  # atomic: readers see the whole cache or none
-            for older in cache_dir.glob(f"bytes-{where}-*.u8"):  # a run mapping one keeps reading it
-                if older != cache:
+            # The processes of a run start together: one builds the cache while the others wait
+            # for it (each built its own copy at once, the corpus's size in temporary files each).
+            lock_path = cache_dir / f"bytes-{where}.lock"
+            with open(lock_path, "a") as lock:
+                try:
+                    try:
+                        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or its process dies
+                    except OSError as e:  # a filesystem without locks: each process builds its own, as before
+                        if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP):
+                            raise
+                    if not _whole(cache, size, cache_dir):
+                        _write_cache(files, cache, where)
+                finally:  # not left in the folder: one still waiting on it looks at the cache again
                     with contextlib.suppress(OSError):
-                        older.unlink()
+                        lock_path.unlink()
         except OSError as e:
             message = f"DataConfig.cache_dir = {str(cache_dir)!r} cannot be written ({e.strerror or e}); "
             if e.errno in (errno.ENOSPC, errno.EDQUOT):  # a failure of the run (status 1, as for --out and checkpoints)
                 raise cli.RunError(message + "free space there or choose another folder") from None
             raise ConfigError(message + "choose a writable folder") from None  # bad input
-        finally:  # also on an error in the sources or a stop signal: no partial copy is left behind
-            with contextlib.suppress(OSError):  # nothing to remove when it was renamed or never made
-                partial.unlink()
     return np.memmap(cache, dtype=np.uint8, mode="r")
+
+
+def _whole(cache: Path, size: int, cache_dir: Path) -> bool:
+    """Whether `cache` is there with all its `size` bytes: one of another size was cut short (a host
+    that crashed before its data reached the disk) and is built again."""
+    try:
+        return cache.stat().st_size == size
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    except OSError as e:  # a folder without permission: was a traceback
+        raise ConfigError(f"DataConfig.cache_dir = {str(cache_dir)!r} cannot be read ({e.strerror or e}); "
+                          "choose a readable folder") from None
+
+
+def _write_cache(files: list[Path], cache: Path, where: str) -> None:
+    """Writes `files` one after another as `cache`, whole or not at all, and removes the older
+    caches of the same folder (`where`)."""
+    # A name of its own, not the pid: processes on other hosts (or containers) sharing the
+    # cache folder may have the same pid and would write into one file.
+    partial = cache.with_name(f"{cache.name}.{uuid.uuid4().hex}.tmp")
+    try:
+        with open(partial, "xb") as out:
+            for f in files:
+                with _open_text(f) as text:  # in pieces: a file may be larger than memory
+                    shutil.copyfileobj(_NamedReads(text, f), out, COPY_CHUNK)
+            out.flush()
+            os.fsync(out.fileno())  # else a host crash can leave the renamed cache full of zeros
+        os.replace(partial, cache)  # atomic: readers see the whole cache or none
+        for older in cache.parent.glob(f"bytes-{where}-*.u8"):  # a run mapping one keeps reading it
+            if older != cache:
+                with contextlib.suppress(OSError):
+                    older.unlink()
+    finally:  # also on an error in the sources or a stop signal: no partial copy is left behind
+        with contextlib.suppress(OSError):  # nothing to remove when it was renamed or never made
+            partial.unlink()
 
 
 def _token_file(path: Path, dtype: str, source: str, fix: str = "check DataConfig.token_dtype") -> np.ndarray:

@@ -2,6 +2,7 @@ import dataclasses
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -271,7 +272,9 @@ def test_the_tokens_bin_of_a_prepared_folder_reads_as_the_folder(tmp_path):
 
 def test_text_caches_written_at_once_under_one_pid_do_not_mix(tmp_path, monkeypatch):
     # Processes on two hosts sharing the cache folder can have the same pid: here a second build
-    # starts (same pid) while the first is between its files.
+    # starts (same pid) while the first is between its files, on a filesystem without locks (with
+    # them, the second would wait for the first).
+    monkeypatch.setattr(data.fcntl, "flock", lambda *_: None)
     files = [Path(_write(tmp_path / "t" / name, name.encode() * 500)) for name in ("a", "b")]
     copy, nested = shutil.copyfileobj, {}
 
@@ -285,6 +288,33 @@ def test_text_caches_written_at_once_under_one_pid_do_not_mix(tmp_path, monkeypa
     outer = data._cached_bytes(files, tmp_path / "cache", "t")
     assert bytes(outer) == bytes(nested["cache"]) == b"a" * 500 + b"b" * 500
     assert [p.name for p in (tmp_path / "cache").iterdir()] == [Path(outer.filename).name]
+
+
+def test_processes_starting_together_build_the_text_cache_once(tmp_path, monkeypatch):
+    # Each process of a run built its own copy at once (the corpus's size in temporary files each);
+    # now one builds while the others wait on the cache folder's lock, then read its cache.
+    import threading
+
+    files = [Path(_write(tmp_path / "t" / name, name.encode() * 500)) for name in ("a", "b")]
+    copy, copied, start = shutil.copyfileobj, [], threading.Barrier(2)
+
+    def slow_copy(source, out, length):
+        copied.append(source.path.name)
+        time.sleep(0.3)  # the other starts while this one is still writing
+        return copy(source, out, length)
+    monkeypatch.setattr(shutil, "copyfileobj", slow_copy)
+    caches = []
+
+    def process():
+        start.wait()
+        caches.append(bytes(data._cached_bytes(files, tmp_path / "cache", "t")))
+    threads = [threading.Thread(target=process) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert caches == [b"a" * 500 + b"b" * 500] * 2
+    assert copied == ["a", "b"]  # once: were ['a', 'a', 'b', 'b']
 
 
 def test_the_text_cache_reads_new_content_given_the_old_size_and_modification_time(tmp_path):
