@@ -79,6 +79,7 @@ class MetricsLog:
         # resumed run started in the same second emptied the earlier run's file.
         self.tensorboard = EventsWriter(str(folder / "events"), filename_suffix=f".{time.time_ns()}")
         self._windows = collections.deque(maxlen=self.RECENT)  # (steps, seconds) between logged rows
+        self._first_step_s = None  # this run's first step warms up: the ETA uses it only alone
         self._last_step = None
 
     def write(self, row: dict) -> None:
@@ -97,8 +98,11 @@ class MetricsLog:
                                                session_log=SessionLog(status=SessionLog.START)))
         self.tensorboard.write_event(Event(wall_time=time.time(), step=row["step"], summary=Summary(value=values)))
         self.tensorboard.flush()
-        steps = row["step"] - self._last_step if self._last_step is not None else 1
-        self._windows.append((steps, steps * row["step_time_s"]))
+        if self._last_step is None:
+            self._first_step_s = row["step_time_s"]
+        else:
+            steps = row["step"] - self._last_step
+            self._windows.append((steps, steps * row["step_time_s"]))
         self._last_step = row["step"]
         if self.quiet:
             return
@@ -119,16 +123,24 @@ class MetricsLog:
         its checkpoint, or from the start without checkpoints); a row of a step it does not reach
         (it stops sooner, logs less often) stayed, and the report drew it after this run's rows.
         Drops a partial last row too (a write cut short by a crash, a full disk), or this run's
-        first row would be glued to it and neither could be read."""
+        first row would be glued to it and neither could be read; a whole last row without its
+        newline (saved so by an editor) is a row like the others, ended with one."""
         if not self.path.is_file():
             return
-        *lines, partial = self.path.read_bytes().split(b"\n")  # `partial` is b"" after a whole last row
+        *lines, last = self.path.read_bytes().split(b"\n")  # `last` is b"" after a whole last row
+        if _step_of(last) is not None:  # only a whole row reads as one: a cut-short one lacks its '}'
+            lines.append(last)
         kept = [line for line in lines if not _is_row_from(line, self.first)]
-        if len(kept) < len(lines) or partial:  # a crash while it is rewritten leaves it as it was
+        if len(kept) < len(lines) or last:  # a crash while it is rewritten leaves it as it was
             cli.replace_file(self.path, b"".join(line + b"\n" for line in kept))
 
     def eta_s(self, step: int) -> float:
-        """Seconds to `stop`: the mean step time of the recent logged windows times the steps left."""
+        """Seconds to `stop`: the mean step time of the recent logged windows times the steps left.
+        This run's first step is left out once there are others, as the run's summary and the report
+        leave it out: it warms up (a resumed run's took the time of 27 steady steps on CPU; logged
+        every 5 steps, the ETA came out 10x too long)."""
+        if not self._windows:
+            return self._first_step_s * max(self.stop - step, 0)
         steps, seconds = map(sum, zip(*self._windows))
         return seconds / steps * max(self.stop - step, 0)
 
@@ -136,13 +148,18 @@ class MetricsLog:
         self.tensorboard.close()
 
 
-def _is_row_from(line: bytes, step: int) -> bool:
-    """Whether `line` is a metrics row of `step` or later; a line that is none is kept as it is."""
+def _step_of(line: bytes) -> int | None:
+    """The step of the metrics row on `line`, or None when it is not one."""
     try:
         row = json.loads(line)
     except ValueError:
-        return False
-    return isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] >= step
+        return None
+    return row["step"] if isinstance(row, dict) and isinstance(row.get("step"), int) else None
+
+
+def _is_row_from(line: bytes, step: int) -> bool:
+    """Whether `line` is a metrics row of `step` or later; a line that is none is kept as it is."""
+    return (row_step := _step_of(line)) is not None and row_step >= step
 
 
 def strict_json(row: dict) -> dict:

@@ -48,6 +48,8 @@ def read_rows(workdir: Path) -> list[dict]:
         raise ConfigError(f"{path} cannot be read: {e.strerror}") from None
     lines, rows = text.splitlines(), {}
     for number, line in enumerate(lines, 1):
+        if not line.strip():  # a blank line (a hand edit) holds no row; jq reads past it too
+            continue
         row = _row(line)
         if row is None and number == len(lines) and not text.endswith("\n"):
             continue  # a last row cut short (a crash, a full disk): the rows before it still draw

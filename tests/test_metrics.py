@@ -89,14 +89,29 @@ def test_the_run_writes_its_plan_for_the_report(run_dir):
 def test_eta_is_the_recent_mean_step_time_times_the_steps_left(tmp_path, capsys):
     log = metrics.MetricsLog(tmp_path / "metrics.jsonl", total_steps=100, stop=10)
     row = {"loss": 1.0, "tokens_per_s": 1.0, "tflops_per_device": 1.0}
-    log.write(dict(row, step=2, step_time_s=0.5))  # the first row counts as one step
-    log.write(dict(row, step=4, step_time_s=1.0))  # two steps of 1 s
-    assert log.eta_s(4) == pytest.approx(2.5 / 3 * 6)
+    log.write(dict(row, step=1, step_time_s=0.5))  # the first row: one step
+    log.write(dict(row, step=4, step_time_s=1.0))  # three steps of 1 s
+    log.write(dict(row, step=6, step_time_s=2.5))  # two steps of 2.5 s
+    assert log.eta_s(6) == pytest.approx(8 / 5 * 4)
     log.write(dict(row, step=10, step_time_s=1.0))
     log.close()
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].endswith("ETA 4s") and lines[1].endswith("ETA 5s")
-    assert "ETA" not in lines[2]  # the run's last step
+    assert lines[0].endswith("ETA 4s") and lines[1].endswith("ETA 6s") and lines[2].endswith("ETA 6s")
+    assert "ETA" not in lines[3]  # the run's last step
+
+
+@pytest.mark.parametrize("first", [1, 13])  # a fresh run, and one resumed from step 12
+def test_the_eta_leaves_out_the_runs_first_step_once_there_are_others(tmp_path, capsys, first):
+    # The first step warms up: a resumed run's took 27 steady steps' time, and the ETA after its
+    # next rows counted it as if every step took a share of it (10x the steady ETA).
+    log = metrics.MetricsLog(tmp_path / "metrics.jsonl", total_steps=30, first=first)
+    row = {"loss": 1.0, "tokens_per_s": 1.0, "tflops_per_device": 1.0}
+    log.write(dict(row, step=first, step_time_s=0.56))
+    assert log.eta_s(first) == pytest.approx(0.56 * (30 - first))  # alone, it is all there is
+    log.write(dict(row, step=first + 2, step_time_s=0.02))
+    assert log.eta_s(first + 2) == pytest.approx(0.02 * (28 - first))
+    log.close()
+    assert capsys.readouterr().out.splitlines()[1].endswith(f"ETA {metrics.duration(0.02 * (28 - first))}")
 
 
 def test_the_step_line_gives_a_fast_steps_milliseconds_to_three_figures(tmp_path, capsys):
@@ -229,6 +244,28 @@ def test_a_last_row_cut_short_is_skipped_by_the_report_and_dropped_on_resume(tmp
     log.write(dict(row, step=3))
     log.close()
     assert (tmp_path / "metrics.jsonl").read_text() == whole + json.dumps(dict(row, step=3, resumed_from=2)) + "\n"
+    assert [r["step"] for r in report.read_rows(tmp_path)] == [1, 2, 3]
+
+
+def test_the_report_reads_past_blank_lines_in_a_hand_edited_metrics_jsonl(tmp_path):
+    rows = [json.dumps({"step": step, "loss": 3.0, "step_time_s": 0.1}) for step in (1, 2, 3)]
+    (tmp_path / "metrics.jsonl").write_text(rows[0] + "\n\n" + rows[1] + "\n \r\n" + rows[2] + "\n\n")
+    assert [r["step"] for r in report.read_rows(tmp_path)] == [1, 2, 3]
+    code, out, err = _report(tmp_path, "--out", tmp_path / "r.png")
+    assert code == 0 and "steps 1-3" in out, err
+
+
+def test_a_whole_last_row_without_its_newline_stays_on_resume(tmp_path):
+    # An editor that saves without a final newline: the report draws that row, and a resumed run
+    # must keep it (it dropped it as a row cut short, and the report lost the step for good).
+    row = {"loss": 3.0, "step_time_s": 0.1, "tokens_per_s": 1.0, "tflops_per_device": 1.0}
+    rows = [json.dumps(dict(row, step=s)) for s in (1, 2)]
+    (tmp_path / "metrics.jsonl").write_text(rows[0] + "\n" + rows[1])
+    assert [r["step"] for r in report.read_rows(tmp_path)] == [1, 2]
+    log = metrics.MetricsLog(tmp_path / "metrics.jsonl", total_steps=4, quiet=True, first=3)
+    log.write(dict(row, step=3))
+    log.close()
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]
     assert [r["step"] for r in report.read_rows(tmp_path)] == [1, 2, 3]
 
 
