@@ -391,11 +391,15 @@ def save_hf(params: dict, cfg: ModelConfig, out: str | Path, tokenizer: Path | N
     copies `tokenizer`, a tokenizer.json); returns its absolute path."""
     config = hf_config(cfg, end_of_text)
     with cli.output_folder(out, last="config.json") as tmp:
+        weights = tmp / "model.safetensors"
         try:
-            safetensors.numpy.save_file(to_hf(params, cfg), tmp / "model.safetensors", metadata={"format": "pt"})
+            safetensors.numpy.save_file(to_hf(params, cfg), weights, metadata={"format": "pt"})
         except safetensors.SafetensorError as e:  # a full disk, say: its I/O errors come wrapped,
             code = re.search(r"\(os error (\d+)\)", str(e))  # the errno in the text ('... (os error 28)')
             raise (OSError(int(code[1]), str(e)) if code else OSError(str(e))) from None
+        # safetensors makes its file 0600: the mode the umask gives a new file (tmp's, less execute),
+        # so that whoever may read the folder's other files may read the weights too
+        weights.chmod(tmp.stat().st_mode & 0o666)
         if tokenizer is not None:
             shutil.copyfile(tokenizer, tmp / "tokenizer.json")
             name = None if end_of_text is None else _token_name(tokenizer, end_of_text)

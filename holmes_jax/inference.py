@@ -16,6 +16,7 @@ forward is the model's own (no pipeline), so any device count can load any run.
 from __future__ import annotations
 
 import dataclasses
+import json
 import numbers
 from pathlib import Path
 from typing import Any
@@ -142,9 +143,32 @@ def run_tokens(workdir: str | Path, data: DataConfig) -> tuple[Any, int | None, 
         tokenizer.encode_special_tokens = True
         vocab = tokenizer.get_vocab(with_added_tokens=True)  # holmes-data prepare's end-of-text rule
         return tokenizer, next((vocab[name] for name in prepare.EOT_NAMES if name in vocab), None), None
-    if (Path(workdir) / data_sources.RUN_META_FILE).is_file() or data_sources.prepared_folder(data.source):
-        return None, prepare.BYTE_VOCAB, None  # prepared as bytes: ids 0-255 and end-of-text 256
-    return None, None, data.source if data_sources.is_token_file(data.source) else None
+    meta = _data_meta(workdir, data)
+    if meta is None:
+        return None, None, data.source if data_sources.is_token_file(data.source) else None
+    spec = _read_tokenizer_spec(meta)
+    if spec not in ("bytes", None):  # its ids are that tokenizer's: text read as bytes would be other ids
+        raise ConfigError(f"the run's data was prepared with --tokenizer {spec!r} ({str(meta)!r}) but there is no "
+                          f"tokenizer.json in {str(workdir)!r} or in its data folder {data.source!r}; copy the data's "
+                          f"tokenizer.json to {str(Path(workdir) / 'tokenizer.json')!r}")
+    return None, prepare.BYTE_VOCAB, None  # prepared as bytes: ids 0-255 and end-of-text 256
+
+
+def _data_meta(workdir: str | Path, data: DataConfig) -> Path | None:
+    """The meta.json of the prepared data a run read: its copy in the workdir, else the data
+    folder's; None when the run read no prepared folder."""
+    kept = Path(workdir) / data_sources.RUN_META_FILE
+    folder = data_sources.prepared_folder(data.source)
+    return kept if kept.is_file() else folder / data_sources.META_FILE if folder else None
+
+
+def _read_tokenizer_spec(meta: Path) -> str | None:
+    """The --tokenizer a prepared folder's meta.json names (None where it names none)."""
+    try:
+        found = json.loads(meta.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{str(meta)!r} cannot be read as JSON ({e})") from None
+    return found.get("tokenizer") if isinstance(found, dict) else None
 
 
 def load(workdir: str | Path, step: int | None = None) -> Model:

@@ -453,6 +453,8 @@ def main(argv: list[str]) -> int:
         # must not stop its own measurement. (The layout measured is planned without it.)
         say(f"profile: ParallelConfig.profile {cfgs.parallel.profile!r} is not read: this measures the run without it")
         cfgs = dataclasses.replace(cfgs, parallel=dataclasses.replace(cfgs.parallel, profile=None))
+    if cfgs.model.init_from:  # weights time as any others: reading a whole Hugging Face model would only wait
+        cfgs = dataclasses.replace(cfgs, model=dataclasses.replace(cfgs.model, init_from=None))
     result = profile(build.build(cfgs), args.repeats, splits, say)
     if jax.process_index() == 0:
         try:

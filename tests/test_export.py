@@ -730,3 +730,37 @@ def test_a_full_disk_while_writing_the_weights_is_a_run_error(tmp_path, monkeypa
     with pytest.raises(cli.RunError, match="No space left on device"):
         export.save_hf(jax.tree.map(np.asarray, gpt.GPT(cfg).init(0)), cfg, tmp_path / "hf")
     assert not (tmp_path / "hf").exists() or not any((tmp_path / "hf").iterdir())
+
+
+@pytest.mark.parametrize("kept", ["the workdir's copy", "the data folder's"])
+def test_a_run_whose_tokenizer_json_is_gone_is_refused_not_read_as_bytes(tmp_path, kept):
+    # Its data was tokenized with a BPE: with neither tokenizer.json left, a prompt became bytes
+    # (other ids) and the export said end-of-text 256 (a byte run's) where the data's was 0.
+    meta = {"tokenizer": "bpe:512", "vocab_size": 512, "dtype": "uint16", "documents": 1, "tokens": 2, "eot_id": 0}
+    data = tmp_path / "data"
+    data.mkdir()
+    where = tmp_path / "data_meta.json" if kept == "the workdir's copy" else data / "meta.json"
+    where.write_text(json.dumps(meta))
+    source = DataConfig(source=str(tmp_path / "moved" if kept == "the workdir's copy" else data))
+    with pytest.raises(ConfigError, match=r"--tokenizer 'bpe:512'.*no tokenizer.json.*copy"):
+        inference.run_tokens(tmp_path, source)
+    where.write_text("{broken")  # was read as bytes too
+    with pytest.raises(ConfigError, match="meta.json' cannot be read as JSON"):
+        inference.run_tokens(tmp_path, source)
+    where.write_text(json.dumps(meta | {"tokenizer": "bytes"}))  # bytes have no tokenizer.json
+    assert inference.run_tokens(tmp_path, source) == (None, prepare.BYTE_VOCAB, None)
+
+
+def test_the_weights_file_is_as_readable_as_the_folders_other_files(tmp_path):
+    # safetensors writes its file 0600: a team's exported folder had weights only its writer could read
+    import os
+    import stat
+
+    cfg = presets.resolve(ModelConfig(preset="tiny", num_layers=1, hidden=64, ffn_hidden=96))
+    old = os.umask(0o022)
+    try:
+        folder, _ = _saved(tmp_path, cfg)
+    finally:
+        os.umask(old)
+    modes = {f.name: stat.S_IMODE(f.stat().st_mode) for f in folder.iterdir()}
+    assert modes == {"config.json": 0o644, "model.safetensors": 0o644}, {k: oct(v) for k, v in modes.items()}

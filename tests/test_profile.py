@@ -229,6 +229,15 @@ def test_a_failed_write_is_one_error_and_the_profile_is_not_lost(tmp_path, monke
     assert measured.to_json() in capsys.readouterr().out  # minutes of measurement, still there
 
 
+def test_a_profile_of_a_run_from_hugging_face_weights_does_not_read_them(tmp_path, monkeypatch):
+    # profile_update's fresh state read the whole init_from folder (and failed where it is absent)
+    _fake_profiling(monkeypatch)
+    built = []
+    monkeypatch.setattr(profile.build, "build", lambda cfgs: built.append(cfgs.model.init_from))
+    assert profile.main(["--out", str(tmp_path / "p.json"), f"--gin.ModelConfig.init_from='{tmp_path / 'gone'}'"]) == 0
+    assert built == [None]
+
+
 def test_stdout_is_the_profile_alone_and_progress_goes_to_stderr(tmp_path, monkeypatch, capsys):
     # `profile ... > p.json` was the progress lines followed by the JSON: not a profile
     measured = _fake_profiling(monkeypatch)
