@@ -398,3 +398,136 @@ def test_bf16_logits_reach_the_loss_unrounded_and_the_backward_stays_bf16(tied):
     grad = jax.make_jaxpr(jax.grad(model.head_loss, argnums=(0, 1)))(params, x, targets)
     dots = [e for e in grad.jaxpr.eqns if e.primitive.name == "dot_general"]
     assert len(dots) == 3 and all(v.aval.dtype == jnp.bfloat16 for e in dots for v in e.invars)
+
+
+def _reference_logits(cfg, p, tokens, xp=np):
+    """The model written out plainly over a params dict: numpy in float64 (`xp=np`) or jax.numpy
+    (`xp=jnp`, to take its gradient). Query head i reads kv head i // (heads / kv_heads); rotary
+    turns the pairs (i, i + head_dim / 2); eps inside the square root; GELU's tanh form."""
+    b, s = tokens.shape
+    heads, kv_heads, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+
+    def norm(x, n):
+        if cfg.norm == "layernorm":
+            x = x - x.mean(-1, keepdims=True)
+        x = x / xp.sqrt((x ** 2).mean(-1, keepdims=True) + cfg.norm_eps) * n["scale"]
+        return x + n["bias"] if cfg.norm == "layernorm" else x
+
+    def linear(x, layer):
+        return x @ layer["kernel"] + (layer["bias"] if "bias" in layer else 0.0)
+
+    def rotary(x):
+        angles = np.arange(s)[:, None] / cfg.rope_base ** (np.arange(0, d, 2) / d)[None, :]
+        cos, sin = np.cos(angles)[None, :, None, :], np.sin(angles)[None, :, None, :]
+        x1, x2 = x[..., : d // 2], x[..., d // 2:]
+        return xp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+    table = p["embed"]["tokens"]["embedding"]
+    x = table[tokens]
+    if cfg.positions == "learned":
+        x = x + p["embed"]["positions"][:s]
+    causal = np.tril(np.ones((s, s), bool))
+    for i in range(cfg.num_layers):
+        layer = jax.tree.map(lambda a: a[i], p["blocks"])
+        h = norm(x, layer["attn_norm"])
+        q = linear(h, layer["q"]).reshape(b, s, heads, d)
+        k, v = (linear(h, layer[n]).reshape(b, s, kv_heads, d) for n in ("k", "v"))
+        if cfg.positions == "rotary":
+            q, k = rotary(q), rotary(k)
+        k, v = (xp.repeat(a, heads // kv_heads, axis=2) for a in (k, v))  # kv head j serves query heads j*g..
+        scores = xp.where(causal, xp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(d), -1e30)
+        weights = xp.exp(scores - scores.max(-1, keepdims=True))
+        weights = weights / weights.sum(-1, keepdims=True)
+        x = x + linear(xp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(b, s, heads * d), layer["o"])
+        h = norm(x, layer["mlp_norm"])
+        if cfg.mlp == "swiglu":
+            gate = linear(h, layer["gate"])
+            inner = gate / (1 + xp.exp(-gate)) * linear(h, layer["up"])
+        else:
+            up = linear(h, layer["up"])
+            inner = 0.5 * up * (1 + xp.tanh(np.sqrt(2 / np.pi) * (up + 0.044715 * up ** 3)))
+        x = x + linear(inner, layer["down"])
+    kernel = table.T if cfg.tie_embeddings else p["head"]["out"]["kernel"]
+    return norm(x, p["head"]["norm"]) @ kernel
+
+
+def _reference_loss(logits, targets, xp=np):
+    top = logits.max(-1, keepdims=True)
+    log_z = top[..., 0] + xp.log(xp.exp(logits - top).sum(-1))
+    return xp.mean(log_z - xp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0])
+
+
+_REFERENCE_SHAPES = [
+    dict(preset="tiny"),  # GPT: learned positions, layernorm, gelu, tied
+    dict(preset="tiny", bias=True, num_kv_heads=2),
+    dict(preset="llama-tiny"),  # LLaMA: rotary, rmsnorm, swiglu, untied, 4 heads over 2 kv heads
+    dict(preset="llama-tiny", num_heads=8, num_kv_heads=2, bias=True, tie_embeddings=True),
+    dict(preset="llama-tiny", num_kv_heads=1, norm="layernorm", mlp="gelu"),
+]
+
+
+def _randomised(params, seed):
+    # Every parameter moved off its initial value, so unit scales and zero biases hide no mistake.
+    leaves, tree = jax.tree.flatten(params)
+    rng = np.random.default_rng(seed)
+    return jax.tree.unflatten(tree, [jnp.asarray(x + rng.normal(scale=0.1, size=x.shape), jnp.float32)
+                                     for x in leaves])
+
+
+@pytest.mark.parametrize("options", _REFERENCE_SHAPES)
+def test_the_forward_and_loss_match_a_numpy_reference(options):
+    # A norm_eps near the activations' variance and a small rope_base make both count in the logits.
+    cfg = presets.resolve(ModelConfig(num_layers=2, norm_eps=0.01, rope_base=100.0, **options))
+    model = gpt.GPT(cfg)
+    params = _randomised(model.init(0), 10)
+    batch = np.random.default_rng(11).integers(0, cfg.vocab_size, (2, 21))
+    expected = _reference_logits(cfg, jax.tree.map(lambda x: np.asarray(x, np.float64), params), batch[:, :-1])
+    logits = np.asarray(model.logits(params, jnp.asarray(batch[:, :-1])))
+    np.testing.assert_allclose(logits, expected, rtol=0, atol=1e-5 * np.abs(expected).max())
+    assert float(model.loss(params, jnp.asarray(batch))) == pytest.approx(
+        _reference_loss(expected, batch[:, 1:]), rel=1e-5)
+
+
+@pytest.mark.parametrize("options", _REFERENCE_SHAPES[1:4])
+def test_the_gradients_match_the_reference(options):
+    # The model's gradient (scanned layers, fused attention, the float32-logits head with its own
+    # backward, tied tables used twice) against autodiff of the plain reference.
+    cfg = presets.resolve(ModelConfig(num_layers=2, **options))
+    model = gpt.GPT(cfg)
+    params = _randomised(model.init(0), 12)
+    batch = jnp.asarray(np.random.default_rng(13).integers(0, cfg.vocab_size, (2, 17)), jnp.int32)
+    inputs, targets = batch[:, :-1], batch[:, 1:]
+    ref = jax.jit(jax.grad(lambda p: _reference_loss(_reference_logits(cfg, p, inputs, jnp), targets, jnp)))(params)
+    ours = jax.jit(jax.grad(model.loss))(params, batch)
+    # One scale for all: k's bias has no gradient without rotary (it adds one constant to a row of
+    # scores), so both sides are rounding noise there.
+    scale = max(float(jnp.abs(g).max()) for g in jax.tree.leaves(ref))
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(ours), jax.tree.leaves(ref)):
+        np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-5 * scale, err_msg=jax.tree_util.keystr(path))
+
+
+def _ops(jaxpr):
+    from jax._src import core
+
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in core.jaxprs_in_params(eqn.params):
+            yield from _ops(sub)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "llama-tiny"])
+def test_bf16_runs_its_matmuls_in_bf16_and_its_softmax_norms_and_loss_in_float32(preset):
+    # Forward and backward: every exp (attention's softmax, the loss's logsumexp), log and rsqrt
+    # (the norms) is float32; the weight matmuls take bfloat16 operands; the parameters stay float32.
+    cfg = presets.resolve(ModelConfig(preset=preset, num_layers=2, compute_dtype="bfloat16"))
+    model = gpt.GPT(cfg)
+    params = model.init(0)
+    jaxpr = jax.make_jaxpr(jax.value_and_grad(model.loss))(params, jnp.zeros((2, 17), jnp.int32))
+    ops = list(_ops(jaxpr.jaxpr))
+    for name in ("exp", "log", "rsqrt"):
+        dtypes = {str(v.aval.dtype) for e in ops if e.primitive.name == name for v in e.invars + e.outvars}
+        assert dtypes == {"float32"}, (name, dtypes)
+    weight_matmuls = [e for e in ops if e.primitive.name == "dot_general"
+                      and not e.params["dimension_numbers"][1][0]]  # no batch dims: not attention's
+    assert weight_matmuls and all(v.aval.dtype == jnp.bfloat16 for e in weight_matmuls for v in e.invars)
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(jaxpr.out_avals))

@@ -3,6 +3,7 @@
 import gin
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from holmes_jax.planning import search as plan, workload
@@ -74,3 +75,22 @@ def test_what_depends_on_the_input_is_followed_through_calls_and_never_missed_in
     depends = lambda fn: _depends_on_input(jax.make_jaxpr(fn)(1.0, 2.0).jaxpr, [False, True])  # noqa: E731
     assert depends(swapped_twice)[1]  # the output that is h (marking p too is merely conservative)
     assert depends(called) == [False, True]  # calls are followed output by output
+
+
+@pytest.mark.parametrize("preset, options", [("tiny", dict(bias=True)),
+                                             ("llama-tiny", dict(num_kv_heads=1)),
+                                             ("llama-tiny", dict(compute_dtype="bfloat16"))])
+def test_every_remat_policy_gives_the_gradients_of_none(preset, options):
+    # A policy only changes what the backward keeps and what it recomputes, never the result.
+    batch = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, 33)), jnp.int32)
+    results = {}
+    for remat in ("none", "full", "dots"):
+        model = gpt.GPT(presets.resolve(ModelConfig(preset=preset, num_layers=2, remat=remat, **options)))
+        results[remat] = jax.jit(jax.value_and_grad(model.loss))(model.init(0), batch)
+    loss, grads = results["none"]
+    scale = max(float(jnp.abs(g).max()) for g in jax.tree.leaves(grads))
+    for remat in ("full", "dots"):
+        assert float(results[remat][0]) == pytest.approx(float(loss), rel=1e-6), remat
+        for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(results[remat][1]), jax.tree.leaves(grads)):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6 * scale,
+                                       err_msg=f"{remat} {jax.tree_util.keystr(path)}")
