@@ -8,6 +8,7 @@ early (signals, a loss that stays non-finite) is in holmes_jax.guard; exit statu
 
 from __future__ import annotations
 
+import array
 import contextlib
 import dataclasses
 import fcntl
@@ -64,18 +65,34 @@ def _train_batch(setup: Setup, step: int, token_data: data.TokenData) -> jax.Arr
     return setup.batch("train", step - 1, token_data)
 
 
+class Rows:
+    """What the done line needs of a run's metrics rows, in memory that does not grow with the run
+    (every row kept, a run logging each of a million steps held about 600 MB): its first and last
+    rows and the step times of those after step `start` + 1 (the run's first step pays for warm-up)."""
+
+    def __init__(self, start: int, rows: list[dict] = ()):
+        self.start, self.first, self.last, self.step_times = start, None, None, array.array("d")
+        for row in rows:
+            self.add(row)
+
+    def add(self, row: dict) -> None:
+        self.first, self.last = self.first or row, row
+        if row["step"] > self.start + 1:
+            self.step_times.append(row["step_time_s"])
+
+
 class StepLogger:
     """Collects step outputs and, when due, writes one metrics row (loss, speed, validation)."""
 
     def __init__(self, setup: Setup, eval_step, token_data: data.TokenData, log: metrics.MetricsLog | None,
-                 peak_tflops_per_device: float):
+                 peak_tflops_per_device: float, start: int = 0):
         cfgs, devices = setup.cfgs, setup.mesh.devices.size
         self.setup, self.eval_step, self.token_data, self.log = setup, eval_step, token_data, log
         self.tokens_per_step = cfgs.data.global_batch * cfgs.data.seq_len
         self.flops_per_device = megatron_flops(cfgs.data.global_batch, cfgs.data.seq_len, cfgs.model.num_layers,
                                                cfgs.model.hidden, cfgs.model.vocab_size, cfgs.model.remat) / devices
         self.peak = peak_tflops_per_device
-        self.pending, self.t_last, self.rows = [], time.perf_counter(), []
+        self.pending, self.t_last, self.rows = [], time.perf_counter(), Rows(start)
 
     def collect(self, out) -> None:
         self.pending.append(out)
@@ -95,7 +112,7 @@ class StepLogger:
         try:
             self.log and self.log.write(row)
         finally:  # even when the console's reader left (BrokenPipeError): its steps are not the next row's
-            self.rows.append(row)
+            self.rows.add(row)
             self.pending, self.t_last = [], time.perf_counter()
 
     def exclude(self, seconds: float) -> None:
@@ -283,7 +300,7 @@ def _resume_and_train(cfgs: Configs, setup: Setup, token_data, workdir: Path, ck
     say(f"MFU is against the {peak_what}")
 
     log = metrics.MetricsLog(workdir / "metrics.jsonl", tcfg.steps, quiet, first=start + 1, stop=last) if lead else None
-    logger = StepLogger(setup, make_eval_step(setup), token_data, log, peak)
+    logger = StepLogger(setup, make_eval_step(setup), token_data, log, peak, start)
     bad = guard.BadSteps(tcfg.max_bad_steps, say)
 
     def save(step: int, state: dict, force: bool) -> None:
@@ -327,7 +344,7 @@ def _resume_and_train(cfgs: Configs, setup: Setup, token_data, workdir: Path, ck
             ckpt.wait()
     if unwritable:  # at the last step: the run is done and saved, its output is not
         raise unwritable[0]
-    return summarize(logger.rows, start, setup.plan.prediction.step_time_s, say)
+    return summarize(logger.rows, setup.plan.prediction.step_time_s, say)
 
 
 @contextlib.contextmanager
@@ -350,26 +367,26 @@ def evaluate(setup: Setup, eval_step, params, token_data: data.TokenData) -> flo
     return float(np.mean(jax.device_get(losses)))
 
 
-def summarize(rows: list[dict], start: int, predicted_step_s: float, say) -> dict:
-    timed = [r for r in rows if r["step"] > start + 1] or rows  # the first step pays for warm-up
-    step_time = float(np.median([r["step_time_s"] for r in timed]))
+def summarize(rows: Rows, predicted_step_s: float, say) -> dict:
+    first, last = rows.first, rows.last
+    step_time = float(np.median(rows.step_times or [first["step_time_s"]]))
     # Tokens/s and TFLOPS at that step time: medians of their own (of an even count of rows, the
     # mean of two) disagreed with it. A row's figure times its step time is the same in every row.
-    tokens_per_step = rows[0]["tokens_per_s"] * rows[0]["step_time_s"]
-    tflop_per_step = rows[0]["tflops_per_device"] * rows[0]["step_time_s"]
+    tokens_per_step = first["tokens_per_s"] * first["step_time_s"]
+    tflop_per_step = first["tflops_per_device"] * first["step_time_s"]
     summary = {
-        "steps": rows[-1]["step"],
-        "first_loss": rows[0]["loss"],
-        "final_loss": rows[-1]["loss"],
-        "val_loss": rows[-1].get("val_loss"),
+        "steps": last["step"],
+        "first_loss": first["loss"],
+        "final_loss": last["loss"],
+        "val_loss": last.get("val_loss"),
         "step_time_s": step_time,
         "predicted_step_time_s": predicted_step_s,
         "tokens_per_s": tokens_per_step / step_time,
         "tflops_per_device": tflop_per_step / step_time,
     }
     losses = f"loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f}"
-    if start:  # the first loss is of the first step after the checkpoint, not of step 1
-        losses = (f"loss {summary['first_loss']:.3f} (step {rows[0]['step']}) -> {summary['final_loss']:.3f} "
+    if rows.start:  # the first loss is of the first step after the checkpoint, not of step 1
+        losses = (f"loss {summary['first_loss']:.3f} (step {first['step']}) -> {summary['final_loss']:.3f} "
                   f"(step {summary['steps']})")
     say(f"done: step {summary['steps']}, {losses}"
         + (f", val {summary['val_loss']:.3f}" if summary["val_loss"] is not None else "")

@@ -127,12 +127,12 @@ def test_the_step_line_gives_a_fast_steps_milliseconds_to_three_figures(tmp_path
 
 
 def test_the_runs_last_line_gives_fast_measured_and_predicted_steps_to_three_figures():
-    from holmes_jax.train import summarize
+    from holmes_jax.train import Rows, summarize
 
     rows = [{"step": step, "loss": 2.0, "step_time_s": 0.00043, "tokens_per_s": 2048 / 0.00043,
              "tflops_per_device": 1.0} for step in (1, 2, 3)]
     said = []
-    summarize(rows, start=0, predicted_step_s=0.00286, say=said.append)
+    summarize(Rows(0, rows), predicted_step_s=0.00286, say=said.append)
     assert "; 0.43 ms/step, 4,762,791 tokens/s, " in said[0] and said[0].endswith("the plan predicted 2.86 ms/step")
 
 

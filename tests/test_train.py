@@ -401,10 +401,31 @@ def test_the_summarys_tokens_per_second_and_tflops_are_those_of_its_step_time():
     # Each was a median of its own: of two rows, a mean that disagreed with the median step time.
     rows = [{"step": step, "loss": 2.0, "step_time_s": seconds, "tokens_per_s": 512 / seconds,
              "tflops_per_device": 0.002 / seconds} for step, seconds in ((1, 0.5), (2, 0.02), (3, 0.04))]
-    summary = train.summarize(rows, start=0, predicted_step_s=0.01, say=lambda line: None)
+    summary = train.summarize(train.Rows(0, rows), predicted_step_s=0.01, say=lambda line: None)
     assert summary["step_time_s"] == pytest.approx(0.03)
     assert summary["tokens_per_s"] == pytest.approx(512 / 0.03)
     assert summary["tflops_per_device"] == pytest.approx(0.002 / 0.03)
+
+
+def test_the_rows_a_run_keeps_for_its_done_line_do_not_grow_with_the_run():
+    # Every row was kept until the end: a run logging each of a million steps held about 600 MB.
+    import tracemalloc
+
+    def row(step):
+        return {"step": step, "loss": 2.0, "grad_norm": 1.0, "skipped": 0, "lr": 1e-3, "step_time_s": 0.01 + step % 7,
+                "tokens_per_s": 512.0, "tflops_per_device": 0.01, "mfu": 0.1}
+    tracemalloc.start()
+    try:
+        rows = train.Rows(start=0)
+        for step in range(1, 100_001):
+            rows.add(row(step))
+        held = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert held < 2 * 2**20  # a step time each (800 kB), not the 100,000 rows (about 60 MB)
+    assert (rows.first["step"], rows.last["step"], len(rows.step_times)) == (1, 100_000, 99_999)
+    summary = train.summarize(rows, predicted_step_s=0.01, say=lambda line: None)
+    assert summary["step_time_s"] == np.median([0.01 + step % 7 for step in range(2, 100_001)])
 
 
 def test_a_row_whose_console_line_finds_no_reader_is_not_counted_again_in_the_next(tmp_path):
@@ -428,14 +449,14 @@ def test_a_row_whose_console_line_finds_no_reader_is_not_counted_again_in_the_ne
     logger.collect({"loss": 2.0, "grad_norm": 1.0, "skipped": False})
     logger.row(2, state, last=6)
     assert [row["skipped"] for row in log.rows] == [1, 0]
-    assert [row["step"] for row in logger.rows] == [1, 2]
+    assert (logger.rows.first["step"], logger.rows.last["step"]) == (1, 2)
 
 
 def _done_line(start: int) -> str:
     rows = [{"step": step, "loss": loss, "step_time_s": 0.1, "tokens_per_s": 5120.0, "tflops_per_device": 0.01}
             for step, loss in ((start + 1, 3.21), (start + 2, 3.0), (16, 2.8))]
     said = []
-    train.summarize(rows, start=start, predicted_step_s=0.1, say=said.append)
+    train.summarize(train.Rows(start, rows), predicted_step_s=0.1, say=said.append)
     return said[0]
 
 
