@@ -337,14 +337,18 @@ def test_processes_exchange_their_nic_classes_without_a_device_collective(monkey
         assert [d.process_index for d in placed] == [1, 1, 0, 0]
 
 
-def test_nccl_conf_keeps_a_carriage_return_in_the_value_as_nccl_does(tmp_path):
+def test_nccl_conf_keeps_a_carriage_return_in_the_value_as_nccl_before_2_30_does(tmp_path):
     # NCCL cuts only the newline (setEnvFile): a file saved with CRLF line ends gives the
     # interface "bond0\r", which does not exist; it was read as "bond0" and taken as the user's
     conf = tmp_path / "nccl.conf"
     conf.write_bytes(b"NCCL_IB_GID_INDEX=3\r\nNCCL_SOCKET_IFNAME=bond0\r\n")
     env = {"NCCL_CONF_FILE": str(conf)}
     assert nic.nccl_conf(env)["NCCL_SOCKET_IFNAME"] == ("bond0\r", str(conf))
-    with pytest.raises(ConfigError, match=re.escape(f"NCCL_SOCKET_IFNAME = 'bond0\\r' (from {conf}) is not allowed")):
+    # NCCL 2.30 and later cut it too: the error says which NCCLs misread it, and how to get past a site file
+    with pytest.raises(ConfigError, match=re.escape(
+            f"NCCL_SOCKET_IFNAME = 'bond0\\r' (from {conf}) is not allowed: NCCL before 2.30 keeps the carriage "
+            "return of a CRLF line end in the value; allowed: the file with LF line ends, or NCCL_SOCKET_IFNAME set "
+            "in the environment")):
         nic.apply_nccl_env(ROCE_DERIVED, env)
     # strtoll stops at the carriage return: "3\r" is 3 to NCCL, and stands
     conf.write_bytes(b"NCCL_IB_GID_INDEX=3\r\n")
@@ -360,19 +364,53 @@ def test_nccl_conf_reads_a_file_with_bytes_that_are_not_utf8(tmp_path):
     assert "NCCL_IB_HCA" not in env
 
 
-def test_nccl_conf_takes_the_home_directory_from_the_password_database(tmp_path, home, monkeypatch):
-    # NCCL's userHomeDir() is getpwuid(getuid())->pw_dir, not $HOME
+def test_nccl_conf_reads_the_home_directory_of_every_nccl_version(tmp_path, home, monkeypatch):
+    # NCCL's userHomeDir() is getpwuid(getuid())->pw_dir before 2.30, $HOME from 2.30 on (what
+    # the pinned jax installs today): a setting in either file is the user's, never replaced
     (home / ".nccl.conf").write_text("NCCL_IB_HCA=^mlx5_4\n")
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    (elsewhere / ".nccl.conf").write_text("NCCL_IB_HCA=^mlx5_9\n")
-    assert nic.nccl_conf({"HOME": str(elsewhere)})["NCCL_IB_HCA"] == ("^mlx5_4", f"{home}/.nccl.conf")
+    (elsewhere / ".nccl.conf").write_text("NCCL_SOCKET_IFNAME=bond0\n")
+    found = nic.nccl_conf({"HOME": str(elsewhere)})
+    assert found["NCCL_IB_HCA"] == ("^mlx5_4", f"{home}/.nccl.conf")
+    assert found["NCCL_SOCKET_IFNAME"] == ("bond0", f"{elsewhere}/.nccl.conf")
 
     def no_entry(uid):
         raise KeyError(uid)
 
-    monkeypatch.setattr(pwd, "getpwuid", no_entry)  # a user id the database lacks: NCCL reads no user file
-    assert "NCCL_IB_HCA" not in nic.nccl_conf({"HOME": str(elsewhere)})
+    # a user id the database lacks (a container started with --user): $HOME's file still counts
+    monkeypatch.setattr(pwd, "getpwuid", no_entry)
+    env = {"HOME": str(elsewhere)}
+    assert nic.apply_nccl_env(ROCE_DERIVED, env)[-1] == f'NCCL_SOCKET_IFNAME="bond0" (from {elsewhere}/.nccl.conf)'
+    assert "NCCL_SOCKET_IFNAME" not in env and "NCCL_IB_HCA" not in nic.nccl_conf(env)
+
+
+def test_over_sockets_gives_back_a_config_files_nccl_net(tmp_path, monkeypatch):
+    # NCCL copies its config files into the environment once, where unset: unsetting NCCL_NET
+    # after the warm-up dropped the file's choice for every later communicator
+    conf = tmp_path / "nccl.conf"
+    conf.write_text("NCCL_NET=IB\n")
+    monkeypatch.setenv("NCCL_CONF_FILE", str(conf))
+    monkeypatch.delenv("NCCL_NET", raising=False)
+    with nic.over_sockets():
+        assert os.environ["NCCL_NET"] == "Socket"
+    assert os.environ.get("NCCL_NET") == "IB"
+    monkeypatch.delenv("NCCL_NET")
+    conf.write_text("# nothing\n")  # set nowhere: unset again
+    with nic.over_sockets():
+        assert os.environ["NCCL_NET"] == "Socket"
+    assert "NCCL_NET" not in os.environ
+
+
+def test_apply_nccl_env_leaves_the_network_to_the_users_net_plugin():
+    # NCCL_NET=IB would bypass the plugin the user named (the SHARP plugin's network is IBext)
+    env = {"NCCL_NET_PLUGIN": "libnccl-net-sharp.so"}
+    lines = nic.apply_nccl_env(ROCE_DERIVED, env)
+    assert "NCCL_NET" not in env and not any(line.startswith("NCCL_NET=") for line in lines)
+    assert env["NCCL_IB_HCA"] == "=mlx5_0:1"
+    env = {"NCCL_NET_PLUGIN": "none"}  # no plugin: NCCL's own IB, as derived
+    nic.apply_nccl_env(ROCE_DERIVED, env)
+    assert env["NCCL_NET"] == "IB"
 
 
 @pytest.mark.parametrize("disable, net", [("08", "IB"), ("0x0", "IB"), ("010", "Socket"), (" 1", "Socket")])

@@ -103,8 +103,12 @@ def detect(sysfs: str | os.PathLike = "/sys", env: dict | None = None) -> Nic:
 def over_sockets():
     """NCCL_NET=Socket for the communicators created inside, then NCCL_NET as it was: NCCL picks
     a communicator's network when it creates it, and an IB one across NIC classes (an
-    InfiniBand HCA to a RoCE one) cannot connect."""
+    InfiniBand HCA to a RoCE one) cannot connect. Unset before, NCCL_NET gets back a config file's
+    value: NCCL copies that into the environment (only where unset) once, so unsetting the
+    variable here would drop it for every later communicator."""
     saved = os.environ.get("NCCL_NET")
+    if saved is None:
+        saved = nccl_conf().get("NCCL_NET", (None,))[0]
     os.environ["NCCL_NET"] = "Socket"
     try:
         yield
@@ -205,25 +209,28 @@ def _nonzero(text: str) -> bool:
     return bool(match) and match.group(1).strip("0xX") != ""
 
 
-def _home() -> str | None:
-    """The home directory NCCL reads .nccl.conf from: the password database's, not $HOME."""
+def _homes(env) -> list[str]:
+    """The home directories NCCL may read .nccl.conf from: $HOME (NCCL 2.30 and later) and the
+    password database's (earlier NCCLs). Which NCCL loads is not known here, so a variable set in
+    either file counts as the user's: at worst NCCL then picks it itself."""
+    homes = [env.get("HOME")]
     try:
-        return pwd.getpwuid(os.getuid()).pw_dir
-    except KeyError:  # a user id without an entry (a container started with --user): no file
-        return None
+        homes.append(pwd.getpwuid(os.getuid()).pw_dir)
+    except KeyError:  # a user id without an entry (a container started with --user)
+        pass
+    return list(dict.fromkeys(filter(None, homes)))
 
 
 def nccl_conf(env=None) -> dict[str, tuple[str, str]]:
     """NCCL's variables from its config files, which NCCL reads for what the environment does not
-    set (`initEnv` in NCCL's src/misc/param.cc): NCCL_CONF_FILE, else ~/.nccl.conf, then
-    /etc/nccl.conf, the first to set a variable winning; name -> (value, file). Lines as NCCL
+    set (`initEnv` in NCCL's src/misc/param.cc): NCCL_CONF_FILE, else ~/.nccl.conf (see `_homes`),
+    then /etc/nccl.conf, the first to set a variable winning; name -> (value, file). Lines as NCCL
     reads them: `NAME=value`, nothing stripped but the newline (a carriage return before it stays
-    in the value), `#` lines skipped."""
+    in the value, as in NCCL before 2.30), `#` lines skipped."""
     env = os.environ if env is None else env
-    home = _home()
-    user = env.get("NCCL_CONF_FILE") or (None if home is None else f"{home}/.nccl.conf")
+    user = [env["NCCL_CONF_FILE"]] if env.get("NCCL_CONF_FILE") else [f"{home}/.nccl.conf" for home in _homes(env)]
     found = {}
-    for path in filter(None, (user, "/etc/nccl.conf")):
+    for path in (*user, "/etc/nccl.conf"):
         try:
             # as is: no newline translation, no spaces stripped; NCCL reads bytes, so a byte that
             # is not UTF-8 (a Latin-1 comment) must not hide the file's other lines
@@ -250,8 +257,14 @@ def apply_nccl_env(derived: dict[str, str], env=None, conf=None) -> list[str]:
     given |= {name: (value, "from env") for name, value in env.items() if name.startswith("NCCL_")}
     for name, (ok, allowed) in _USER_VALUES.items():
         if name in given and not ok(given[name][0]):
-            where = "" if given[name][1] == "from env" else f" ({given[name][1]})"
-            raise ConfigError(f"{name} = {given[name][0]!r}{where} is not allowed: NCCL would misread it; allowed: "
+            value, source = given[name]
+            if source != "from env" and value.endswith("\r") and ok(value[:-1]):
+                # NCCL 2.30 and later cut it too, earlier ones keep it; a site file may not be the user's to edit
+                raise ConfigError(f"{name} = {value!r} ({source}) is not allowed: NCCL before 2.30 keeps the carriage "
+                                  f"return of a CRLF line end in the value; allowed: the file with LF line ends, or "
+                                  f"{name} set in the environment, which NCCL takes over the file")
+            where = "" if source == "from env" else f" ({source})"
+            raise ConfigError(f"{name} = {value!r}{where} is not allowed: NCCL would misread it; allowed: "
                               f"unset (holmes_jax derives it) or {allowed}")
     derived, why = dict(derived), {}
     disable, disable_from = given.get("NCCL_IB_DISABLE", ("", ""))
@@ -265,6 +278,10 @@ def apply_nccl_env(derived: dict[str, str], env=None, conf=None) -> list[str]:
             why["NCCL_NET"] = f'derived, as NCCL_IB_DISABLE="{disable}" {disable_from}'
     if any(name in given for name in GID_SEARCH):
         derived.pop("NCCL_IB_GID_INDEX", None)
+    plugin = given.get("NCCL_NET_PLUGIN", ("", ""))[0]
+    if plugin.lower() not in ("", "none") and derived.get("NCCL_NET") == "IB":
+        # NCCL_NET=IB would bypass the network plugin the user chose (e.g. the SHARP plugin's IBext)
+        del derived["NCCL_NET"]
     lines = []
     for name in NCCL_VARIABLES:
         if name in given:
