@@ -2,6 +2,7 @@
 communicators over sockets before the first step (docs/nccl.md)."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -69,6 +70,22 @@ def test_the_step_moves_boundary_hops_in_collective_permutes_of_their_own(built,
     if pp == 4:  # the hops inside a cluster still move, in permutes of their own
         assert {pair for p in permutes if not p & boundary for pair in p} == {
             (0, 2), (1, 3), (4, 6), (5, 7), (2, 0), (3, 1), (6, 4), (7, 5)}
+
+
+def test_with_tensor_ranks_the_warm_up_sends_each_ranks_slice_and_gathers_nothing(tmp_path):
+    # tp 2: the step sends each tensor rank's half of the activations across the boundary and
+    # gathers the halves over `tensor` inside the node. The warm-up ran that gather too, so the
+    # tensor groups' communicators (inside a node, used by every layer) were made over sockets.
+    cfgs = small_configs(tmp_path, "--gin.ModelConfig.num_layers=4", "--gin.ParallelConfig.pp=2",
+                         "--gin.ParallelConfig.tp=2", "--gin.ParallelConfig.microbatches=2",
+                         f"--gin.ParallelConfig.topology='{CPU_2X4}'")
+    setup = build.build(cfgs)
+    fn, args = warmup.program(setup, "")  # the hops alone: no step HLO, no sums
+    hlo = fn.lower(*args).compile().as_text()
+    assert {pair for _, pairs in warmup.collectives(hlo) for pair in pairs} == _boundary_pairs(setup)
+    assert {op for op, _ in warmup.collectives(hlo)} == {"collective-permute"}
+    sent = {m.group(1) for m in re.finditer(r"= f32\[([\d,]+)\]\S* collective-permute\(", hlo)}
+    assert sent == {f"{setup.plan.micro_batch},{cfgs.data.seq_len},{cfgs.model.hidden // 2}"}  # as the step sends
 
 
 def test_splitting_the_hops_leaves_loss_and_gradients_unchanged(built):

@@ -301,20 +301,21 @@ class Pipeline:
 
     def boundary_warmup(self, micro_batch: int, seq: int):
         """(jitted program, its input) moving an activation-shaped buffer across the boundary hops
-        only, down and up, as the step's boundary ppermutes do (same mesh, specs, shape, dtype); None
-        without boundary hops. `micro_batch` is per data replica."""
+        only, down and up, as the step's boundary ppermutes do (same mesh, device pairs, shape,
+        dtype: each tensor rank its slice of the hidden axis); None without boundary hops.
+        `micro_batch` is per data replica. Nothing else: the step's gather of the slices over
+        `tensor` stays inside a node, so its communicators are not made here, over sockets."""
         if not self.boundary_hops:
             return None
         dtype = jnp.dtype(self.model.cfg.compute_dtype)
-        spec = P("stage", "data")
+        spec = P("stage", "data", None, "tensor")
 
         def program(x):
-            down, up = (self._split_over_tensor(lambda y: lax.ppermute(y, "stage", self.hop_pairs(d)[0]), x[0])
-                        for d in (True, False))
+            down, up = (lax.ppermute(x[0], "stage", self.hop_pairs(d)[0]) for d in (True, False))
             return (down + up)[None]
 
-        fn = jax.shard_map(program, mesh=self.mesh, axis_names={"stage", "data"}, in_specs=spec, out_specs=spec,
-                           check_vma=False)
+        fn = jax.shard_map(program, mesh=self.mesh, axis_names={"stage", "data", "tensor"}, in_specs=spec,
+                           out_specs=spec, check_vma=False)
         shape = (self.stages, micro_batch * self.mesh.shape["data"], seq, self.model.cfg.hidden)
         x = jax.device_put(jnp.zeros(shape, dtype), NamedSharding(self.mesh, spec))
         return jax.jit(fn), x
