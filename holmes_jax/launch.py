@@ -103,16 +103,25 @@ def _say(text: str, stream, lock: threading.Lock) -> None:
 
 
 # What gloo prints on stdout for every context it connects, in every process (dozens a run): left
-# out where all the peers it expected connected; a shortfall is shown.
-GLOO_CONNECTED = re.compile(r"\[Gloo\] Rank \d+ is connected to (\d+) peer ranks\. "
-                            r"Expected number of connected peer ranks is : \1")
+# out where all the peers it expected connected; a shortfall is shown. Its threads write their
+# messages in pieces, which can land in each other's lines ('[Gloo] Rank [Gloo] Rank 0 is ...'):
+# a line of such pieces alone is one of them too.
+_GLOO_PIECES = re.compile(r"(?:\[Gloo\] Rank |\d+| is connected to | peer ranks\. "
+                          r"|Expected number of connected peer ranks is : )+")
+_GLOO_COUNTS = re.compile(r"connected to (\d+) peer ranks\. Expected number of connected peer ranks is : (\d+)")
+
+
+def gloo_connected(line: str) -> bool:
+    """Whether `line` holds only gloo's 'connected' messages (or pieces of them), none short of a peer."""
+    return (bool(_GLOO_PIECES.fullmatch(line)) and not line.isdigit()
+            and all(have == expected for have, expected in _GLOO_COUNTS.findall(line)))
 
 
 def _pump(pipe, prefix: str, stream, lock: threading.Lock) -> None:
     # Reads to the end even when `stream` is gone: a process blocked on a full pipe would hang the job.
     for raw in iter(pipe.readline, b""):
         line = raw.decode(errors="replace").rstrip("\n")
-        if not GLOO_CONNECTED.fullmatch(line):
+        if not gloo_connected(line):
             _say(prefix + line, stream, lock)
     pipe.close()
 

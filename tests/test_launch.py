@@ -85,6 +85,19 @@ def test_gloos_line_for_every_connected_context_is_left_out_and_a_shortfall_show
     assert r.returncode == 0 and r.stdout.splitlines() == [f"[rank 0] {short}", "[rank 0] step 1"], r.stdout
 
 
+def test_gloos_connected_lines_written_into_each_other_are_left_out_too():
+    # Two of gloo's threads wrote into one line; these showed although no peer was missing.
+    expected = "Expected number of connected peer ranks is : "
+    garbled = [f"[Gloo] Rank [Gloo] Rank 0 is connected to 1 peer ranks. {expected}1",
+               f"1 is connected to 1 peer ranks. {expected}1",
+               f"[Gloo] Rank 3 is connected to 2 peer ranks. {expected}[Gloo] Rank 0 is connected to 1 peer ranks. "
+               f"{expected}1"]
+    assert all(launch.gloo_connected(line) for line in garbled)
+    shown = [f"[Gloo] Rank [Gloo] Rank 0 is connected to 0 peer ranks. {expected}1", "7", "", "step 1 is connected",
+             f"[Gloo] Rank 0 is connected to 1 peer ranks. {expected}1 and more"]
+    assert not any(launch.gloo_connected(line) for line in shown)
+
+
 def _exit_once_rank_0_is_ready(status: int) -> str:
     """Script lines for rank 1: exit with `status` once rank 0 has made the file $READY, so that
     its failure never overtakes rank 0's start (a fixed sleep did on a loaded machine); 9 if
