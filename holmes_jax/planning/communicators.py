@@ -1,7 +1,7 @@
 """Which fabric each communicator of a layout runs over.
 
-One entry per stage for its data groups and for its tensor groups (when that axis has more than
-one device), and one per stage boundary (the pipeline hop s -> s + 1). `transport` is what NCCL
+One entry per stage for its data groups and one for its tensor groups (each only when its axis
+has more than one device), and one per stage boundary (the pipeline hop s -> s + 1). `transport` is what NCCL
 uses for it: `nvlink` when every group stays inside a node, `ib` (NCCL's IB transport, InfiniBand
 and RoCE verbs alike) when the groups leave nodes but stay inside one RDMA cluster, `socket` (TCP)
 when a group spans clusters, whose fabrics do not reach each other, or its cluster is Ethernet
