@@ -79,20 +79,23 @@ def lock_folder(monkeypatch, folder: Path) -> None:
     """`folder` reads as a folder without permission (mode 000) does for a user other than root:
     it cannot be listed, nor anything in it looked at. (Tests run as root, who reads it anyway.)"""
     folder = Path(folder)
-    stat, scandir = os.stat, os.scandir
 
     def denied(path) -> bool:
         return isinstance(path, (str, os.PathLike)) and Path(path) != folder and Path(path).is_relative_to(folder)
 
-    def locked_stat(path, *args, **kwargs):
-        if denied(path):
-            raise PermissionError(errno.EACCES, "Permission denied", str(path))
-        return stat(path, *args, **kwargs)
+    def looked_at(call):  # os.stat, os.lstat: a path inside is denied, the folder itself is not
+        def locked(path, *args, **kwargs):
+            if denied(path):
+                raise PermissionError(errno.EACCES, "Permission denied", str(path))
+            return call(path, *args, **kwargs)
+        return locked
 
-    def locked_scandir(path="."):
-        if isinstance(path, (str, os.PathLike)) and (Path(path) == folder or denied(path)):
-            raise PermissionError(errno.EACCES, "Permission denied", str(path))
-        return scandir(path)
+    def listed(call):  # os.scandir, os.listdir (Path.iterdir): the folder and what is inside are denied
+        def locked(path="."):
+            if isinstance(path, (str, os.PathLike)) and (Path(path) == folder or denied(path)):
+                raise PermissionError(errno.EACCES, "Permission denied", str(path))
+            return call(path)
+        return locked
 
-    monkeypatch.setattr(os, "stat", locked_stat)
-    monkeypatch.setattr(os, "scandir", locked_scandir)
+    for name, wrap in (("stat", looked_at), ("lstat", looked_at), ("scandir", listed), ("listdir", listed)):
+        monkeypatch.setattr(os, name, wrap(getattr(os, name)))

@@ -308,11 +308,12 @@ def test_processes_starting_together_build_the_text_cache_once(tmp_path, monkeyp
     def process():
         start.wait()
         caches.append(bytes(data._cached_bytes(files, tmp_path / "cache", "t")))
-    threads = [threading.Thread(target=process) for _ in range(2)]
+    threads = [threading.Thread(target=process, daemon=True) for _ in range(2)]  # daemon: a hung one ends with pytest
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads), "a process still waits for the cache"
     assert caches == [b"a" * 500 + b"b" * 500] * 2
     assert copied == ["a", "b"]  # once: were ['a', 'a', 'b', 'b']
 
@@ -542,10 +543,12 @@ def test_a_meta_json_vocabulary_that_leaves_out_its_end_of_text_id_is_an_error(t
     _write(tmp_path / "a.txt", b"hello world, " * 100)
     prepare.prepare([str(tmp_path / "a.txt")], str(tmp_path / "p"), "bytes")
     meta = json.loads((tmp_path / "p" / "meta.json").read_text())
-    (tmp_path / "p" / "meta.json").write_text(json.dumps(dict(meta, vocab_size=100)))  # edited by hand
-    # was loaded as vocabulary 100: a model of 128 embeddings for ids up to 256, trained to NaN
-    with pytest.raises(ConfigError, match="meta.json says eot_id 256, not below its vocab_size 100"):
-        data.load(DataConfig(source=str(tmp_path / "p"), seq_len=16))
+    # was loaded as vocabulary 100: a model of 128 embeddings for ids up to 256, trained to NaN;
+    # 256 leaves out the end-of-text id alone
+    for vocab_size in (100, 256):
+        (tmp_path / "p" / "meta.json").write_text(json.dumps(dict(meta, vocab_size=vocab_size)))  # edited by hand
+        with pytest.raises(ConfigError, match=f"meta.json says eot_id 256, not below its vocab_size {vocab_size}"):
+            data.load(DataConfig(source=str(tmp_path / "p"), seq_len=16))
 
 
 def test_a_text_file_whose_name_is_not_utf8_is_read(tmp_path):

@@ -726,11 +726,12 @@ def test_a_superscript_digit_flag_names_what_is_allowed(parse):
         parse("²")
 
 
-def test_an_out_in_a_folder_without_permission_is_one_error(tmp_path, monkeypatch):
+@pytest.mark.parametrize("name", ["locked/hf", "locked"])  # in it, or it: a folder that cannot be listed is not empty
+def test_an_out_in_a_folder_without_permission_is_one_error(tmp_path, monkeypatch, name):
     lock_folder(monkeypatch, tmp_path / "locked")
     (tmp_path / "locked").mkdir()
-    with pytest.raises(ConfigError, match=r"--out '.*/locked/hf' cannot be written: Permission denied"):
-        cli.new_folder(tmp_path / "locked" / "hf")  # was a PermissionError traceback
+    with pytest.raises(ConfigError, match=rf"--out '.*/{name}' cannot be written: Permission denied"):
+        cli.new_folder(tmp_path / name)  # was a PermissionError traceback
 
 
 def test_a_leftover_beside_out_whose_pid_is_no_number_is_left_alone(tmp_path):

@@ -28,11 +28,14 @@ def _net(root, iface, speed=None, operstate=None):
 
 @pytest.fixture(autouse=True)
 def home(tmp_path, monkeypatch):
-    """The home directory NCCL reads .nccl.conf from (the password database's): an empty one, so
-    no test reads the real user's file."""
+    """The home directory NCCL reads .nccl.conf from ($HOME, or the password database's before
+    NCCL 2.30): an empty one for both, and no site file, so that no test reads the user's or the
+    machine's (a GPU node's /etc/nccl.conf setting NCCL_NET would change what the tests see)."""
     folder = tmp_path / "passwd-home"
     folder.mkdir()
     monkeypatch.setattr(pwd, "getpwuid", lambda uid: SimpleNamespace(pw_dir=str(folder)))
+    monkeypatch.setenv("HOME", str(folder))
+    monkeypatch.setattr(nic, "SITE_CONF", str(tmp_path / "no-site-nccl.conf"))
     return folder
 
 

@@ -77,15 +77,15 @@ def test_what_depends_on_the_input_is_followed_through_calls_and_never_missed_in
     assert depends(called) == [False, True]  # calls are followed output by output
 
 
-@pytest.mark.parametrize("preset, options", [("tiny", dict(bias=True)),
-                                             ("llama-tiny", dict(num_kv_heads=1)),
-                                             ("llama-tiny", dict(compute_dtype="bfloat16"))])
-def test_every_remat_policy_gives_the_gradients_of_none(preset, options):
+def test_every_remat_policy_gives_the_gradients_of_none():
     # A policy only changes what the backward keeps and what it recomputes, never the result.
+    # GPT blocks in float32 are test_pipeline's (every policy, with stages); here LLaMA's (rotary,
+    # SwiGLU, one kv head), in bfloat16.
     batch = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, 33)), jnp.int32)
     results = {}
     for remat in ("none", "full", "dots"):
-        model = gpt.GPT(presets.resolve(ModelConfig(preset=preset, num_layers=2, remat=remat, **options)))
+        model = gpt.GPT(presets.resolve(ModelConfig(preset="llama-tiny", num_layers=2, remat=remat, num_kv_heads=1,
+                                                    compute_dtype="bfloat16")))
         results[remat] = jax.jit(jax.value_and_grad(model.loss))(model.init(0), batch)
     loss, grads = results["none"]
     scale = max(float(jnp.abs(g).max()) for g in jax.tree.leaves(grads))

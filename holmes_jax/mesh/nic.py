@@ -221,6 +221,9 @@ def _homes(env) -> list[str]:
     return list(dict.fromkeys(filter(None, homes)))
 
 
+SITE_CONF = "/etc/nccl.conf"  # the config file NCCL reads after the user's
+
+
 def nccl_conf(env=None) -> dict[str, tuple[str, str]]:
     """NCCL's variables from its config files, which NCCL reads for what the environment does not
     set (`initEnv` in NCCL's src/misc/param.cc): NCCL_CONF_FILE, else ~/.nccl.conf (see `_homes`),
@@ -230,7 +233,7 @@ def nccl_conf(env=None) -> dict[str, tuple[str, str]]:
     env = os.environ if env is None else env
     user = [env["NCCL_CONF_FILE"]] if env.get("NCCL_CONF_FILE") else [f"{home}/.nccl.conf" for home in _homes(env)]
     found = {}
-    for path in (*user, "/etc/nccl.conf"):
+    for path in (*user, SITE_CONF):
         try:
             # as is: no newline translation, no spaces stripped; NCCL reads bytes, so a byte that
             # is not UTF-8 (a Latin-1 comment) must not hide the file's other lines
