@@ -21,7 +21,8 @@ _INIT = nnx.initializers.normal(0.02)
 
 
 def _norm(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
-    # Norms compute in float32 whatever the compute dtype: their reductions lose too much in bf16.
+    # Norms give float32 whatever the compute dtype (Flax takes their statistics in float32 anyway):
+    # the scaled output is rounded once, where the next matmul reads it in the compute dtype.
     if cfg.norm == "rmsnorm":
         return nnx.RMSNorm(cfg.hidden, epsilon=cfg.norm_eps, dtype=jnp.float32, rngs=rngs)
     # The variance as the mean of (x - mean)^2, as PyTorch's LayerNorm: Flax's default E[x^2] - E[x]^2
