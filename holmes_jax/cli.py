@@ -116,6 +116,16 @@ def drop_output() -> None:
     os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
+def _devnull_stdout():
+    """stdout for a command started with it closed (`cmd >&-`, where Python's is None and a print
+    failed with a traceback): /dev/null on descriptor 1, which the next file opened would take."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    if devnull != 1:
+        os.dup2(devnull, 1)
+        os.close(devnull)
+    return open(1, "w", closefd=False)
+
+
 class Signalled(BaseException):  # not an Exception: no `except Exception` on the way out swallows it
     def __init__(self, signum: int):
         super().__init__(signum)
@@ -148,7 +158,7 @@ def run(main: Callable[[list[str]], int | None], argv: list[str] | None = None) 
     untouched = (signal.default_int_handler, signal.SIG_DFL)
     previous = {sig: signal.signal(sig, _stop) for sig in STOP_SIGNALS
                 if any(signal.getsignal(sig) is h for h in untouched)}
-    stdout = sys.stdout
+    stdout = sys.stdout or _devnull_stdout()
     sys.stdout = checked = _CheckedOutput(stdout)
     try:
         code = main(sys.argv[1:] if argv is None else argv)

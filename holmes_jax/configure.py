@@ -279,7 +279,9 @@ def operative_config(cfgs: Configs) -> str:
     text = gin.operative_config_str()
     for field in dataclasses.fields(ModelConfig):
         line = f"ModelConfig.{field.name} = {getattr(cfgs.model, field.name)!r}"
-        text = re.sub(rf"^ModelConfig\.{field.name} = .*$", lambda _, line=line: line, text, flags=re.MULTILINE)
+        # the binding's indented lines too: gin wraps a long value (an init_from path) onto them
+        text = re.sub(rf"^ModelConfig\.{field.name} = .*(\n[ \t].*)*$", lambda _, line=line: line, text,
+                      flags=re.MULTILINE)
     return text
 
 

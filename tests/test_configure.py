@@ -65,6 +65,18 @@ def test_the_operative_config_holds_the_resolved_model_and_reloads_to_it(tmp_pat
     assert configure.load_configs(["--no_default_gin", "--gin_file", str(path)]) == cfgs
 
 
+def test_a_model_field_gin_wraps_over_lines_reloads_from_the_operative_config(tmp_path):
+    # a Hugging Face snapshot path is longer than gin's line: gin writes it on a line of its own
+    # under `ModelConfig.init_from = \`, which was left behind the resolved value, unparsable
+    snapshot = "/home/me/.cache/huggingface/hub/models--gpt2/snapshots/607a30d783dfa663caf39e06633721c8d4cfcd7e"
+    cfgs = configure.load_configs([f"--gin.ModelConfig.init_from={snapshot}"])
+    operative = configure.operative_config(cfgs)
+    assert operative.count(snapshot) == 1
+    path = tmp_path / "config.gin"
+    path.write_text(operative)
+    assert configure.load_configs(["--no_default_gin", "--gin_file", str(path)]) == cfgs
+
+
 def test_help_lists_every_field_with_its_default_and_meaning(monkeypatch):
     monkeypatch.setenv("COLUMNS", "200")  # wide: each meaning on its setting's line
     out = io.StringIO()

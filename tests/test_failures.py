@@ -742,3 +742,10 @@ def test_a_leftover_beside_out_whose_pid_is_no_number_is_left_alone(tmp_path):
     with cli.output_folder(tmp_path / "out", last="meta.json") as tmp:
         (tmp / "meta.json").write_text("{}")
     assert odd.is_dir() and (tmp_path / "out" / "meta.json").is_file()
+
+
+def test_a_command_whose_stdout_is_closed_ends_without_a_traceback():
+    # `cmd >&-`: Python's sys.stdout is None, and the first print was an AttributeError traceback
+    r = subprocess.run(["sh", "-c", 'exec "$@" >&-', "sh", sys.executable, "-m", "holmes_jax.train", "--help"],
+                       stderr=subprocess.PIPE, text=True, timeout=120, cwd=REPO)
+    assert (r.returncode, r.stderr) == (0, "")
