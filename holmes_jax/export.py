@@ -262,11 +262,10 @@ def _part(tensor, name: str, transposed: bool, offset: int, shape: tuple, index:
     return x.T if transposed else x
 
 
-def _leaf_readers(tensor, cfg: ModelConfig) -> dict:
+def _leaf_readers(tensor, cfg: ModelConfig, abstract: dict) -> dict:
     """Our leaf path -> `read(index)`, the float32 values of that canonical leaf at `index` (a
     slice per axis), from the Hugging Face tensors (`tensor(name)`: one, by its causal-LM name, to
-    slice), already checked against `cfg`."""
-    abstract = jax.eval_shape(lambda: gpt.GPT(cfg).init(0))
+    slice), already checked against `cfg`; `abstract`: the shapes of `cfg`'s parameters."""
     readers, layers = {}, {}  # layers: stacked leaf -> (name, transposed, column offset) per layer
     for name, path, layer, transposed in _pairs(cfg):
         if layer is None:
@@ -366,7 +365,7 @@ def import_hf(folder: str | Path, cfg: ModelConfig, shardings: dict | None = Non
     with contextlib.ExitStack() as stack:
         files = {path: stack.enter_context(safetensors.safe_open(path, framework="numpy"))
                  for path in {path for *_, path in found.values()}}
-        readers = _leaf_readers(lambda name: files[found[name][3]].get_slice(found[name][2]), cfg)
+        readers = _leaf_readers(lambda name: files[found[name][3]].get_slice(found[name][2]), cfg, abstract)
 
         def leaf(key_path, like, sharding=None):
             read = readers[tuple(k.key for k in key_path)]

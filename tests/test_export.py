@@ -317,37 +317,31 @@ def test_a_sharded_import_reads_each_device_part_once(tmp_path, monkeypatch, sty
     shardings["head"]["norm"]["scale"] = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     read, opened = [], safetensors.safe_open  # the sizes of the values taken from the files
 
-    class Slice:
-        def __init__(self, tensor):
-            self.tensor = tensor
+    class Counted:
+        """A safetensors file, or a tensor's slice, that counts the values read through it."""
+        def __init__(self, inner):
+            self.inner = inner
 
         def __getattr__(self, name):
-            return getattr(self.tensor, name)
-
-        def __getitem__(self, index):
-            x = self.tensor[index]
-            read.append(x.size)
-            return x
-
-    class File:
-        def __init__(self, f):
-            self.f = f
-
-        def __getattr__(self, name):
-            return getattr(self.f, name)
+            return getattr(self.inner, name)
 
         def get_slice(self, name):
-            return Slice(self.f.get_slice(name))
+            return Counted(self.inner.get_slice(name))
 
         def get_tensor(self, name):
-            x = self.f.get_tensor(name)
-            read.append(x.size)
-            return x
+            return counted(self.inner.get_tensor(name))
+
+        def __getitem__(self, index):
+            return counted(self.inner[index])
+
+    def counted(x):
+        read.append(x.size)
+        return x
 
     @contextlib.contextmanager
     def counted_open(*args, **kwargs):
         with opened(*args, **kwargs) as f:
-            yield File(f)
+            yield Counted(f)
     monkeypatch.setattr(safetensors, "safe_open", counted_open)
     imported = export.import_hf(folder, cfg, shardings)
     assert sum(read) == sum(x.size for x in jax.tree.leaves(params))
