@@ -22,7 +22,7 @@ from matplotlib.ticker import FuncFormatter, MaxNLocator
 
 from holmes_jax.config import ConfigError
 from holmes_jax.planning import schedule as schedules
-from holmes_jax.planning.contract import Plan
+from holmes_jax.planning.contract import Plan, format_seconds
 
 NIC_COLOURS = {"infiniband": "#1f5fa8", "roce": "#d9700f", "ethernet": "#6b6b6b"}
 KIND_COLOURS = {"forward": "#9ad48a", "backward": "#2f7d4f", "transfer": "#9467bd", "sync": "#d62728",
@@ -126,10 +126,6 @@ def _layers(n: int) -> str:
     return f"{n} layer{'s' * (n != 1)}"
 
 
-def _seconds(s: float) -> str:
-    return f"{s:.3g} s" if s >= 1 or s == 0 else f"{s * 1e3:.3g} ms" if s >= 1e-3 else f"{s * 1e6:.3g} us"
-
-
 def time_unit(seconds: float) -> tuple[float, str]:
     """(scale, unit) to show times near `seconds`: s from a second up, else ms (not '1.085e+04 ms')."""
     return (1.0, "s") if seconds >= 1 else (1e3, "ms")
@@ -167,12 +163,12 @@ def _draw_timeline(ax, plan: Plan) -> None:
     ax.axvline(pr.pipeline_s, color="black", linewidth=0.8, linestyle=":")
     ax.axvline(step, color="black", linewidth=1.2, linestyle="--")
     if step - pr.pipeline_s > 0.15 * step:
-        ax.text(pr.pipeline_s, plan.pp - 0.4, f"pipeline ends {_seconds(pr.pipeline_s)} ", ha="right",
+        ax.text(pr.pipeline_s, plan.pp - 0.4, f"pipeline ends {format_seconds(pr.pipeline_s)} ", ha="right",
                 va="bottom", fontsize=9)
-        ax.text(step, plan.pp - 0.4, f"step {_seconds(step)}", ha="right", va="bottom", fontsize=9)
+        ax.text(step, plan.pp - 0.4, f"step {format_seconds(step)}", ha="right", va="bottom", fontsize=9)
     else:  # too close for two labels
-        ax.text(step, plan.pp - 0.4, f"pipeline ends {_seconds(pr.pipeline_s)}, step {_seconds(step)}",
-                ha="right", va="bottom", fontsize=9)
+        ax.text(step, plan.pp - 0.4, f"pipeline ends {format_seconds(pr.pipeline_s)}, "
+                f"step {format_seconds(step)}", ha="right", va="bottom", fontsize=9)
     scale, unit = time_unit(step)
     ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x * scale:g}"))
     ax.set_xlabel(f"time in the step ({unit}), as the cost model predicts it")
@@ -257,7 +253,8 @@ def _draw_placement(ax, plan: Plan) -> None:
         ax.add_patch(FancyArrowPatch((start, y), (end, y), arrowstyle="-|>", mutation_scale=14, linewidth=1.5,
                                      color="black", connectionstyle=f"arc3,rad={0.0 if abs(b - a) == 1 else -0.25}"))
         ax.text((start + end) / 2, y + 0.15, f"stage {s} -> {s + 1}", ha="center", va="bottom", fontsize=8)
-        ax.text((start + end) / 2, y - 0.15, f"{r.via}\n{r.gbps:.3g} Gb/s each\n{_seconds(pr.p2p_s[s])} per microbatch",
+        ax.text((start + end) / 2, y - 0.15,
+                f"{r.via}\n{r.gbps:.3g} Gb/s each\n{format_seconds(pr.p2p_s[s])} per microbatch",
                 ha="center", va="top", fontsize=7.5)
 
     # per stage: its layers and the NIC class its data groups sync over
@@ -272,7 +269,8 @@ def _draw_placement(ax, plan: Plan) -> None:
         shared = f", {ring.shared_by} share a NIC" if ring.shared_by > 1 else ""
         ax.text(1.2, y, f"stage {s}: {_layers(plan.stage_layers[s])} on {pl.stage_clusters[s]}; "
                 + (f"{plan.tp} data group{'s' * (plan.tp > 1)} of {plan.dp} replicas in {'+'.join(nics)}, "
-                   f"syncing over {ring.via} ({ring.gbps:.3g} Gb/s each{shared}) in {_seconds(pr.stage_sync_s[s])}"
+                   f"syncing over {ring.via} ({ring.gbps:.3g} Gb/s each{shared}) "
+                   f"in {format_seconds(pr.stage_sync_s[s])}"
                    if plan.dp > 1 else "no data parallelism"),
                 ha="left", va="center", fontsize=9, color=colour)
     between = (f"; between clusters: {topo.inter_cluster.name} at {topo.inter_cluster.gbps:g} Gb/s per node"

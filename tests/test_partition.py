@@ -152,8 +152,8 @@ def test_explicit_stage_layers_win_and_are_checked():
 
 def test_plan_tables_round_before_picking_the_unit():
     # 0.9996 s read "1e+03 ms" and 999.6 MB "1e+03 MB" in explain()'s tables
-    from holmes_jax.planning.contract import _bytes, _seconds
-    assert [_seconds(s) for s in (0.9996, 0.0009996, 0.0766, 2.27e-6, 12.6, 0.0)] == \
+    from holmes_jax.planning.contract import _bytes, format_seconds
+    assert [format_seconds(s) for s in (0.9996, 0.0009996, 0.0766, 2.27e-6, 12.6, 0.0)] == \
         ["1 s", "1 ms", "76.6 ms", "2.27 us", "12.6 s", "0 s"]
-    assert _seconds(1234.5) == "1230 s"
+    assert format_seconds(1234.5) == "1230 s"
     assert [_bytes(n) for n in (999.6e6, 15.7e6, 80e9, 2.5e12)] == ["1 GB", "15.7 MB", "80 GB", "2.5 TB"]

@@ -2,6 +2,7 @@
 pictures are written (or refused with one error line)."""
 
 import contextlib
+import dataclasses
 import functools
 import io
 import math
@@ -274,3 +275,18 @@ def test_a_report_marks_where_the_run_resumed(tmp_path, monkeypatch):
     assert predicted == ["plan's prediction 400 ms, the run from step 31's (measured / predicted = 1.25)"], predicted
     assert [line.get_label() for line in figures[1].axes[1].get_lines() if "prediction" in line.get_label()] == [
         "plan's prediction 400 ms (measured / predicted = 1.25)"]
+
+
+@pytest.mark.parametrize("step_s, said", [(0.9996, "pipeline ends 1 s, step 1 s"),
+                                          (1234.5, "pipeline ends 1230 s, step 1230 s")])
+def test_the_timelines_times_read_as_the_plans_printout(tmp_path, monkeypatch, step_s, said):
+    # the picture had its own copy of the formatting, without the rounding before the unit:
+    # 0.9996 s read "1e+03 ms" and 1234.5 s "1.23e+03 s" where explain() says "1 s" and "1230 s"
+    figures = []
+    monkeypatch.setattr(pictures.Figure, "savefig", lambda fig, *a, **k: figures.append(fig))
+    p, _ = _planned("cpu_2x4 one stage")
+    p = dataclasses.replace(p, prediction=dataclasses.replace(p.prediction, step_time_s=step_s, pipeline_s=step_s))
+    pictures.draw_plan(p, str(tmp_path / "plan.png"))
+    texts = [t.get_text() for t in figures[0].axes[0].texts]
+    assert said in texts, texts
+    assert f"predicted step {said.rpartition(' step ')[2]} |" in p.explain()

@@ -10,10 +10,11 @@ from `rate`, e.g. "200 Gb/sec (4X HDR)"); else plain Ethernet, its speed from
 InfiniBand and RoCE -> NCCL_NET=IB and NCCL_IB_HCA naming the active HCA ports of that class,
 where sysfs shows some (RoCE also NCCL_IB_GID_INDEX, the port's RoCE v2 GID of an IPv4 address);
 Ethernet -> NCCL's own choice (a network plugin if one is installed, else its socket transport),
-NCCL_NET=Socket only where InfiniBand or RoCE ports would otherwise be taken. `apply_nccl_env` sets them where neither the environment nor NCCL's
-config files do. Every class gets NCCL_SOCKET_IFNAME, the interface of the default route: NCCL's
-own choice would start with IPoIB (`ib*`) interfaces, which do not reach other clusters, and
-the socket transport carries the hops between clusters.
+NCCL_NET=Socket only where InfiniBand or RoCE ports would otherwise be taken. `apply_nccl_env`
+sets them where neither the environment nor NCCL's config files do. Every class gets
+NCCL_SOCKET_IFNAME, the interface of the default route: NCCL's own choice would start with IPoIB
+(`ib*`) interfaces, which do not reach other clusters, and the socket transport carries the hops
+between clusters.
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 
 Rooms, lowest first: `topology` (clusters, NIC classes, the one `Link`), `workload` (what a model
 costs), `schedule` (the tick table the runtime and the cost model both run), `placement` (the
-device grid), `cost` (step-time prediction), `partition` (layers -> stages), `measured` (a
-profile's record), `contract` (the Plan), `search` (the layouts tried), `cli`.
+device grid), `communicators` (the fabric each communicator of a grid runs over), `cost`
+(step-time prediction), `partition` (layers -> stages), `measured` (a profile's record),
+`contract` (the Plan), `search` (the layouts tried), `cli`.
 """
 
 from holmes_jax.planning.contract import Plan

@@ -117,15 +117,16 @@ class Plan:
             _table(["stage", "cluster", "nic", "layers", "fwd+bwd/mb", "compute", "sync", "update"]
                    + (["fixed"] if fixed else []) + ["finish", "memory", "gradient ring"],
                    [[s, pl.stage_clusters[s], pl.stage_nic[s], self.stage_layers[s],
-                     _seconds(pr.stage_fwd_s[s] + pr.stage_bwd_s[s]), _seconds(pr.stage_compute_s[s]),
-                     _seconds(pr.stage_sync_s[s]), _seconds(pr.stage_update_s[s])]
-                    + ([_seconds(pr.stage_fixed_s[s])] if fixed else [])
-                    + [_seconds(pr.stage_finish_s[s]), f"{_bytes(pr.stage_memory_bytes[s])} of {_bytes(pl.device_memory[s])}",
+                     format_seconds(pr.stage_fwd_s[s] + pr.stage_bwd_s[s]), format_seconds(pr.stage_compute_s[s]),
+                     format_seconds(pr.stage_sync_s[s]), format_seconds(pr.stage_update_s[s])]
+                    + ([format_seconds(pr.stage_fixed_s[s])] if fixed else [])
+                    + [format_seconds(pr.stage_finish_s[s]),
+                       f"{_bytes(pr.stage_memory_bytes[s])} of {_bytes(pl.device_memory[s])}",
                        _route_text(pl.data_routes[s]) if self.dp > 1 else "-"] for s in range(self.pp)]),
         ]
         if self.pp > 1:
             lines += ["", _table(["boundary", "activations cross", "per microbatch, each way"],
-                                 [[f"{s} -> {s + 1}", _route_text(r), _seconds(pr.p2p_s[s])]
+                                 [[f"{s} -> {s + 1}", _route_text(r), format_seconds(pr.p2p_s[s])]
                                   for s, r in enumerate(pl.boundary_routes)])]
         lines += ["", _table(["communicators", "stages", "groups x size", "nic classes", "transport"],
                              [[c.kind, "->".join(map(str, c.stages)), f"{c.groups} x {c.size}", "+".join(c.nic_classes),
@@ -138,10 +139,10 @@ class Plan:
                 for s in pl.mixed_stages)]
         lines += [
             "",
-            f"predicted step {_seconds(pr.step_time_s)} | {pr.samples_per_s:.4g} samples/s | "
+            f"predicted step {format_seconds(pr.step_time_s)} | {pr.samples_per_s:.4g} samples/s | "
             f"{pr.tflops_per_device:.4g} TFLOPS/device ({self.flops_formula})",
             "partitions on this layout: " + " | ".join(
-                f"{name} {','.join(map(str, p.stage_layers))} {_seconds(p.step_time_s)}"
+                f"{name} {','.join(map(str, p.stage_layers))} {format_seconds(p.step_time_s)}"
                 f"{'' if p.fits else ' (over memory)'}"
                 for name, p in self.partitions.items()),
         ]
@@ -159,7 +160,8 @@ def _route_text(r: Link) -> str:
     return f"{r.via}: {r.bytes_per_s * 8 / 1e9:.3g} Gb/s each{shared}"
 
 
-def _seconds(s: float) -> str:
+def format_seconds(s: float) -> str:
+    """`s` seconds in s, ms or us, as the plan's printout and pictures show them."""
     s = float(f"{s:.3g}")  # the unit of the rounded figure: 0.9996 s is 1 s, not "1e+03 ms"
     if 1000 <= s < 1e6:  # whole seconds; past a million, 3 digits and an exponent, not a row of digits
         return f"{s:.0f} s"

@@ -18,12 +18,11 @@ One training step as the pipeline runtime runs it (holmes_jax.pipeline.runtime):
 2. A tick ends with up to two ppermutes, activations one stage down and then gradients one stage
    up (micro_batch * seq * hidden * bytes, replicated over `tensor`: each tp rank sends its 1/tp
    slice, which the receiving stage all-gathers over `tensor` inside its node), over each
-   boundary's link,
-   each only in ticks where some stage sends one (GPipe: activations in its forward ticks,
-   gradients in its backward ticks). With two stages a tick that moves both swaps them in one
-   ppermute, both directions at once (links are full duplex): one transfer's time. They are
-   collectives: a tick lasts as long as its slowest stage plus its transfers over the slowest
-   boundary.
+   boundary's link, each only in ticks where some stage sends one (GPipe: activations in its
+   forward ticks, gradients in its backward ticks). With two stages a tick that moves both swaps
+   them in one ppermute, both directions at once (links are full duplex): one transfer's time.
+   They are collectives: a tick lasts as long as its slowest stage plus its transfers over the
+   slowest boundary.
 3. After its last tick each stage reduces its gradients over its data-parallel ring (the
    stages after the first leave the ticks once their last backward and the last transfer are
    done, which is one stage-0 backward before the end, and reduce while stage 0 computes): a ring

@@ -109,6 +109,7 @@ def check_dp(devices: int, tp: int, dp: int) -> None:
         raise ConfigError(f"dp = {dp} is not allowed with tp = {tp}: dp * tp must divide the {devices} devices; "
                           f"allowed dp: {', '.join(map(str, divisors(devices // tp)))}")
 
+
 def place(topology: Topology, tp: int, pp: int, dp: int | None = None, method: str = "holmes",
           allow_mixed: bool = False, max_pp: int | None = None) -> Placement:
     """The (pp, dp, tp) device grid; ConfigError when the sizes do not fit the topology.

@@ -3,8 +3,7 @@
 A table says, for every tick and stage, which microbatch the stage runs forward and which
 backward (-1: none). Within a tick a stage runs its forward first, then its backward; activations
 move one stage down and gradients one stage up between ticks (`transfers`: in which ticks any
-do). Tables come from a greedy
-simulation of each stage's op order:
+do). Tables come from a greedy simulation of each stage's op order:
 
 - `gpipe`: every forward, then every backward (in microbatch order);
 - `1f1b`: stage s runs min(2(p - 1 - s), m) warm-up forwards, then one forward and one backward

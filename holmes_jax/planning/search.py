@@ -1,10 +1,10 @@
 """The search behind `holmes_jax.plan(topology, model, parallel)`: topology + model -> Plan.
 
-Sizes left to the planner (tp, pp,
-dp, microbatches, schedule) are searched: every layout that fits the topology, the model, the
-batch and device memory is screened (for `auto` at every split where there are few, as its
-partition search would try them, else at the time-balanced one), simulated in the order of its
-lower bound until no bound can win, and the best few get the full partition search.
+Sizes left to the planner (tp, pp, dp, microbatches, schedule) are searched: every layout that
+fits the topology, the model, the batch and device memory is screened (for `auto` at every split
+where there are few, as its partition search would try them, else at the time-balanced one),
+simulated in the order of its lower bound until no bound can win, and the best few get the full
+partition search.
 Predictions come from holmes_jax.planning.cost; TFLOPS use Megatron's formula
 (holmes_jax.planning.workload.megatron_flops), the recompute variant when the model's remat
 policy is 'full'.
@@ -75,6 +75,7 @@ MAX_MICROBATCHES_PER_STAGE, MAX_MICROBATCHES = 32, 512
 # Past these the search takes minutes or all memory (it prices every layer on every stage, and
 # walks every tick of the schedule); far above real models (about 100 layers) and runs.
 MAX_LAYERS, MAX_GIVEN_MICROBATCHES = 1024, 4096
+
 
 def _cost_model(cfg: ModelConfig, pl: Placement, global_batch: int, seq_len: int, microbatches: int,
                 schedule: str, par: ParallelConfig, prof=None, topo: Topology | None = None) -> tuple[CostModel, tuple[str, ...]]:
@@ -224,9 +225,8 @@ def _load_profile(profile, cfg: ModelConfig, setting: str = "profile"):
 
 def _with_profile(prof, cfg: ModelConfig, costs: workload.ModelCosts, micro_batch: int, seq_len: int,
                   pl: Placement, topo: Topology, dp_links: list, boundaries: list, notes: list[str]):
-    # `notes` collects how the profile was used (Plan.notes).
     """(layers, device FLOP/s per stage, optimizer seconds per parameter per stage, data links,
-    boundary links) with the profile's measurements.
+    boundary links) with the profile's measurements; `notes` collects how it was used (Plan.notes).
 
     The cost model divides FLOPs by a device rate, so measured seconds enter as a rate: the
     analytic forward FLOPs of a layer at the profile's shape over its measured forward seconds.
@@ -565,7 +565,7 @@ def _candidates(topo: Topology, cfg: ModelConfig, par: ParallelConfig, free: set
         even = partition.uniform(cfg.num_layers, pp)
         # Past the microbatch cap only where nothing under it fits memory: smaller micro batches
         # then are what makes the layout fit at all.
-        more = _more_microbatches(global_batch // pl.grid.shape[1], options) if "microbatches" in free else []
+        more = _more_microbatches(global_batch // replicas, options) if "microbatches" in free else []
         fitted, overflowed = len(found), len(infinite)
         for group in (options, more):
             if len(found) > fitted or len(infinite) > overflowed:  # some fit memory
@@ -619,10 +619,10 @@ def _candidates(topo: Topology, cfg: ModelConfig, par: ParallelConfig, free: set
     if unsplit:
         errors.append(_unsplit_microbatches(par.microbatches, global_batch, unsplit))
     # What stopped the layouts that divide the batch first (an infinite step: in memory, so its
-    # figures are what is wrong; then over memory, the nearest to fitting first: the one worth
-    # reading), then batch misfits: another layout's dp not dividing the batch is no news when
-    # those that do fail on memory. A searched pp that does not fit the clusters
-    # comes last (--microbatches 7 is not an --allow-mixed problem).
+    # figures are what is wrong; then a fit only past the microbatch cap; then over memory, the
+    # nearest to fitting first: the one worth reading), then batch misfits: another layout's dp
+    # not dividing the batch is no news when those that do fail on memory. A searched pp that does
+    # not fit the clusters comes last (--microbatches 7 is not an --allow-mixed problem).
     tried = infinite + beyond + [text for _, text in sorted(over, key=lambda o: o[0])]
     return found, tried + errors + misfits, mixed
 
