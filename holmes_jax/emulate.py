@@ -539,7 +539,8 @@ def main(argv: list[str]) -> int:
     ec = EmulatedCluster(parse_clusters(args.clusters), parse_rates(args.intra_mbit) if args.intra_mbit else None,
                          args.inter_mbit, args.latency_ms)
     if cmd:  # the launcher's checks of --devices-per-process and --timeout now, not after the build and --bandwidth
-        launch._check(cmd, len(ec.hosts), args.devices_per_process, COORDINATOR_PORT, None, args.grace, args.timeout, None)
+        launch.check_arguments(cmd, len(ec.hosts), args.devices_per_process, COORDINATOR_PORT, None, args.grace,
+                               args.timeout, None)
     reason = unavailable_reason()
     if reason:
         raise ConfigError(f"the emulated cluster {reason}")

@@ -70,7 +70,8 @@ def process_env(rank: int, n: int, coordinator: str, devices_per_process: int | 
     return env
 
 
-def _check(cmd, n, devices_per_process, port, nic_classes, grace_s, timeout_s, env) -> None:
+def check_arguments(cmd, n, devices_per_process, port, nic_classes, grace_s, timeout_s, env) -> None:
+    """ConfigError for launcher arguments that cannot run (also the emulated cluster's, before it builds)."""
     if not cmd:
         raise ConfigError("no command to run; give it after --, e.g. -- python -m holmes_jax.train")
     for name, value in (("-n", n), ("--devices-per-process", devices_per_process)):
@@ -212,7 +213,7 @@ def launch(cmd: Sequence[str], n: int, devices_per_process: int | None = None, p
     """Runs `cmd` as processes 0 .. n-1 of one job and returns the job's exit status.
     `wrap(rank)` is a command prefix per process (the emulator's `ip netns exec HOST ...`);
     `timeout_s` stops everything after that long, returning 124."""
-    _check(cmd, n, devices_per_process, port, nic_classes, grace_s, timeout_s, env)
+    check_arguments(cmd, n, devices_per_process, port, nic_classes, grace_s, timeout_s, env)
     coordinator = f"{coordinator_host}:{port or free_port()}"
     launch_id = uuid.uuid4().hex
     out, err, lock = sys.stdout, sys.stderr, threading.Lock()

@@ -10,6 +10,12 @@ PACKAGE = Path(__file__).resolve().parent.parent / "holmes_jax"
 # What the JAX-free planning package may import from holmes_jax besides itself.
 PLANNING_MAY_IMPORT = {"holmes_jax", "holmes_jax.cli", "holmes_jax.config", "holmes_jax.models",
                        "holmes_jax.models.presets"}
+# The library's rooms (the model, its state's layout and update, the pipeline, the mesh, the planner)
+# and the modules that run or serve a run (the commands, the loop, files on disk): the first never
+# import the second.
+LIBRARY = ("models", "sharding", "optimizer", "pipeline", "mesh", "planning")
+RUN_LEVEL = ("build", "train", "profile", "configure", "data", "prepare", "checkpoint", "export", "inference",
+             "generate", "report", "plan", "launch", "emulate", "scripts", "metrics", "guard", "pictures")
 
 
 def _module_name(path: Path) -> str:
@@ -76,6 +82,19 @@ def test_planning_imports_point_down_only():
         if name.startswith("holmes_jax.planning"):
             outside = {e for e in edges if not e.startswith("holmes_jax.planning")} - PLANNING_MAY_IMPORT
             assert not outside, f"{name} imports {outside}"
+
+
+def _room(module: str) -> str:
+    return module.split(".")[1] if "." in module else ""
+
+
+def test_library_rooms_do_not_import_the_run_level():
+    graph = import_graph()
+    assert set(LIBRARY + RUN_LEVEL) <= {_room(m) for m in graph}, "a room named here is gone: update the lists"
+    for name, edges in graph.items():
+        if _room(name) in LIBRARY:
+            upward = {e for e in edges if _room(e) in RUN_LEVEL}
+            assert not upward, f"{name} imports {upward}"
 
 
 def test_planning_runs_with_jax_blocked(tmp_path):
