@@ -20,10 +20,12 @@ has at least 256); `TokenData.check_model_vocab` rejects a model too small for t
 Text is cached as a uint8 memmap under `DataConfig.cache_dir`, keyed by the files' absolute paths,
 sizes, modification and change times and inodes, so an edited or replaced file (its modification
 time set back, as `cp -p` or `touch -r` leave it) or another folder of the same name is read anew
-(the new cache replaces the folder's older one);
+(the new cache replaces the older one of the same source file or folder);
 a cache whose size is not the files' (cut short by a crash) is built again.
 The last `val_fraction` of the tokens is the validation split. The batch for step k is a pure
 function of (seed, split, k), so a resumed run sees exactly the batches an uninterrupted one would.
+Each row is a window starting at a uniformly random position of its split, drawn anew for each
+step: with replacement, no epochs (a token may be read several times in a run, or never).
 """
 
 from __future__ import annotations
@@ -92,8 +94,12 @@ class TokenData:
         return np.stack([np.asarray(tokens[s : s + span], dtype=np.int32) for s in starts])
 
 
+def _stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
 def _stdlib_files() -> list[Path]:
-    root = Path(sysconfig.get_paths()["stdlib"])
+    root = _stdlib_root()
     skip = {"site-packages", "dist-packages", "__pycache__"}
     return sorted(p for p in root.rglob("*.py") if not skip.intersection(p.relative_to(root).parts))
 
@@ -160,10 +166,10 @@ def _unreadable(path: Path, e: OSError) -> ConfigError:
     return ConfigError(f"DataConfig.source: {str(path)!r} cannot be read ({e.strerror or e})")
 
 
-def _cached_bytes(files: list[Path], cache_dir: Path, source: str) -> np.ndarray:
+def _cached_bytes(files: list[Path], cache_dir: Path, source: str, root: Path) -> np.ndarray:
     """Concatenates `files` into one uint8 memmap, built once per distinct list of files and versions.
-    A new version's cache replaces the older ones of the same files' folder, which would otherwise
-    pile up, a copy of the corpus for each edit."""
+    A new version's cache replaces the older ones of the same source `root` (the file or folder the
+    source names), which would otherwise pile up, a copy of the corpus for each edit."""
     key = hashlib.sha256()
     stats = []
     for f in files:
@@ -181,7 +187,10 @@ def _cached_bytes(files: list[Path], cache_dir: Path, source: str) -> np.ndarray
     size = sum(stat.st_size for stat in stats)
     if not size:
         raise ConfigError(f"DataConfig.source = {source!r} holds no text: its files are empty")
-    where = hashlib.sha256(os.fsencode(os.path.commonpath(resolved))).hexdigest()[:12]
+    # The source's own path, not the files' common folder: a folder grown from one file to several
+    # changed it (the one file's cache stayed behind), and folders of links into one folder shared
+    # it (each run removed the other's cache).
+    where = hashlib.sha256(os.fsencode(root.resolve())).hexdigest()[:12]
     cache = cache_dir / f"bytes-{where}-{key.hexdigest()[:16]}.u8"
     if not _whole(cache, size, cache_dir):
         try:
@@ -327,7 +336,7 @@ def load(cfg: DataConfig) -> TokenData:
     declared = True
     folder = prepared_folder(cfg.source)
     if cfg.source == "stdlib":
-        tokens = _cached_bytes(_stdlib_files(), cache_dir, cfg.source)
+        tokens = _cached_bytes(_stdlib_files(), cache_dir, cfg.source, _stdlib_root())
         vocab, what = BYTE_VOCAB, "python stdlib sources (bytes)"
     elif is_token_file(cfg.source) and not folder:
         path = Path(cfg.source).expanduser()
@@ -364,7 +373,7 @@ def load(cfg: DataConfig) -> TokenData:
         what = f"prepared {folder} ({meta['tokenizer']} tokenizer, vocabulary {vocab}, {prepare.count_documents(meta['documents'])})"
     else:
         files, skipped = _text_files(cfg.source, cache_dir)
-        tokens = _cached_bytes(files, cache_dir, cfg.source)
+        tokens = _cached_bytes(files, cache_dir, cfg.source, Path(cfg.source).expanduser())
         skip_note = f", binary files skipped: {skipped}" if skipped else ""
         vocab, what = BYTE_VOCAB, f"text {cfg.source} (bytes{skip_note})"
     span = cfg.seq_len + 1

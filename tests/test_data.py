@@ -281,11 +281,11 @@ def test_text_caches_written_at_once_under_one_pid_do_not_mix(tmp_path, monkeypa
     def copyfileobj(source, out, length):
         if source.path.name == "b" and not nested:
             nested["started"] = True
-            nested["cache"] = data._cached_bytes(files, tmp_path / "cache", "t")
+            nested["cache"] = data._cached_bytes(files, tmp_path / "cache", "t", tmp_path / "t")
         return copy(source, out, length)
 
     monkeypatch.setattr(shutil, "copyfileobj", copyfileobj)
-    outer = data._cached_bytes(files, tmp_path / "cache", "t")
+    outer = data._cached_bytes(files, tmp_path / "cache", "t", tmp_path / "t")
     assert bytes(outer) == bytes(nested["cache"]) == b"a" * 500 + b"b" * 500
     assert [p.name for p in (tmp_path / "cache").iterdir()] == [Path(outer.filename).name]
 
@@ -307,7 +307,7 @@ def test_processes_starting_together_build_the_text_cache_once(tmp_path, monkeyp
 
     def process():
         start.wait()
-        caches.append(bytes(data._cached_bytes(files, tmp_path / "cache", "t")))
+        caches.append(bytes(data._cached_bytes(files, tmp_path / "cache", "t", tmp_path / "t")))
     threads = [threading.Thread(target=process, daemon=True) for _ in range(2)]  # daemon: a hung one ends with pytest
     for t in threads:
         t.start()
@@ -558,3 +558,32 @@ def test_a_text_file_whose_name_is_not_utf8_is_read(tmp_path):
     # was a UnicodeEncodeError
     tokens = data.load(DataConfig(source=str(corpus), seq_len=8, cache_dir=str(tmp_path / "c")))
     assert bytes(np.concatenate([tokens.train, tokens.val])) == b"hello world " * 100
+
+
+def test_a_text_folder_that_grows_from_one_file_to_several_replaces_its_cache(tmp_path):
+    corpus, cache = tmp_path / "corpus", tmp_path / "cache"
+    _write(corpus / "a.txt", b"a" * 400)
+    cfg = DataConfig(source=str(corpus), seq_len=8, cache_dir=str(cache))
+    data.load(cfg)
+    _write(corpus / "b.txt", b"b" * 400)
+    tokens = data.load(cfg)
+    assert bytes(np.concatenate([tokens.train, tokens.val])) == b"a" * 400 + b"b" * 400
+    # the one file's cache was keyed by the file, the two files' by the folder: it stayed behind
+    assert [len(np.fromfile(c, np.uint8)) for c in cache.glob("*.u8")] == [800]
+
+
+def test_text_folders_of_links_into_one_folder_keep_their_own_caches(tmp_path):
+    real = tmp_path / "real"
+    for name in "wxyz":
+        _write(real / f"{name}.txt", name.encode() * 400)
+    for folder, names in (("first", "wx"), ("second", "yz")):
+        (tmp_path / folder).mkdir()
+        for name in names:
+            (tmp_path / folder / f"{name}.txt").symlink_to(real / f"{name}.txt")
+    cache = tmp_path / "cache"
+    for folder in ("first", "second"):
+        data.load(DataConfig(source=str(tmp_path / folder), seq_len=8, cache_dir=str(cache)))
+    # Both were keyed by the folder their files lie in: each run removed the other's cache as an
+    # older version of its own and built its own again (two runs sharing the cache folder).
+    firsts = {bytes(np.fromfile(c, np.uint8)[:1]) for c in cache.glob("*.u8")}
+    assert firsts == {b"w", b"y"}
