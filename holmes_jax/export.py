@@ -1,7 +1,8 @@
 """Hugging Face folders in and out.
 
-`python -m holmes_jax.export --workdir W --out DIR [--step N]` writes a run's newest (or given)
-checkpoint as a folder `transformers` loads with `AutoModelForCausalLM.from_pretrained(DIR)`:
+`python -m holmes_jax.export --workdir W --out DIR [--step N] [--max-shard-size SIZE]` writes a run's
+newest (or given) checkpoint as a folder `transformers` loads with
+`AutoModelForCausalLM.from_pretrained(DIR)`:
 
 - GPT-2 style (learned positions, layernorm, gelu) -> `GPT2LMHeadModel`. Its Conv1D weights are
   (in, out) like ours, q/k/v fused into `c_attn`; it always has biases (zeros when the run had none).
@@ -9,10 +10,11 @@ checkpoint as a folder `transformers` loads with `AutoModelForCausalLM.from_pret
   transposed. Our rotary pairs (i, i + head_dim / 2) as its `rotate_half` does, so q and k need
   no permutation.
 
-The folder holds model.safetensors (float32), config.json and, when the run trained with one, its
-tokenizer.json (the run's copy, else its data folder's) with a tokenizer_config.json saying how
-that tokenizer was used (`tokenizer_config`). Other mixes (say
-rmsnorm with gelu) have no Hugging Face class: ConfigError.
+The folder holds model.safetensors (float32; past `--max-shard-size`, 5GB by default, the shards
+model-00001-of-0000N.safetensors ... and model.safetensors.index.json, as `transformers` saves a
+big model), config.json and, when the run trained with one, its tokenizer.json (the run's copy,
+else its data folder's) with a tokenizer_config.json saying how that tokenizer was used
+(`tokenizer_config`). Other mixes (say rmsnorm with gelu) have no Hugging Face class: ConfigError.
 
 `ModelConfig.init_from = DIR` starts a fresh run from such a folder (ours or one downloaded
 beforehand); `import_hf` reads it and checks that it fits the run's ModelConfig.
@@ -20,6 +22,7 @@ beforehand); `import_hf` reads it and checks that it fits the run's ModelConfig.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import functools
 import json
@@ -27,6 +30,7 @@ import math
 import re
 import shutil
 from pathlib import Path
+from typing import Callable
 
 import jax
 import numpy as np
@@ -179,40 +183,48 @@ def _get(tree: dict, path: tuple):
     return tree
 
 
-def to_hf(params: dict, cfg: ModelConfig) -> dict[str, np.ndarray]:
-    """Canonical parameters -> Hugging Face tensors (float32, contiguous)."""
-    params = jax.tree.map(lambda x: np.asarray(x, np.float32), params)
-    tensors = {}
+def _hf_tensors(cfg: ModelConfig) -> list[tuple[str, tuple, tuple, Callable]]:
+    """Every Hugging Face tensor of `cfg` (GPT-2's zero biases included) as (name, shape, the
+    canonical leaves it is made of, `make(*leaves)`: the float32 tensor, from those leaves as
+    numpy arrays), the tensors of the same leaves one after another: a writer reads each leaf once."""
+    abstract = jax.eval_shape(lambda: gpt.GPT(cfg).init(0))
+    groups = {}  # leaves -> their tensors, in the order first met
+
+    def add(name: str, shape: tuple, leaves: tuple, make: Callable) -> None:
+        groups.setdefault(leaves, []).append((name, tuple(shape), leaves, make))
     for name, path, layer, transposed in _pairs(cfg):
-        x = _get(params, path)
-        x = x[layer] if layer is not None else x
-        tensors[name] = x.T if transposed else x
+        shape = _get(abstract, path).shape[0 if layer is None else 1:]
+        add(name, shape[::-1] if transposed else shape, (path,), functools.partial(_copy, layer, transposed))
     if architecture(cfg) == GPT2:
-        blocks = params["blocks"]
+        h = cfg.hidden
         for i in range(cfg.num_layers):
             pre = f"transformer.h.{i}."
-            tensors[pre + "attn.c_attn.weight"] = np.concatenate([blocks[p]["kernel"][i] for p in "qkv"], axis=1)
-            if cfg.bias:
-                tensors[pre + "attn.c_attn.bias"] = np.concatenate([blocks[p]["bias"][i] for p in "qkv"])
-            else:  # GPT-2 always adds biases: zeros compute the same
-                for name in _GPT2_BIASES:
-                    tensors[pre + name] = np.zeros(tensors[pre + name.replace(".bias", ".weight")].shape[-1], np.float32)
-    return {name: np.ascontiguousarray(x) for name, x in tensors.items()}
+            fused = [("kernel", "weight", (h, 3 * h))] + ([("bias", "bias", (3 * h,))] if cfg.bias else [])
+            for ours, theirs, shape in fused:  # q, k, v side by side
+                add(pre + f"attn.c_attn.{theirs}", shape, tuple(("blocks", p, ours) for p in "qkv"),
+                    functools.partial(_fused, i))
+            if not cfg.bias:  # GPT-2 always adds biases: zeros compute the same
+                widths = (3 * h, h, cfg.ffn_hidden, h)
+                for name, width in zip(_GPT2_BIASES, widths):
+                    add(pre + name, (width,), (), functools.partial(np.zeros, width, np.float32))
+    return [tensor for tensors in groups.values() for tensor in tensors]
+
+
+def _copy(layer: int | None, transposed: bool, leaf: np.ndarray) -> np.ndarray:
+    """Layer `layer` of `leaf` (all of it for None), transposed or not: a copy, so that a shard holds
+    only its own tensors, not the whole stacked leaves they are views of."""
+    x = leaf if layer is None else leaf[layer]
+    return np.array(x.T if transposed else x, np.float32, order="C")
+
+
+def _fused(layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+    return np.concatenate([q[layer], k[layer], v[layer]], axis=-1)
 
 
 def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple]:
-    """Every Hugging Face tensor `cfg` reads, with the shape it must have."""
-    abstract = jax.eval_shape(lambda: gpt.GPT(cfg).init(0))
-    shapes = {}
-    for name, path, layer, transposed in _pairs(cfg):
-        shape = _get(abstract, path).shape[1 if layer is not None else 0:]
-        shapes[name] = shape[::-1] if transposed else shape
-    if architecture(cfg) == GPT2:
-        for i in range(cfg.num_layers):
-            shapes[f"transformer.h.{i}.attn.c_attn.weight"] = (cfg.hidden, 3 * cfg.hidden)
-            if cfg.bias:
-                shapes[f"transformer.h.{i}.attn.c_attn.bias"] = (3 * cfg.hidden,)
-    return shapes
+    """Every Hugging Face tensor `cfg` reads, with the shape it must have (GPT-2's zero biases
+    may be absent)."""
+    return {name: shape for name, shape, leaves, _ in _hf_tensors(cfg) if leaves}
 
 
 def _full_names(found: dict, cfg: ModelConfig) -> dict:
@@ -286,10 +298,13 @@ def _leaf_readers(tensor, cfg: ModelConfig, abstract: dict) -> dict:
     return readers
 
 
+INDEX = "model.safetensors.index.json"
+
+
 def _tensor_files(folder: Path) -> list[Path]:
     """model.safetensors, or (without one) every shard a model.safetensors.index.json lists: the
     order `transformers` looks in, so a folder holding both gives its model."""
-    index = folder / "model.safetensors.index.json"
+    index = folder / INDEX
     if not (folder / "model.safetensors").is_file() and index.is_file():
         weight_map = _read_json(index).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map or not all(
@@ -384,21 +399,27 @@ def import_hf(folder: str | Path, cfg: ModelConfig, shardings: dict | None = Non
         return jax.tree_util.tree_map_with_path(leaf, abstract, shardings)
 
 
+MAX_SHARD_SIZE = 5 * 10**9  # huggingface_hub's default, and transformers 4's (5's is 50GB)
+
+
 def save_hf(params: dict, cfg: ModelConfig, out: str | Path, tokenizer: Path | None = None,
-            end_of_text: int | None = None) -> Path:
+            end_of_text: int | None = None, max_shard_size: int = MAX_SHARD_SIZE) -> Path:
     """Writes `params` of `cfg` as a Hugging Face folder `out`, which must be new or empty (and
-    copies `tokenizer`, a tokenizer.json); returns its absolute path."""
+    copies `tokenizer`, a tokenizer.json); returns its absolute path. The weights are
+    model.safetensors, or shards of at most `max_shard_size` bytes (`_write_weights`)."""
+    def read(paths: tuple) -> list[np.ndarray]:
+        return [np.asarray(_get(params, path), np.float32) for path in paths]
+    return _write_folder(read, cfg, out, tokenizer, end_of_text, max_shard_size)
+
+
+def _write_folder(read: Callable[[tuple], list], cfg: ModelConfig, out: str | Path, tokenizer: Path | None,
+                  end_of_text: int | None, max_shard_size: int) -> Path:
+    """`save_hf`, the leaves read by `read(paths)` (a tuple of leaf paths -> their arrays)."""
+    if isinstance(max_shard_size, bool) or not isinstance(max_shard_size, int) or max_shard_size < 1:
+        raise ConfigError(f"max_shard_size = {max_shard_size!r} is not allowed; allowed: a positive number of bytes")
     config = hf_config(cfg, end_of_text)
     with cli.output_folder(out, last="config.json") as tmp:
-        weights = tmp / "model.safetensors"
-        try:
-            safetensors.numpy.save_file(to_hf(params, cfg), weights, metadata={"format": "pt"})
-        except safetensors.SafetensorError as e:  # a full disk, say: its I/O errors come wrapped,
-            code = re.search(r"\(os error (\d+)\)", str(e))  # the errno in the text ('... (os error 28)')
-            raise (OSError(int(code[1]), str(e)) if code else OSError(str(e))) from None
-        # safetensors makes its file 0600: the mode the umask gives a new file (tmp's, less execute),
-        # so that whoever may read the folder's other files may read the weights too
-        weights.chmod(tmp.stat().st_mode & 0o666)
+        _write_weights(tmp, cfg, read, max_shard_size)
         if tokenizer is not None:
             shutil.copyfile(tokenizer, tmp / "tokenizer.json")
             name = None if end_of_text is None else _token_name(tokenizer, end_of_text)
@@ -407,20 +428,93 @@ def save_hf(params: dict, cfg: ModelConfig, out: str | Path, tokenizer: Path | N
     return Path(out).expanduser().resolve()
 
 
+def _shards(tensors: list[tuple], max_shard_size: int) -> list[list[tuple]]:
+    """`tensors` ((name, shape, ...), float32) cut, in order, into shards of at most
+    `max_shard_size` bytes; a tensor larger than that gets a shard of its own."""
+    shards, size = [[]], 0
+    for tensor in tensors:
+        nbytes = _nbytes(tensor[1])
+        if shards[-1] and size + nbytes > max_shard_size:
+            shards.append([])
+            size = 0
+        shards[-1].append(tensor)
+        size += nbytes
+    return shards
+
+
+def _nbytes(shape: tuple) -> int:
+    return 4 * math.prod(shape)  # float32
+
+
+def _write_weights(folder: Path, cfg: ModelConfig, read: Callable[[tuple], list], max_shard_size: int) -> None:
+    """Writes `cfg`'s Hugging Face tensors into `folder` as transformers' save_pretrained does:
+    model.safetensors when they fit in `max_shard_size` bytes, else model-00001-of-0000N.safetensors
+    ... and model.safetensors.index.json. The leaves come from `read(paths)`, a few at a time:
+    at most the leaves of one tensor and one shard's tensors are held (an 8B model was 32 GB of
+    leaves and as much again of tensors)."""
+    tensors = _hf_tensors(cfg)
+    shards = _shards(tensors, max_shard_size)
+    files = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    # safetensors makes its files 0600: the mode the umask gives a new file (the folder's, less
+    # execute), so that whoever may read the folder's other files may read the weights too
+    mode = folder.stat().st_mode & 0o666
+    held = leaves = None
+    for file, shard in zip(files, shards):
+        written = {}
+        for name, _, paths, make in shard:
+            if paths != held:
+                leaves = None  # dropped before the next ones are read
+                leaves, held = read(paths), paths
+            written[name] = make(*leaves)
+        _save_file(written, folder / file, mode)
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(_nbytes(shape) for _, shape, *_ in tensors)},
+                 "weight_map": {t[0]: file for file, shard in zip(files, shards) for t in shard}}
+        (folder / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def _save_file(tensors: dict[str, np.ndarray], path: Path, mode: int) -> None:
+    try:
+        safetensors.numpy.save_file(tensors, path, metadata={"format": "pt"})
+    except safetensors.SafetensorError as e:  # a full disk, say: its I/O errors come wrapped,
+        code = re.search(r"\(os error (\d+)\)", str(e))  # the errno in the text ('... (os error 28)')
+        raise (OSError(int(code[1]), str(e)) if code else OSError(str(e))) from None
+    path.chmod(mode)
+
+
 def _token_name(tokenizer: Path, token_id: int) -> str:
     import tokenizers
 
     return tokenizers.Tokenizer.from_file(str(tokenizer)).id_to_token(token_id)
 
 
-def export(workdir: str | Path, out: str | Path, step: int | None = None) -> Path:
-    """Writes checkpoint `step` (default the newest) of the run in `workdir` to the folder `out`."""
+def export(workdir: str | Path, out: str | Path, step: int | None = None,
+           max_shard_size: int = MAX_SHARD_SIZE) -> Path:
+    """Writes checkpoint `step` (default the newest) of the run in `workdir` to the folder `out`,
+    reading the checkpoint a few leaves at a time (see `_write_weights`)."""
     cfg, data = inference.read_configs(workdir)
     architecture(cfg)  # before the restore: an unexportable config or a taken --out fails fast
     cli.new_folder(out)
     _, eot, _ = inference.run_tokens(workdir, data)  # before the restore: a damaged tokenizer.json fails fast
-    params, _ = inference.restore_params(workdir, cfg, step, jax.devices("cpu")[0])
-    return save_hf(params, cfg, out, inference.tokenizer_file(workdir, data), eot)
+    with inference.open_params(workdir, cfg, step, jax.devices("cpu")[0]) as saved:
+        def read(paths: tuple) -> list[np.ndarray]:
+            tree = saved.read(list(paths)) if paths else {}
+            return [np.asarray(_get(tree, path), np.float32) for path in paths]
+        return _write_folder(read, cfg, out, inference.tokenizer_file(workdir, data), eot, max_shard_size)
+
+
+_SIZE_UNITS = {"": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}  # transformers' units
+
+
+def shard_size(text: str) -> int:
+    """An argparse `type` for --max-shard-size: bytes, or a number with a unit ('5GB', '1.5GB')."""
+    found = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([KMGT]B)?", text.strip(), re.ASCII | re.IGNORECASE)
+    size = round(float(found[1]) * _SIZE_UNITS[(found[2] or "").upper()]) if found else 0
+    if size < 1 or (found and not found[2] and "." in found[1]):
+        raise argparse.ArgumentTypeError(f"{text!r} is not allowed; allowed: a number of bytes or a size with "
+                                         f"a unit KB, MB, GB or TB (powers of 1000), e.g. 5GB")
+    return size
 
 
 def main(argv: list[str]) -> int:
@@ -429,9 +523,16 @@ def main(argv: list[str]) -> int:
     p.add_argument("--workdir", required=True, help="the run's TrainConfig.workdir")
     p.add_argument("--out", required=True, help="the folder to write")
     p.add_argument("--step", type=cli.non_negative_int, help="the checkpoint's step (default: the newest)")
+    p.add_argument("--max-shard-size", type=shard_size, default=MAX_SHARD_SIZE,
+                   help="the largest weights file, e.g. 500MB; bigger models are written as shards with an index "
+                        "(default: 5GB)")
     args = p.parse_args(argv)
-    out = export(args.workdir, args.out, args.step)
-    print(f"wrote {args.out}: {', '.join(sorted(f.name for f in out.iterdir()))}")
+    out = export(args.workdir, args.out, args.step, args.max_shard_size)
+    names = sorted(f.name for f in out.iterdir())
+    shards = [name for name in names if re.fullmatch(r"model-\d{5}-of-\d{5}\.safetensors", name)]
+    if len(shards) > 2:  # the first and the last: a 70B model has dozens
+        names[names.index(shards[0]):names.index(shards[-1]) + 1] = [f"{shards[0]} ... {shards[-1]}"]
+    print(f"wrote {args.out}: {', '.join(names)}")
     return 0
 
 

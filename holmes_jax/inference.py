@@ -15,11 +15,12 @@ forward is the model's own (no pipeline), so any device count can load any run.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import numbers
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import jax
 import numpy as np
@@ -44,6 +45,15 @@ def read_configs(workdir: str | Path) -> tuple[ModelConfig, DataConfig]:
 def restore_params(workdir: str | Path, cfg: ModelConfig, step: int | None = None, device=None) -> tuple[dict, int]:
     """(canonical parameters of checkpoint `step`, default the newest, on `device`; that step).
     Only the parameters are read: the optimizer state stays on disk."""
+    with open_params(workdir, cfg, step, device) as saved:
+        return saved.read(), saved.step
+
+
+@contextlib.contextmanager
+def open_params(workdir: str | Path, cfg: ModelConfig, step: int | None = None, device=None) -> Iterator[SavedParams]:
+    """Checkpoint `step` (default the newest) of the run in `workdir`, once it fits `cfg`, to read
+    its parameters from, a few leaves at a time if need be (`SavedParams.read`): a big model's whole
+    tree in float32 is more host memory than an export needs."""
     # True == 1 and 2.0 == 2 would pass the membership test below and then fail in orbax, blamed
     # on a damaged checkpoint; "2" would be refused while the message lists 2.
     if step is not None and (isinstance(step, bool) or not isinstance(step, numbers.Integral)):
@@ -55,12 +65,56 @@ def restore_params(workdir: str | Path, cfg: ModelConfig, step: int | None = Non
     manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(create=False),
                                     item_handlers=ocp.PyTreeCheckpointHandler())
     try:  # closed on every path: a library caller (`holmes_jax.load`) keeps running
-        return _restore_params(manager, workdir, directory, cfg, step, device)
+        step, abstract = _checked_step(manager, workdir, directory, cfg, step)
+        yield SavedParams(manager, directory, step, abstract,
+                          jax.sharding.SingleDeviceSharding(device or jax.local_devices()[0]))
     finally:
         manager.close()
 
 
-def _restore_params(manager, workdir, directory: Path, cfg: ModelConfig, step: int | None, device) -> tuple[dict, int]:
+@dataclasses.dataclass
+class SavedParams:
+    """The parameters of a checkpoint step (`open_params`), read when asked for."""
+    manager: Any  # ocp.CheckpointManager
+    directory: Path
+    step: int
+    abstract: dict  # the ModelConfig's parameter shapes
+    sharding: jax.sharding.Sharding
+
+    def read(self, paths: list[tuple] | None = None) -> dict:
+        """The canonical parameter tree, or (given `paths`, tuples of keys) only the leaves at
+        those paths, in the same nested dicts."""
+        tree = self.abstract if paths is None else _subtree(self.abstract, paths)
+        target = {"params": jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=self.sharding),
+                                         tree)}
+        args = ocp.args.PyTreeRestore(item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+                                      partial_restore=True)
+        try:
+            return self.manager.restore(self.step, args=args)["params"]
+        except Exception as e:  # a truncated file after a crash or a full disk
+            raise _unreadable(self.manager, self.directory, self.step, e) from None
+
+
+def _subtree(tree: dict, paths: list[tuple]) -> dict:
+    """The leaves of `tree` at `paths` (tuples of keys), in the same nested dicts."""
+    out = {}
+    for path in paths:
+        node, leaf = out, tree
+        for key in path[:-1]:
+            node, leaf = node.setdefault(key, {}), leaf[key]
+        node[path[-1]] = leaf[path[-1]]
+    return out
+
+
+def _unreadable(manager, directory: Path, step: int, e: Exception) -> ConfigError:
+    others = " or ".join(str(s) for s in sorted(manager.all_steps()) if s != step)
+    allowed = f"allowed: --step {others}" if others else "there is no other checkpoint"
+    return ConfigError(f"checkpoint step {step} in {directory} cannot be read ({reason(e)}); {allowed}")
+
+
+def _checked_step(manager, workdir, directory: Path, cfg: ModelConfig, step: int | None) -> tuple[int, dict]:
+    """(`step` (None: the newest), `cfg`'s parameter shapes), once the checkpoint there holds
+    parameters of those shapes."""
     steps = list(manager.all_steps())
     if not steps:
         raise ConfigError(f"--workdir {str(workdir)!r} has no checkpoint under {directory}")
@@ -68,30 +122,22 @@ def _restore_params(manager, workdir, directory: Path, cfg: ModelConfig, step: i
     if step not in steps:
         raise ConfigError(f"--step {step} is not allowed; the checkpoints of {str(workdir)!r} are at steps "
                           f"{', '.join(map(str, sorted(steps)))}")
-    sharding = jax.sharding.SingleDeviceSharding(device or jax.local_devices()[0])
     abstract = jax.eval_shape(lambda: gpt.GPT(cfg).init(0))
-    target = {"params": jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), abstract)}
-    args = ocp.args.PyTreeRestore(item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
-                                  partial_restore=True)
     try:
         saved = manager.item_metadata(step)
         if saved is None:
             raise FileNotFoundError("its metadata is missing")
         # Checked first: orbax refuses another shape blaming the checkpoint, and leaves an array
         # the checkpoint lacks (a bias) as a placeholder that fails at the first forward.
-        wrong = mismatches({"params": saved.tree.get("params", {})}, target)
-        if not wrong:
-            params = manager.restore(step, args=args)["params"]
+        wrong = mismatches({"params": saved.tree.get("params", {})}, {"params": abstract})
     except Exception as e:  # a truncated file after a crash or a full disk
-        others = " or ".join(str(s) for s in sorted(steps) if s != step)
-        allowed = f"allowed: --step {others}" if others else "there is no other checkpoint"
-        raise ConfigError(f"checkpoint step {step} in {directory} cannot be read ({reason(e)}); {allowed}") from None
+        raise _unreadable(manager, directory, step, e) from None
     if wrong:
         more = f" (and {len(wrong) - SHOWN_MISMATCHES} more)" if len(wrong) > SHOWN_MISMATCHES else ""
         raise ConfigError(f"checkpoint step {step} in {directory} does not fit the ModelConfig of "
                           f"{Path(workdir) / 'config.gin'}: {'; '.join(wrong[:SHOWN_MISMATCHES])}{more}; "
                           f"allowed: the ModelConfig of the run that wrote the checkpoint")
-    return params, step
+    return step, abstract
 
 
 def tokenizer_file(workdir: str | Path, data: DataConfig) -> Path | None:

@@ -787,3 +787,137 @@ def test_the_weights_file_is_as_readable_as_the_folders_other_files(tmp_path):
             os.umask(old)
         modes = {f.name: stat.S_IMODE(f.stat().st_mode) for f in folder.iterdir()}
         assert modes == {"config.json": mode, "model.safetensors": mode}, {k: oct(v) for k, v in modes.items()}
+
+
+# --------------------------------------------------------------------------- sharded export
+
+def _index(folder) -> dict:
+    return json.loads((folder / "model.safetensors.index.json").read_text())
+
+
+@pytest.mark.parametrize("options", [
+    dict(preset="tiny", bias=True, tie_embeddings=False),
+    dict(preset="tiny", tie_embeddings=True),  # GPT-2 without biases: its zero biases in the shards too
+    dict(preset="llama-tiny", num_kv_heads=2, bias=True, tie_embeddings=True),
+    dict(preset="llama-tiny", tie_embeddings=False),
+])
+def test_a_sharded_export_follows_the_limit_and_imports_back(tmp_path, options):
+    # An 8B model was one 32 GB model.safetensors (a 70B one's 280 GB, past what the Hub takes per file).
+    import os
+    import stat
+
+    cfg = presets.resolve(ModelConfig(**dict(dict(num_layers=2, hidden=64, num_heads=4, ffn_hidden=96), **options)))
+    params = jax.tree.map(np.asarray, gpt.GPT(cfg).init(0))
+    limit = 40_000  # bytes: several tensors a shard, while the embeddings (vocab x 64 float32) are larger
+    old = os.umask(0o027)
+    try:
+        folder = export.save_hf(params, cfg, tmp_path / "hf", max_shard_size=limit)
+    finally:
+        os.umask(old)
+    index = _index(folder)
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 2 and not (folder / "model.safetensors").exists()
+    assert files == [f"model-{i:05d}-of-{len(files):05d}.safetensors" for i in range(1, len(files) + 1)]
+    assert sorted(f.name for f in folder.iterdir()) == sorted(files + ["config.json", "model.safetensors.index.json"])
+    total = 0
+    for file in files:
+        tensors = safetensors.numpy.load_file(folder / file)
+        assert sorted(tensors) == sorted(k for k, v in index["weight_map"].items() if v == file)
+        size = sum(x.nbytes for x in tensors.values())
+        assert size <= limit or len(tensors) == 1, (file, size, list(tensors))  # only a lone oversized tensor
+        total += size
+    assert any(len(safetensors.numpy.load_file(folder / f)) == 1 for f in files)  # the embeddings, alone
+    assert index["metadata"]["total_size"] == total
+    modes = {f.name: stat.S_IMODE(f.stat().st_mode) for f in folder.iterdir()}
+    assert set(modes.values()) == {0o640}, {k: oct(v) for k, v in modes.items()}  # the umask's, as config.json
+    jax.tree.map(np.testing.assert_array_equal, export.import_hf(folder, cfg), params)
+    whole = export.save_hf(params, cfg, tmp_path / "whole")  # the same tensors as one model.safetensors
+    one = safetensors.numpy.load_file(whole / "model.safetensors")
+    assert one.keys() == index["weight_map"].keys()
+    for file in files:
+        for name, x in safetensors.numpy.load_file(folder / file).items():
+            np.testing.assert_array_equal(x, one[name])
+
+
+def test_the_writer_holds_one_shard_of_tensors_not_the_model(tmp_path):
+    # The tensors were all made (transposed copies, c_attn) before one file was written: an 8B
+    # model's 32 GB of parameters and as much again.
+    import tracemalloc
+
+    cfg = presets.resolve(ModelConfig(preset="llama-tiny", num_layers=4, hidden=256, num_heads=4, ffn_hidden=512,
+                                      tie_embeddings=False))
+    params = jax.tree.map(np.asarray, gpt.GPT(cfg).init(0))
+    model_bytes = sum(x.nbytes for x in jax.tree.leaves(params))  # 10 MB
+    limit, slack = model_bytes // 16, 1 << 18
+    tracemalloc.start()  # numpy reports its arrays to tracemalloc too
+    try:
+        folder = export.save_hf(params, cfg, tmp_path / "hf", max_shard_size=limit)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert len(set(_index(folder)["weight_map"].values())) >= 16
+    assert peak < 2 * limit + slack < model_bytes // 4, f"peak {peak:,} bytes for shards of {limit:,}"
+
+
+@pytest.mark.slow
+def test_an_export_reads_the_checkpoint_a_few_leaves_at_a_time(run, tmp_path, monkeypatch, capsys):
+    # The whole tree was restored first: 32 GB for an 8B model, on top of the tensors made from it.
+    from holmes_jax import cli
+
+    reads = []
+    read = inference.SavedParams.read
+
+    def recorded(self, paths=None):
+        reads.append(paths)
+        return read(self, paths)
+    monkeypatch.setattr(inference.SavedParams, "read", recorded)
+    cfg, _ = inference.read_configs(run)
+    folder = tmp_path / "hf"
+    with pytest.raises(SystemExit) as done:
+        cli.run(export.main, ["--workdir", str(run), "--out", str(folder), "--max-shard-size", "20KB"])
+    files = sorted(set(_index(folder)["weight_map"].values()))
+    assert done.value.code == 0 and len(files) > 2
+    assert capsys.readouterr().out == (f"wrote {folder}: config.json, {files[0]} ... {files[-1]}, "  # not dozens of names
+                                       f"model.safetensors.index.json, tokenizer.json, tokenizer_config.json\n")
+    leaves = [path for paths in reads for path in paths]
+    assert None not in reads and all(len(paths) == 1 for paths in reads)  # LLaMA: each tensor from one leaf
+    assert sorted(leaves) == sorted({path for path in leaves}) and len(leaves) == len(jax.tree.leaves(
+        jax.eval_shape(lambda: gpt.GPT(cfg).init(0))))  # each leaf once, all of them
+    params, _ = inference.restore_params(run, cfg)
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), params, export.import_hf(folder, cfg))
+
+
+def test_max_shard_size_takes_transformers_sizes_and_refuses_others_in_one_line(tmp_path, capsys):
+    from holmes_jax import cli
+
+    for text, size in (("5GB", 5 * 10**9), ("500MB", 500 * 10**6), ("1.5GB", 1_500_000_000), ("2kb", 2000),
+                       ("1000", 1000), ("1TB", 10**12)):
+        assert export.shard_size(text) == size
+    for bad in ("0", "abc", "5XB", "1.5", "-1", "", "0.0001KB", "5 GiB"):
+        with pytest.raises(SystemExit) as stopped:
+            cli.run(export.main, ["--workdir", str(tmp_path), "--out", str(tmp_path / "hf"), f"--max-shard-size={bad}"])
+        err = capsys.readouterr().err
+        assert stopped.value.code == 2 and err.startswith("error: argument --max-shard-size: ") and f"{bad!r}" in err
+        assert len(err.splitlines()) == 1, err
+    cfg = presets.resolve(ModelConfig(preset="tiny", num_layers=1, hidden=64, ffn_hidden=96))
+    with pytest.raises(ConfigError, match="max_shard_size = 0 is not allowed"):
+        export.save_hf(jax.tree.map(np.asarray, gpt.GPT(cfg).init(0)), cfg, tmp_path / "hf", max_shard_size=0)
+    assert not (tmp_path / "hf").exists()
+
+
+def test_a_failure_after_some_shards_leaves_no_folder_and_no_shards(tmp_path, monkeypatch):
+    # Each shard is written as it fills: a full disk at the second must not leave the first behind.
+    from holmes_jax import cli
+
+    save_file, written = safetensors.numpy.save_file, []
+
+    def full_at_the_second(tensors, path, **kwargs):
+        if written:
+            raise safetensors.SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+        written.append(path)
+        save_file(tensors, path, **kwargs)
+    monkeypatch.setattr(safetensors.numpy, "save_file", full_at_the_second)
+    cfg = presets.resolve(ModelConfig(preset="llama-tiny", num_layers=2, hidden=64, num_heads=4, ffn_hidden=96))
+    with pytest.raises(cli.RunError, match="No space left on device"):
+        export.save_hf(jax.tree.map(np.asarray, gpt.GPT(cfg).init(0)), cfg, tmp_path / "hf", max_shard_size=40_000)
+    assert written and list(tmp_path.iterdir()) == []  # neither hf nor the temporary folder beside it
