@@ -6,7 +6,8 @@ Resuming checks what it restores: a checkpoint that cannot be read is set aside
 no memory), which ends the run and leaves the checkpoint; one whose array shapes do not fit the
 configured model is a `ConfigError`, found from its metadata before any data is read. Several
 processes agree: they restore the newest step every one of them could read, and set aside each
-step any of them could not. A save that fails (a full disk) is a `RunError`. One run at a time
+step any of them could not. A save that fails (a full disk) is a `RunError`, one written in the
+background too, found after the step it fails in (`failed_write`). One run at a time
 writes a checkpoints directory: the run holds its workdir's lock (`holmes_jax.train.lock_workdir`)
 before it makes a `Checkpointer`."""
 
@@ -142,6 +143,7 @@ class Checkpointer:
         self._manager = ocp.CheckpointManager(self.directory, options=options,
                                              item_handlers=ocp.StandardCheckpointHandler())
         self._newest_save = None  # the step of the newest save, which may still be written in the background
+        self._finished_save = None  # the newest save whose background write is known to have ended
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
@@ -269,6 +271,28 @@ class Checkpointer:
                 (self.directory / str(step)).rename(aside)
         distributed.every_process("checkpoint set aside: renamed", "")
         self._manager.reload()
+
+    def failed_write(self) -> RunError | None:
+        """Without waiting for a write still under way: the `RunError` of the newest save once its
+        background write has ended in failure (a full disk), else None; each failure once. Cheap
+        enough after every step: the next save, which reported it, can be hours away."""
+        # orbax's flag drops when the save's background work ends, failed or not (with several
+        # processes, once every process's has ended), and waiting for it then costs nothing.
+        if self._newest_save in (None, self._finished_save) or self._manager.is_saving_in_progress():
+            return None
+        self._finished_save = self._newest_save
+        try:
+            self.wait()
+        except RunError as e:
+            return e
+        return None
+
+    def failed_elsewhere(self) -> RunError:
+        """The error of a run that stops because another process's background write failed: this
+        process's own, when its write failed too."""
+        self.wait()
+        return RunError(f"cannot write checkpoints in {self.directory} (saving step {self._newest_save}): the "
+                        f"write failed on another process")
 
     def wait(self) -> None:
         """Waits for the save in the background to be written; one that fails is a `RunError`."""

@@ -103,6 +103,25 @@ def _search_beside(gin_file: str):
         search_path[:] = saved
 
 
+def _open_gin_file(path: str):
+    """A gin file's text without the byte-order mark Windows editors write at its start: read
+    with plain `open`, gin's tokenizer refused the file's first line ('Unexpected token')."""
+    return open(path, encoding="utf-8-sig")
+
+
+@contextlib.contextmanager
+def _byte_order_marks_dropped():
+    """gin opens each file, an include too, with the first of its readers whose check passes, and
+    its first is plain `open` (a file on disk): `_open_gin_file` stands in for it while we parse."""
+    readers = gin.config._FILE_READERS  # gin has no public way to replace a reader
+    saved = list(readers)
+    readers[:] = [(_open_gin_file if reader is open else reader, exists) for reader, exists in saved]
+    try:
+        yield
+    finally:
+        readers[:] = saved
+
+
 def _a_value_follows(args: list[str]) -> bool:
     return bool(args) and not args[0].startswith("--")
 
@@ -243,7 +262,7 @@ def load_configs(argv: list[str]) -> Configs:
     gin.clear_config()
     try:
         for f in base + files:  # gin.parse_config_files_and_bindings, each file with its own folder searched
-            with _search_beside(f):
+            with _search_beside(f), _byte_order_marks_dropped():
                 gin.parse_config_file(f)
         gin.parse_config(bindings)
         gin.finalize()
@@ -329,7 +348,8 @@ def fields_help(width: int | None = None) -> str:
     where there is room, else under it."""
     width = width or shutil.get_terminal_size().columns
     gin.clear_config()
-    gin.parse_config_file(str(_default_gin()))
+    with _byte_order_marks_dropped():
+        gin.parse_config_file(str(_default_gin()))
     based = {cls.__name__: cls() for cls in CLASSES}
     gin.clear_config()
     preset = presets.resolve(based["ModelConfig"])  # what a None model field runs with

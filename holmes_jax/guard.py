@@ -2,9 +2,10 @@
 
 - `Signals`: SIGINT, SIGTERM and SIGHUP only set a flag. The loop lets the step in flight finish,
   saves a checkpoint of it and raises `cli.Stopped` (exit status 128 + the signal number).
-- `StopVote`: with several processes, a one-number-per-device all-reduce after each step, so all
-  stop after the same one. (JAX's `multihost_utils.reached_preemption_sync_point` reacts to
-  SIGTERM only, and only under `jax.distributed`.)
+- `StopVote`: with several processes, a two-numbers-per-device all-reduce after each step, so all
+  stop after the same one, for a signal or for a checkpoint write that failed in the background.
+  (JAX's `multihost_utils.reached_preemption_sync_point` reacts to SIGTERM only, and only under
+  `jax.distributed`.)
 - `BadSteps`: steps whose loss or gradient norm was not finite (the jitted step skipped their
   update); too many in a row end the run with `cli.RunError` (exit status 1).
 - `fault_point`: the one place a test injects a fault, from `HOLMES_FAULT`.
@@ -54,21 +55,24 @@ class Signals:
 
 
 class StopVote:
-    """`vote(signum)`: the same signal number (or None) on every process, the largest any process
-    caught. One process needs no collective; several reduce one number per device in the mesh."""
+    """`vote(signum, write_failed)`: the same (signal number or None, whether a checkpoint write
+    failed) on every process: the largest signal any process caught, and whether any process's
+    background write failed. One process needs no collective; several reduce two numbers per device
+    in the mesh."""
 
     def __init__(self, mesh):
         self._mesh = mesh
         if jax.process_count() > 1:
-            self._numbers = NamedSharding(mesh, P(mesh.axis_names))
-            self._max = jax.jit(jnp.max, out_shardings=NamedSharding(mesh, P()))
+            self._numbers = NamedSharding(mesh, P(mesh.axis_names, None))
+            self._max = jax.jit(lambda numbers: jnp.max(numbers, axis=0), out_shardings=NamedSharding(mesh, P()))
 
-    def vote(self, signum: int | None) -> int | None:
+    def vote(self, signum: int | None, write_failed: bool = False) -> tuple[int | None, bool]:
         if jax.process_count() == 1:
-            return signum
-        numbers = jax.make_array_from_callback((self._mesh.devices.size,), self._numbers,
-                                               lambda index: np.full((1,), signum or 0, np.int32))
-        return int(self._max(numbers)) or None
+            return signum, write_failed
+        numbers = jax.make_array_from_callback((self._mesh.devices.size, 2), self._numbers,
+                                               lambda index: np.array([[signum or 0, write_failed]], np.int32))
+        signum, write_failed = (int(n) for n in self._max(numbers))
+        return signum or None, bool(write_failed)
 
 
 class BadSteps:

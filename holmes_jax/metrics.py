@@ -60,10 +60,11 @@ RESUMED_FROM = "resumed_from"  # in a resumed run's first metrics.jsonl row: the
 class MetricsLog:
     """Appends one JSON object per logged step to `path` (an earlier run's rows from `first` on
     dropped), writes each of its numbers as a TensorBoard scalar (tag = the JSON key) under
-    `path`'s folder/tensorboard, and, unless quiet, prints a progress line with an ETA. `first` is
-    the step this run starts at (a resumed run's checkpoint + 1), `stop` the step it ends at
-    (default `total_steps`). A resumed run's first row says so: `resumed_from` (`RESUMED_FROM`),
-    the checkpoint's step, for readers that tell its warm-up from its steady steps."""
+    `path`'s folder/tensorboard, and, unless quiet, prints a progress line with an ETA (none at
+    `stop`). `first` is the step this run starts at (a resumed run's checkpoint + 1), `stop` the step
+    it ends at (default `total_steps`; a run that a signal stops sets it to that step). A resumed
+    run's first row says so: `resumed_from` (`RESUMED_FROM`), the checkpoint's step, for readers that
+    tell its warm-up from its steady steps."""
 
     RECENT = 5  # logged windows the ETA averages over
 

@@ -324,7 +324,14 @@ def _resume_and_train(cfgs: Configs, setup: Setup, token_data, workdir: Path, ck
             logger.collect(out)
             with _stop_if_the_reader_left(signals, unwritable):  # a skipped step's line
                 bad.add(step, out)
-            stopping = vote.vote(signals.signum)  # the same signal (or None) on every process
+            # A checkpoint write that failed in the background (a full disk) ends the run now, not at
+            # the next save; every process stops after the same step, the earlier checkpoints kept.
+            failed_write = ckpt and ckpt.failed_write()
+            stopping, write_failed = vote.vote(signals.signum, failed_write is not None)  # alike on every process
+            if write_failed:
+                raise failed_write or ckpt.failed_elsewhere()
+            if stopping and log:  # the run ends after this step: its row has no time left to estimate
+                log.stop = step
             for hook in hooks:
                 if stopping or hook.due(step, start + 1, last):
                     with _stop_if_the_reader_left(signals, unwritable):

@@ -397,3 +397,14 @@ def test_each_gin_files_include_is_the_file_beside_it_not_one_beside_another(tmp
     cfgs = configure.load_configs(["--gin_file", str(tmp_path / "first" / "run.gin"),
                                    "--gin_file", str(tmp_path / "second" / "run.gin")])
     assert (cfgs.train.seed, cfgs.train.steps) == (1, 9)
+
+
+def test_a_gin_file_saved_with_a_byte_order_mark_sets_its_values(tmp_path):
+    # Windows editors start a UTF-8 file with a byte-order mark: gin refused its first line
+    # ('Unexpected token'), and read the mark of an included file the same way
+    bom = "\ufeff"
+    (tmp_path / "base.gin").write_text(bom + "TrainConfig.steps = 9\n", encoding="utf-8")
+    (tmp_path / "run.gin").write_text(bom + "TrainConfig.seed = 7\ninclude 'base.gin'\n", encoding="utf-8")
+    cfgs = configure.load_configs(["--gin_file", str(tmp_path / "run.gin")])
+    assert (cfgs.train.seed, cfgs.train.steps) == (7, 9)
+    assert gin.config._FILE_READERS[0][0] is open  # gin's own reader is back for whoever parses next

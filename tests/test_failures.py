@@ -299,7 +299,8 @@ def test_a_malformed_fault_is_bad_input(monkeypatch, value):
 
 def test_one_process_votes_alone():
     vote = guard.StopVote(jax.make_mesh((8,), ("data",)))
-    assert vote.vote(None) is None and vote.vote(signal.SIGTERM) == signal.SIGTERM
+    assert vote.vote(None) == (None, False) and vote.vote(signal.SIGTERM) == (signal.SIGTERM, False)
+    assert vote.vote(None, True) == (None, True)
 
 
 # --------------------------------------------------------------------------- checkpoints on resume
@@ -749,3 +750,62 @@ def test_a_command_whose_stdout_is_closed_ends_without_a_traceback():
     r = subprocess.run(["sh", "-c", 'exec "$@" >&-', "sh", sys.executable, "-m", "holmes_jax.train", "--help"],
                        stderr=subprocess.PIPE, text=True, timeout=120, cwd=REPO)
     assert (r.returncode, r.stderr) == (0, "")
+
+
+class _WriteToAFullDisk:
+    """A commit future of orbax's background write, ended as TensorStore's write to a full disk ends."""
+
+    def result(self, timeout=None):
+        raise OSError(28, "No space left on device")
+
+    def cancel(self):
+        pass
+
+
+def test_a_background_save_that_fails_ends_the_run_within_steps_not_at_the_next_save(tmp_path, monkeypatch):
+    # The failed write of step 50's save was noticed only by the next save (step 75 here, hours later
+    # in a long run): the run trained on believing it had a checkpoint.
+    import orbax.checkpoint as ocp
+
+    async_save, saves = ocp.StandardCheckpointHandler.async_save, []
+
+    async def second_save_fails(self, *args, **kwargs):  # its arrays written, then a last write fails
+        saves.append(await async_save(self, *args, **kwargs))
+        return saves[-1] + [_WriteToAFullDisk()] if len(saves) == 2 else saves[-1]
+    monkeypatch.setattr(ocp.StandardCheckpointHandler, "async_save", second_save_fails)
+    with pytest.raises(cli.RunError) as failed:
+        _run(tmp_path, "--gin.TrainConfig.steps=75", "--gin.CheckpointConfig.every=25")
+    assert re.fullmatch(r"cannot write checkpoints in .* \(saving step 50\): .*No space left on device",
+                        str(failed.value))
+    stopped_after = read_metrics(tmp_path)[-1]["step"]
+    assert 50 <= stopped_after < 65, stopped_after  # a few steps after the write failed; the next save is at 75
+    assert train.saved_steps(tmp_path / "checkpoints") == [25]  # the earlier checkpoint is left as it was
+
+
+def test_the_row_of_the_step_a_signal_stops_the_run_after_shows_no_eta(tmp_path, monkeypatch, capsys):
+    # the run ends after that step, and its row still gave the time left to the configured last step
+    monkeypatch.setenv(guard.FAULT_ENV, "signal:TERM:step:3")
+    with pytest.raises(cli.Stopped):
+        train.run(small_configs(tmp_path), devices=jax.devices()[:1])
+    rows = {line.split(" | ")[0]: line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")}
+    assert list(rows) == ["step 1/6", "step 2/6", "step 3/6"]
+    assert "ETA" in rows["step 2/6"] and "ETA" not in rows["step 3/6"]
+    assert "tok/s" in rows["step 3/6"]  # the row itself is kept
+
+
+def test_a_background_save_that_failed_on_another_process_ends_the_run_here_after_the_same_step(tmp_path,
+                                                                                               monkeypatch):
+    # The processes vote after each step: this one, whose own write was good, stops with the one
+    # whose write failed, instead of stepping on alone into a collective that waits for ever.
+    vote, own_failures = guard.StopVote.vote, []
+
+    def another_process_write_fails(self, signum, write_failed=False):  # its failure is seen after step 15
+        own_failures.append(write_failed)
+        signum, write_failed = vote(self, signum, write_failed)
+        return signum, write_failed or len(own_failures) == 15
+    monkeypatch.setattr(guard.StopVote, "vote", another_process_write_fails)
+    with pytest.raises(cli.RunError, match=r"^cannot write checkpoints in .* \(saving step 10\): the write failed "
+                                           r"on another process$"):
+        _run(tmp_path, "--gin.TrainConfig.steps=30", "--gin.CheckpointConfig.every=10")
+    assert not any(own_failures) and read_metrics(tmp_path)[-1]["step"] == 14  # step 15 is not logged
+    assert train.saved_steps(tmp_path / "checkpoints") == [10]
