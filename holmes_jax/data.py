@@ -23,7 +23,10 @@ time set back, as `cp -p` or `touch -r` leave it) or another folder of the same 
 (the new cache replaces the older one of the same source file or folder);
 a cache whose size is not the files' (cut short by a crash) is built again.
 The last `val_fraction` of the tokens is the validation split. The batch for step k is a pure
-function of (seed, split, k), so a resumed run sees exactly the batches an uninterrupted one would.
+function of (seed, split, k), so a resumed run sees exactly the batches an uninterrupted one would,
+on the same data: the data's `identity` (its length, vocabulary and a hash of a bounded sample of
+its ids) is kept in the run's workdir, and a resume on data that differs from it says so; the
+processes of a job compare theirs at start.
 Each row is a window starting at a uniformly random position of its split, drawn anew for each
 step: with replacement, no epochs (a token may be read several times in a run, or never).
 """
@@ -55,6 +58,12 @@ COPY_CHUNK = 1 << 20  # bytes read at a time when copying text files into the ca
 # A prepared source's meta.json as a run keeps it in its workdir (its end-of-text id, for export and
 # generate, also where the data folder is not found from there).
 RUN_META_FILE = "data_meta.json"
+# The identity of the data a run trained on (`identity`), kept in its workdir: a resume on other
+# data says so (a user may change the data on purpose, but the batches are no longer those of an
+# uninterrupted run).
+RUN_DATA_FILE = "data_identity.json"
+# What `identity` hashes: this many evenly spaced blocks of this many ids, the first and last among them.
+SAMPLE_BLOCKS, SAMPLE_BLOCK = 16, 1 << 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +74,7 @@ class TokenData:
     description: str
     source: str = ""  # DataConfig.source
     declared: bool = True  # vocab_size is the data's own (bytes, meta.json, DataConfig.vocab_size), not scanned
+    identity: dict = dataclasses.field(default_factory=dict)  # `identity` of the whole token stream
 
     def check_model_vocab(self, model_vocab: int) -> None:
         """ConfigError unless every id fits a model with `model_vocab` embeddings (otherwise the run
@@ -92,6 +102,50 @@ class TokenData:
         if rows is not None:
             starts = starts[rows]
         return np.stack([np.asarray(tokens[s : s + span], dtype=np.int32) for s in starts])
+
+
+def identity(tokens, vocab: int) -> dict:
+    """What identifies a token stream, cheaply: its length, vocabulary and a hash of a bounded
+    sample of its ids (`SAMPLE_BLOCKS` blocks, a few MiB read at every start, never the whole
+    corpus). No paths, inodes, times or cache keys: hosts with identical copies of a corpus agree.
+    An edit that keeps the length and lies between the sampled blocks goes unseen."""
+    n, digest = len(tokens), hashlib.sha256()
+    if n <= SAMPLE_BLOCKS * SAMPLE_BLOCK:
+        starts = range(0, n, SAMPLE_BLOCK)
+    else:
+        starts = [i * (n - SAMPLE_BLOCK) // (SAMPLE_BLOCKS - 1) for i in range(SAMPLE_BLOCKS)]
+    for start in starts:  # as 4-byte ids: the same ids in a uint16 or a uint32 file are the same data
+        digest.update(np.asarray(tokens[start : start + SAMPLE_BLOCK], dtype="<u4").tobytes())
+    return {"tokens": n, "vocab_size": vocab, "sample": digest.hexdigest()[:16]}
+
+
+def describe_identity(found: dict) -> str:
+    """`found` (an `identity`) in words, e.g. '363,640 tokens (vocabulary 256, sampled ids hashing to 1a2b...)'."""
+    return f"{found['tokens']:,} tokens (vocabulary {found['vocab_size']}, sampled ids hashing to {found['sample']})"
+
+
+def identity_changes(old: dict, new: dict) -> list[str]:
+    """How the data of identity `new` differs from `old`'s, e.g. ['363,640 -> 387,611 tokens']."""
+    changes = []
+    if old["tokens"] != new["tokens"]:
+        changes.append(f"{old['tokens']:,} -> {new['tokens']:,} tokens")
+    elif old["sample"] != new["sample"]:
+        changes.append(f"other contents, the same {new['tokens']:,} tokens")
+    if old["vocab_size"] != new["vocab_size"]:
+        changes.append(f"vocabulary {old['vocab_size']} -> {new['vocab_size']}")
+    return changes
+
+
+def read_identity(path: Path) -> dict | None:
+    """The identity a run kept in `path` (RUN_DATA_FILE), or None: a workdir of an earlier version
+    has none, and one unreadable or edited by hand is as good as none (it only serves a notice)."""
+    try:
+        found = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    fields = {"tokens": int, "vocab_size": int, "sample": str}
+    ok = isinstance(found, dict) and all(type(found.get(k)) is t for k, t in fields.items())
+    return found if ok else None
 
 
 def _stdlib_root() -> Path:
@@ -383,7 +437,8 @@ def load(cfg: DataConfig) -> TokenData:
             f"DataConfig.source = {cfg.source!r} holds {len(tokens)} tokens, too few for DataConfig.seq_len = "
             f"{cfg.seq_len} with a validation split: each split needs seq_len + 1 = {span}, so at least {2 * span} tokens"
         )
-    return TokenData(tokens[:-n_val], tokens[-n_val:], vocab, f"{what}: {len(tokens):,} tokens", cfg.source, declared)
+    return TokenData(tokens[:-n_val], tokens[-n_val:], vocab, f"{what}: {len(tokens):,} tokens", cfg.source, declared,
+                     identity(tokens, vocab))
 
 
 def main(argv: list[str]) -> int:

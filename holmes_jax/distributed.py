@@ -19,7 +19,8 @@
 
 Processes that have not all met within `INIT_TIMEOUT_S` end with one error line and status 1.
 `check_same_settings` ends processes that were given different settings (flags, gin files) with
-one error line each, where they would otherwise wait for each other's collectives for ever.
+one error line each, where they would otherwise wait for each other's collectives for ever;
+`check_same_data` those that read different data (hosts with different copies of a corpus).
 
 On CPU the backend's device count (`HOLMES_CPU_DEVICES`, else the argument) and gloo collectives
 are configured first, so this must run before anything touches a JAX backend. So are the network
@@ -451,3 +452,19 @@ def check_same_settings(settings: str) -> None:
     raise ConfigError(f"the processes were given different settings: process {first} has {lines('+')} where "
                       f"process 0 has {lines('-')} (processes that differ from process 0: {', '.join(map(str, differ))}); "
                       "allowed: the same command, flags and gin files (with the same contents) for every process")
+
+
+def check_same_data(identity: str) -> None:
+    """Raises `ConfigError` on every process when any process's data `identity` (the data's
+    `describe_identity`: token count, vocabulary, a hash of sampled ids) differs from process 0's.
+    All processes must call it, once the data is loaded. Hosts with different copies of a corpus
+    would otherwise build each global batch of rows from different data, without a word (or, with
+    other vocabularies, build other models and wait for each other for ever)."""
+    identities = every_process("data", identity)
+    differ = [i for i, text in enumerate(identities) if text != identities[0]]
+    if not differ:
+        return
+    raise ConfigError(f"the processes read different data: process {differ[0]} has {identities[differ[0]]} where "
+                      f"process 0 has {identities[0]} (processes that differ from process 0: "
+                      f"{', '.join(map(str, differ))}); allowed: the same data for every process (DataConfig.source "
+                      "with the same contents on every host)")

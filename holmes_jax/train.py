@@ -12,6 +12,7 @@ import array
 import contextlib
 import dataclasses
 import fcntl
+import json
 import os
 import re
 import signal
@@ -202,6 +203,8 @@ def run(cfgs: Configs, devices=None, quiet: bool = False) -> dict:
         export.check_hf_folder(cfgs.model.init_from, cfgs.model)
     setup = build(cfgs, devices)  # before the data: a layout that cannot work must not wait for a long prepare
     token_data = data.load(cfgs.data)
+    # Before the vocabulary check, which other data may fail on one process alone: every process stops here.
+    distributed.check_same_data(data.describe_identity(token_data.identity))
     token_data.check_model_vocab(cfgs.model.vocab_size)
     tcfg = cfgs.train
     say(f"holmes_jax: {cfgs.model.preset} model, "
@@ -276,9 +279,17 @@ def _resume_and_train(cfgs: Configs, setup: Setup, token_data, workdir: Path, ck
             # Legitimate (a longer run, a new learning rate), but new data or seq_len means other
             # batches than an uninterrupted run's: say which, before config.gin forgets the old.
             say(f"resumed with settings changed since the checkpointed run: {'; '.join(changed)}")
+        # The data's identity likewise: new data (a file added to a text folder, a folder prepared
+        # again) means other batches than an uninterrupted run's, legitimate but said. A workdir of
+        # an earlier version has no record: resumed silently.
+        record = workdir / data.RUN_DATA_FILE
+        if resumed and (trained_on := data.read_identity(record)):
+            if changes := data.identity_changes(trained_on, token_data.identity):
+                say(f"resumed on data changed since the checkpointed run: {'; '.join(changes)}")
         # Each file whole or not at all: a full disk mid-write must not leave half of the config
         # that export, generate and the next resume read.
         cli.replace_file(saved, settings)
+        cli.replace_file(record, json.dumps(token_data.identity) + "\n")
         # Export and generate read the data's meta.json and tokenizer here, from any folder; a run
         # resumed on other data drops the copies it no longer has, or they would speak for it.
         folder = data.prepared_folder(cfgs.data.source)

@@ -587,3 +587,43 @@ def test_text_folders_of_links_into_one_folder_keep_their_own_caches(tmp_path):
     # older version of its own and built its own again (two runs sharing the cache folder).
     firsts = {bytes(np.fromfile(c, np.uint8)[:1]) for c in cache.glob("*.u8")}
     assert firsts == {b"w", b"y"}
+
+
+def _identity(tmp_path, folder: str, files: dict[str, bytes], cache: str = "cache") -> dict:
+    for name, content in files.items():
+        _write(tmp_path / folder / name, content)
+    return data.load(DataConfig(source=str(tmp_path / folder), seq_len=8, cache_dir=str(tmp_path / cache))).identity
+
+
+def test_the_data_identity_is_of_the_contents_not_of_paths_or_caches(tmp_path):
+    # Hosts' copies of one corpus have other paths, inodes, times and cache keys: the same identity.
+    corpus = {"a.txt": b"first file " * 500, "b.txt": b"second file " * 700}
+    here = _identity(tmp_path, "here", corpus)
+    assert here["tokens"] == 500 * 11 + 700 * 12
+    assert _identity(tmp_path, "there", corpus, cache="other-cache") == here
+    assert _identity(tmp_path, "grown", {**corpus, "c.txt": b"c" * 100})["tokens"] == here["tokens"] + 100
+    # the same size, one byte other, at its start or its end: other contents
+    for changed in (b"F" + corpus["a.txt"][1:], corpus["a.txt"][:-1] + b"!"):
+        other = _identity(tmp_path, f"edited-{changed[:1]!r}", {**corpus, "a.txt": changed})
+        assert other["tokens"] == here["tokens"] and other["sample"] != here["sample"]
+
+
+def test_the_data_identity_reads_a_bounded_sample_of_a_large_corpus():
+    # a scan of the whole corpus at every start of every process would cost minutes on a large one
+    class Recorded:  # 10^10 ids, none stored: the windows read are noted
+        def __init__(self, n):
+            self.n, self.windows = n, []
+
+        def __len__(self):
+            return self.n
+
+        def __getitem__(self, window: slice):
+            start, stop, _ = window.indices(self.n)
+            self.windows.append((start, stop))
+            return np.full(stop - start, start % 251, np.uint16)
+
+    tokens = Recorded(10**10)
+    identity = data.identity(tokens, 50257)
+    assert identity["tokens"] == 10**10 and identity["vocab_size"] == 50257
+    assert sum(stop - start for start, stop in tokens.windows) <= data.SAMPLE_BLOCKS * data.SAMPLE_BLOCK
+    assert tokens.windows[0][0] == 0 and tokens.windows[-1][1] == 10**10  # its first and last ids among them

@@ -809,3 +809,79 @@ def test_a_background_save_that_failed_on_another_process_ends_the_run_here_afte
         _run(tmp_path, "--gin.TrainConfig.steps=30", "--gin.CheckpointConfig.every=10")
     assert not any(own_failures) and read_metrics(tmp_path)[-1]["step"] == 14  # step 15 is not logged
     assert train.saved_steps(tmp_path / "checkpoints") == [10]
+
+
+# --------------------------------------------------------------------------- data that changed
+
+DATA_NOTICE = "resumed on data changed since the checkpointed run: "
+
+
+def _text_corpus(folder: Path, **files: int) -> list[str]:
+    """Text files of `files` bytes each in `folder`; the bindings that train on it (cache under it)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, size in files.items():
+        (folder / f"{name}.txt").write_bytes(bytes(range(97, 123)) * (size // 26) + b"a" * (size % 26))
+    return [f"--gin.DataConfig.source='{folder}'", f"--gin.DataConfig.cache_dir='{folder.parent / 'cache'}'"]
+
+
+def test_a_resume_on_data_changed_since_the_checkpointed_run_names_the_token_counts(tmp_path, capsys):
+    # a file added to the text folder went unnoticed: the batches were no longer the uninterrupted run's
+    workdir, corpus = tmp_path / "run", tmp_path / "corpus"
+    source = _text_corpus(corpus, a=5000)
+
+    def resume(steps: int) -> list[str]:
+        capsys.readouterr()
+        train.run(small_configs(workdir, *ONE_DEVICE, *source, "--gin.CheckpointConfig.every=1",
+                                f"--gin.TrainConfig.steps={steps}"), devices=jax.devices()[:1])
+        return capsys.readouterr().out.splitlines()
+
+    train.run(small_configs(workdir, *ONE_DEVICE, *source, "--gin.TrainConfig.stop_after=1",
+                            "--gin.CheckpointConfig.every=1"), devices=jax.devices()[:1], quiet=True)
+    said = resume(2)  # the same data: nothing to say
+    assert "resumed from checkpoint at step 1" in said and not [s for s in said if s.startswith(DATA_NOTICE)], said
+    _text_corpus(corpus, b=2000)
+    said = resume(3)
+    assert f"{DATA_NOTICE}5,000 -> 7,000 tokens" in said, said
+    assert "data: text" in "\n".join(said) and "7,000 tokens" in "\n".join(said)
+    (corpus / "b.txt").write_bytes((corpus / "b.txt").read_bytes().upper())  # the same size, other bytes
+    assert f"{DATA_NOTICE}other contents, the same 7,000 tokens" in resume(4)
+
+
+def test_a_workdir_without_a_record_of_its_data_resumes_silently(tmp_path, capsys):
+    # a workdir of an earlier version, which kept no record of its data
+    workdir, corpus = tmp_path / "run", tmp_path / "corpus"
+    source = _text_corpus(corpus, a=5000)
+    train.run(small_configs(workdir, *ONE_DEVICE, *source, "--gin.TrainConfig.stop_after=1",
+                            "--gin.CheckpointConfig.every=1"), devices=jax.devices()[:1], quiet=True)
+    record = workdir / data.RUN_DATA_FILE
+    assert record.is_file()
+    record.unlink()
+    _text_corpus(corpus, b=2000)
+    capsys.readouterr()
+    train.run(small_configs(workdir, *ONE_DEVICE, *source, "--gin.CheckpointConfig.every=1",
+                            "--gin.TrainConfig.steps=2"), devices=jax.devices()[:1])
+    said = capsys.readouterr().out.splitlines()
+    assert "resumed from checkpoint at step 1" in said and not [s for s in said if s.startswith(DATA_NOTICE)], said
+    assert said[-1].startswith("done: step 2")
+    assert record.is_file()  # kept from now on
+
+
+@pytest.mark.slow
+def test_processes_that_read_different_data_end_with_one_error_line_each(tmp_path):
+    # Each host's own copy of the corpus, one of them grown: each global batch was built of rows
+    # from two corpora, without a word. The settings are the same (~ is each host's home).
+    for rank, size in ((0, 5000), (1, 7000)):
+        _text_corpus(tmp_path / f"home{rank}" / "corpus", a=size)
+    per_rank_home = 'HOME="$0/home$HOLMES_PROCESS_ID" exec "$@"'
+    r = subprocess.run([sys.executable, "-m", "holmes_jax.launch", "-n", "2", "--devices-per-process", "1",
+                        "--timeout", "240", "--grace", "5", "--", "sh", "-c", per_rank_home, str(tmp_path),
+                        sys.executable, "-m", "holmes_jax.train", *FLAGS[2:], "--gin.DataConfig.source='~/corpus'",
+                        f"--gin.TrainConfig.workdir={tmp_path / 'run'}", "--gin.TrainConfig.steps=2"],
+                       capture_output=True, text=True, timeout=300, cwd=REPO, env=launch_env())
+    assert r.returncode == 2, r.stdout[-3000:] + r.stderr[-3000:]
+    errors = [line for line in r.stderr.splitlines() if "error:" in line]
+    assert sorted(line.split("] ")[0] for line in errors) == ["[rank 0", "[rank 1"], r.stderr[-3000:]
+    for line in errors:
+        assert "error: the processes read different data: process 1 has 7,000 tokens" in line, line
+        assert "where process 0 has 5,000 tokens" in line and "(processes that differ from process 0: 1)" in line
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # no step was taken
