@@ -203,7 +203,10 @@ def test_bias_and_grouped_query_attention_train_alike_under_tensor_parallelism(t
     from helpers import small_configs
     from holmes_jax import build, data
 
-    def losses(*bindings):  # 8 query heads share 4 kv heads, which tp = 2 and 4 split whole
+    # 8 query heads share 4 kv heads, which tp = 4 splits whole: one kv head and its two query
+    # heads on each rank, the finest split (tensor parallelism is XLA's sharding of the same
+    # program, with no code of ours for a particular tp, so tp = 2 would take the same path)
+    def losses(*bindings):
         cfgs = small_configs(tmp_path, "--gin.ModelConfig.preset=llama-tiny", "--gin.ModelConfig.bias=True",
                              "--gin.ModelConfig.num_heads=8", "--gin.ModelConfig.num_kv_heads=4", *bindings)
         setup = build.build(cfgs, jax.devices()[:8])
@@ -216,9 +219,7 @@ def test_bias_and_grouped_query_attention_train_alike_under_tensor_parallelism(t
         return out
 
     ref = losses("--gin.ParallelConfig.dp=8")
-    for tp in (2, 4):
-        np.testing.assert_allclose(losses(f"--gin.ParallelConfig.dp={8 // tp}", f"--gin.ParallelConfig.tp={tp}"), ref,
-                                   rtol=0, atol=1e-5, err_msg=f"tp={tp}")
+    np.testing.assert_allclose(losses("--gin.ParallelConfig.dp=2", "--gin.ParallelConfig.tp=4"), ref, rtol=0, atol=1e-5)
     assert ref[2] < ref[0]
 
 
