@@ -7,9 +7,10 @@ no memory), which ends the run and leaves the checkpoint; one whose array shapes
 configured model is a `ConfigError`, found from its metadata before any data is read. Several
 processes agree: they restore the newest step every one of them could read, and set aside each
 step any of them could not. A save that fails (a full disk) is a `RunError`, one written in the
-background too, found after the step it fails in (`failed_write`). One run at a time
-writes a checkpoints directory: the run holds its workdir's lock (`holmes_jax.train.lock_workdir`)
-before it makes a `Checkpointer`."""
+background too, found after the step it fails in (`failed_write`; where it failed on some
+processes only, the others' writes wait in orbax's barrier until it times out, 20 minutes after the
+save began, and so does the run's end). One run at a time writes a checkpoints directory: the run
+holds its workdir's lock (`holmes_jax.train.lock_workdir`) before it makes a `Checkpointer`."""
 
 from __future__ import annotations
 
@@ -43,9 +44,15 @@ class _QuietOrbax(logging.Filter):
         if f"{os.sep}orbax{os.sep}" in record.pathname:
             return False
         # asyncio's "exception was never retrieved" for the futures of orbax's (and TensorStore's)
-        # failed writes (a full disk) and reads (a damaged checkpoint). Only orbax runs asyncio in
-        # our processes, and the failure reaches us through its call.
-        return record.name != "asyncio" or "exception was never retrieved" not in record.getMessage()
+        # failed writes (a full disk) and reads (a damaged checkpoint), and its "Task was destroyed
+        # but it is pending!" for an orbax task that a failed save left unfinished when the process
+        # ends (seen with several processes). Only orbax runs asyncio in our processes, and the
+        # failure reaches us through its call.
+        if record.name != "asyncio":
+            return True
+        message = record.getMessage()
+        pending_orbax_task = "Task was destroyed but it is pending" in message and f"{os.sep}orbax{os.sep}" in message
+        return not ("exception was never retrieved" in message or pending_orbax_task)
 
 
 logging.getLogger("absl").addFilter(_QuietOrbax())
@@ -125,6 +132,35 @@ def mismatches(saved, target) -> list[str]:
     return [f"{n}: {show(have.get(n))} in the checkpoint, {show(want.get(n))} configured" for n in names]
 
 
+class _NotedFailure:
+    """A commit future of a background write that notes its failure in `failures` when it ends:
+    orbax reports it only once every process's write has ended (see `Checkpointer.failed_write`)."""
+
+    def __init__(self, future, failures: list):
+        self._future, self._failures = future, failures
+
+    def result(self, timeout=None):
+        try:
+            return self._future.result(timeout=timeout)
+        except Exception as e:
+            self._failures.append(e)
+            raise
+
+    def cancel(self):
+        return self._future.cancel()
+
+
+def _noting_failures(handler: ocp.StandardCheckpointHandler, failures: list) -> ocp.StandardCheckpointHandler:
+    """`handler`, whose background writes note their failures in `failures` (`_NotedFailure`).
+    Its own method replaced, not a subclass: orbax finds a handler for its arguments by exact type."""
+    save = handler.async_save
+
+    async def async_save(*args, **kwargs):
+        return [_NotedFailure(future, failures) for future in await save(*args, **kwargs) or []]
+    handler.async_save = async_save
+    return handler
+
+
 class Checkpointer:
     def __init__(self, directory: str | Path, cfg: CheckpointConfig):
         self.cfg, self.directory = cfg, Path(directory).absolute()
@@ -138,12 +174,14 @@ class Checkpointer:
                               "directory this process can create and write") from None
         # cleanup_tmp_directories: a save that failed (a full disk) leaves a temporary directory;
         # the next run removes it instead of keeping the space taken.
+        self._write_failures = []  # this process's background writes that failed, as they fail (`_noting_failures`)
         options = ocp.CheckpointManagerOptions(max_to_keep=cfg.keep, create=True, enable_async_checkpointing=True,
                                                cleanup_tmp_directories=True)
-        self._manager = ocp.CheckpointManager(self.directory, options=options,
-                                             item_handlers=ocp.StandardCheckpointHandler())
+        handler = _noting_failures(ocp.StandardCheckpointHandler(), self._write_failures)
+        self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handler)
         self._newest_save = None  # the step of the newest save, which may still be written in the background
         self._finished_save = None  # the newest save whose background write is known to have ended
+        self._failure_reported = False  # failed_write or failed_elsewhere gave the run its error
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
@@ -276,6 +314,14 @@ class Checkpointer:
         """Without waiting for a write still under way: the `RunError` of the newest save once its
         background write has ended in failure (a full disk), else None; each failure once. Cheap
         enough after every step: the next save, which reported it, can be hours away."""
+        # This process's own failure at once: where only some processes' writes fail, orbax's flag
+        # below stays up until its barrier for the others times out (AsyncOptions.timeout_secs, 20
+        # minutes), and then says only that the barrier timed out.
+        if self._write_failures:
+            error = self._write_failures[0]
+            self._write_failures.clear()
+            self._finished_save, self._failure_reported = self._newest_save, True
+            return self._write_error(error)
         # orbax's flag drops when the save's background work ends, failed or not (with several
         # processes, once every process's has ended), and waiting for it then costs nothing.
         if self._newest_save in (None, self._finished_save) or self._manager.is_saving_in_progress():
@@ -284,13 +330,14 @@ class Checkpointer:
         try:
             self.wait()
         except RunError as e:
+            self._failure_reported = True
             return e
         return None
 
     def failed_elsewhere(self) -> RunError:
-        """The error of a run that stops because another process's background write failed: this
-        process's own, when its write failed too."""
-        self.wait()
+        """The error of a run that stops because another process's background write failed. Not
+        waited for: orbax's barrier holds this process's write until its timeout (`close` waits)."""
+        self._failure_reported = True
         return RunError(f"cannot write checkpoints in {self.directory} (saving step {self._newest_save}): the "
                         f"write failed on another process")
 
@@ -299,12 +346,20 @@ class Checkpointer:
         try:
             self._manager.wait_until_finished()
         except Exception as e:
-            saving = "" if self._newest_save is None else f" (saving step {self._newest_save})"
-            raise RunError(f"cannot write checkpoints in {self.directory}{saving}: {reason(e)}") from None
+            raise self._write_error(e) from None
+
+    def _write_error(self, error: Exception) -> RunError:
+        saving = "" if self._newest_save is None else f" (saving step {self._newest_save})"
+        return RunError(f"cannot write checkpoints in {self.directory}{saving}: {reason(error)}")
 
     def close(self) -> None:
         """Waits for async saves to finish: a run must never exit with a checkpoint half-written."""
         try:
             self.wait()
+        except RunError:
+            # The run ends with that failure, already reported: orbax's own report of it can say
+            # only that a barrier timed out (a write failed on some processes only).
+            if not self._failure_reported:
+                raise
         finally:
             self._manager.close()

@@ -585,6 +585,38 @@ def test_only_orbaxs_closed_loop_callbacks_are_kept_off_stderr():
     assert not checkpoint._is_closed_loop(ours)
 
 
+def test_a_pending_orbax_task_destroyed_at_exit_is_kept_off_stderr_and_others_are_not(caplog):
+    # With two processes whose disk filled during a background save, one of them printed
+    # 'ERROR:asyncio:Task was destroyed but it is pending!' and the task of orbax's metadata store
+    # under the run's one error line.
+    import asyncio
+    import gc
+    import logging
+
+    import orbax.checkpoint as ocp
+
+    from holmes_jax import checkpoint  # noqa: F401  (its filter on asyncio's logger)
+
+    def destroyed_while_pending(filename: str) -> None:
+        code = compile("async def wait_for_base_dir_creation():\n    await asyncio.sleep(3600)\n", filename, "exec")
+        scope = {"asyncio": asyncio}
+        exec(code, scope)
+        loop = asyncio.new_event_loop()
+        task = loop.create_task(scope["wait_for_base_dir_creation"]())
+        loop.run_until_complete(asyncio.sleep(0))  # the task is now suspended inside its coroutine
+        loop.close()
+        del task
+        gc.collect()
+
+    orbax_file = str(Path(ocp.__file__).parent / "_src" / "metadata" / "array_metadata_store.py")
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        destroyed_while_pending(orbax_file)
+        assert [r for r in caplog.records if r.name == "asyncio"] == []
+        destroyed_while_pending(__file__)  # anyone else's task still shows
+    shown = [r.getMessage() for r in caplog.records if r.name == "asyncio"]
+    assert len(shown) == 1 and shown[0].startswith("Task was destroyed but it is pending!"), shown
+
+
 RESTORE_WHERE_PROCESS_1_CANNOT_READ_STEP_3 = """
 import sys
 from holmes_jax import distributed
@@ -780,6 +812,37 @@ def test_a_background_save_that_fails_ends_the_run_within_steps_not_at_the_next_
     stopped_after = read_metrics(tmp_path)[-1]["step"]
     assert 50 <= stopped_after < 65, stopped_after  # a few steps after the write failed; the next save is at 75
     assert train.saved_steps(tmp_path / "checkpoints") == [25]  # the earlier checkpoint is left as it was
+
+
+def test_a_background_save_that_fails_here_alone_ends_the_run_within_steps_with_its_cause(tmp_path, monkeypatch):
+    # Two processes, only one of whose writes failed: orbax's flag stayed up on both until its
+    # barrier for the other timed out (20 minutes), and then said only that the barrier timed out.
+    # The run trained on to the next save, which waited for that, and ended without the cause.
+    import orbax.checkpoint as ocp
+
+    async_save, saves = ocp.StandardCheckpointHandler.async_save, []
+
+    async def second_save_fails(self, *args, **kwargs):
+        saves.append(await async_save(self, *args, **kwargs))
+        return saves[-1] + [_WriteToAFullDisk()] if len(saves) == 2 else saves[-1]
+    wait = ocp.CheckpointManager.wait_until_finished
+
+    def barrier_timed_out(self):  # what orbax then reports
+        try:
+            wait(self)
+        except Exception:
+            raise RuntimeError("DEADLINE_EXCEEDED: Barrier timed out. Id: ThreadSaveMultiHostValueHolder:"
+                               "set_value_start::1") from None
+    monkeypatch.setattr(ocp.StandardCheckpointHandler, "async_save", second_save_fails)
+    monkeypatch.setattr(ocp.CheckpointManager, "is_saving_in_progress", lambda self: True)  # held in the barrier
+    monkeypatch.setattr(ocp.CheckpointManager, "wait_until_finished", barrier_timed_out)
+    with pytest.raises(cli.RunError) as failed:
+        _run(tmp_path, "--gin.TrainConfig.steps=75", "--gin.CheckpointConfig.every=25")
+    assert re.fullmatch(r"cannot write checkpoints in .* \(saving step 50\): .*No space left on device",
+                        str(failed.value))
+    stopped_after = read_metrics(tmp_path)[-1]["step"]
+    assert 50 <= stopped_after < 65, stopped_after
+    assert train.saved_steps(tmp_path / "checkpoints") == [25]
 
 
 def test_the_row_of_the_step_a_signal_stops_the_run_after_shows_no_eta(tmp_path, monkeypatch, capsys):
