@@ -2,7 +2,11 @@
 
 `holmes_jax.plan(topology, model, parallel)` plans a mesh (holmes_jax.planning, no JAX needed);
 `holmes_jax.load(workdir)` loads a trained run's model (holmes_jax.inference). Both import their
-module on first use, so importing the package starts no JAX.
+module on first use, so importing the package starts no JAX. Text from a loaded model `m`:
+
+    from holmes_jax.generate import decode, encode, generate
+    prompt = encode(m, "def main(")                       # token ids, as the run's data was tokenized
+    print(decode(m, prompt + generate(m, prompt, 32, top_k=20)))
 """
 
 __version__ = "0.1.0"

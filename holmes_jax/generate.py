@@ -7,6 +7,9 @@ or as UTF-8 bytes when the run read bytes; bytes that are not valid UTF-8 print 
 on a .bin token file has no way from text to its ids: an error. A special token's name in the
 prompt is text, as in the training text; a character the tokenizer has no token for is refused.
 Only ids the tokenizer (or bytes) knows are generated, not the padding rows of the embedding.
+--top-k K samples among exactly K ids, a tie with the K-th going to the lower id as --greedy's
+argmax does, so that --top-k 1 is --greedy (transformers and nanoGPT keep every id tied with the
+K-th).
 Generation stops early at the end-of-text id the data put after each document; an empty prompt
 starts a new document after one.
 There is no KV cache: every new token reruns the model over its context, padded to one fixed
@@ -19,6 +22,7 @@ import argparse
 import functools
 import json
 import math
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -69,13 +73,16 @@ def decode(m: Model, ids: list[int]) -> str:
 
 def generate(m: Model, prompt: list[int], max_tokens: int, greedy: bool = False, temperature: float = 1.0,
              top_k: int | None = None, seed: int = 0) -> list[int]:
-    """Up to `max_tokens` new token ids after `prompt` (greedy: the most likely each time, else
-    sampled), ending before the run's end-of-text id if the model writes it."""
+    """Up to `max_tokens` new token ids after the token ids `prompt` (`encode(m, text)` for text;
+    greedy: the most likely each time, else sampled, among the `top_k` most likely if given),
+    ending before the run's end-of-text id if the model writes it."""
+    prompt = _token_ids(prompt)
     _check(m, prompt, greedy, temperature, top_k)
     eot = _end_of_text(m)
     start = [] if prompt else [eot]  # every training document follows an end-of-text
     known = min(_known_ids(m), m.config.vocab_size)
-    length = min(len(start) + len(prompt) + max_tokens, m.config.max_seq_len)
+    # The longest context a forward sees: the last new token is sampled, never fed back.
+    length = min(len(start) + len(prompt) + max_tokens - 1, m.config.max_seq_len)
     rng = np.random.default_rng(seed)
     ids = start + list(prompt)
     for _ in range(max_tokens):
@@ -94,6 +101,18 @@ def generate(m: Model, prompt: list[int], max_tokens: int, greedy: bool = False,
     return ids[len(start) + len(prompt):]
 
 
+def _token_ids(prompt) -> list[int]:
+    """`prompt` as a list of Python ints, refused when it is text or not integers (a str would
+    fail on comparing letters with ids, a float id be truncated)."""
+    if isinstance(prompt, str):
+        raise ConfigError(f"prompt = {prompt!r} is not allowed: generate takes token ids; "
+                          f"allowed: a list of ints, such as generate.encode(m, text)")
+    ids = np.asarray(prompt)
+    if ids.ndim != 1 or not (ids.size == 0 or np.issubdtype(ids.dtype, np.integer)):
+        raise ConfigError(f"prompt of {ids.dtype} {ids.shape} is not allowed; allowed: a list of int token ids")
+    return [int(i) for i in ids]
+
+
 def _check(m: Model, prompt: list[int], greedy: bool = False, temperature: float = 1.0,
            top_k: int | None = None) -> None:
     """Raises ConfigError for what `generate` cannot do; needs no parameters, so that the command
@@ -107,7 +126,8 @@ def _check(m: Model, prompt: list[int], greedy: bool = False, temperature: float
     if not greedy and not (math.isfinite(temperature) and temperature > 0):
         raise ConfigError(f"--temperature {temperature} is not allowed; allowed: a finite positive number "
                           "(--greedy for temperature 0)")
-    if not greedy and top_k is not None and top_k < 1:  # else 0 samples among all ids, -1 among all but one
+    if not greedy and top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral)
+                                             or top_k < 1):  # else 0 samples among all ids, -1 among all but one
         raise ConfigError(f"--top-k {top_k} is not allowed; allowed: a positive integer")
 
 
@@ -128,13 +148,17 @@ def _known_ids(m: Model) -> int:
 @functools.partial(jax.jit, static_argnums=0)
 def _last_logits(model: gpt.GPT, params: dict, tokens: jax.Array, n: jax.Array) -> jax.Array:
     """The logits after the first `n` of `tokens` (1, length)."""
-    return model.logits(params, tokens)[0, n - 1]
+    hidden = model.blocks(params["blocks"], model.embed(params, tokens))
+    # The head at that one position only: at every position it would cost length x hidden x vocab.
+    return model.head_logits(params, jax.lax.dynamic_slice_in_dim(hidden, n - 1, 1, axis=1))[0, 0]
 
 
 def _sample(logits: np.ndarray, temperature: float, top_k: int | None, rng: np.random.Generator) -> int:
-    if top_k is not None and top_k < len(logits):
-        logits = np.where(logits >= np.sort(logits)[-top_k], logits, -np.inf)
     logits = np.asarray(logits, np.float64)  # a tiny temperature is 0 in float32
+    if top_k is not None and top_k < len(logits):
+        # Exactly top_k ids; a stable sort puts the lower of tied ids first, as argmax picks it.
+        kept = np.argsort(-logits, kind="stable")[:top_k]
+        logits = np.where(np.isin(np.arange(len(logits)), kept), logits, -np.inf)
     with np.errstate(over="ignore"):  # the largest at 0 first: the rest may go to -inf, never NaN
         p = np.exp((logits - logits.max()) / temperature)
     return int(rng.choice(len(p), p=p / p.sum()))
@@ -161,7 +185,8 @@ def main(argv: list[str]) -> int:
                    help="tokens to generate at most: fewer when the model ends the document (default 64)")
     p.add_argument("--greedy", action="store_true", help="always the most likely token (no sampling)")
     p.add_argument("--temperature", type=_positive_float, default=1.0, help="sampling temperature (default 1)")
-    p.add_argument("--top-k", type=cli.positive_int, help="sample among the K most likely tokens only")
+    p.add_argument("--top-k", type=cli.positive_int,
+                   help="sample among the K most likely tokens only (exactly K: ties go to the lower id)")
     p.add_argument("--seed", type=cli.non_negative_int, default=0, help="sampling seed (default 0)")
     p.add_argument("--step", type=cli.non_negative_int, help="the checkpoint's step (default: the newest)")
     args = p.parse_args(argv)

@@ -147,7 +147,7 @@ def tokenizer_file(workdir: str | Path, data: DataConfig) -> Path | None:
     return kept if kept.is_file() else data_sources.tokenizer_path(data)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # == on its parameters' arrays would raise, not compare
 class Model:
     config: ModelConfig
     params: dict
@@ -159,6 +159,14 @@ class Model:
     def __post_init__(self):
         self.gpt = gpt.GPT(self.config)
         self._logits = jax.jit(self.gpt.logits)
+
+    def __repr__(self) -> str:
+        # Not the fields' own: the parameters print every value, a tokenizer its whole vocabulary.
+        count = sum(int(np.size(leaf)) for leaf in jax.tree.leaves(self.params))
+        vocab = None if self.tokenizer is None else self.tokenizer.get_vocab_size()
+        tokenizer = None if self.tokenizer is None else f"<tokenizers.Tokenizer of {vocab} ids>"
+        return (f"Model(config={self.config!r}, step={self.step}, params=<{count:,} parameters>, "
+                f"tokenizer={tokenizer}, end_of_text={self.end_of_text!r}, token_file={self.token_file!r})")
 
     def logits(self, tokens) -> jax.Array:
         """Float32 next-token logits (batch, seq, vocab) of int `tokens` (batch, seq)."""

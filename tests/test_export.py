@@ -921,3 +921,72 @@ def test_a_failure_after_some_shards_leaves_no_folder_and_no_shards(tmp_path, mo
     with pytest.raises(cli.RunError, match="No space left on device"):
         export.save_hf(jax.tree.map(np.asarray, gpt.GPT(cfg).init(0)), cfg, tmp_path / "hf", max_shard_size=40_000)
     assert written and list(tmp_path.iterdir()) == []  # neither hf nor the temporary folder beside it
+
+
+def test_top_k_samples_exactly_k_ids_and_a_tie_goes_to_the_lower_id_as_greedy_picks():
+    logits = np.array([1.0, 3.0, 3.0, 3.0, 0.0], np.float32)  # ids 1, 2 and 3 tie for the most likely
+    rng = np.random.default_rng(0)
+    assert {generate._sample(logits, 1.0, 2, rng) for _ in range(200)} == {1, 2}
+    assert {generate._sample(logits, 1.0, 1, rng) for _ in range(50)} == {int(np.argmax(logits))}
+    # Through a model: 'A' (32) then 256 known ids tied at 0; a high temperature makes them all likely.
+    m = _model_favouring(300)
+    assert set(generate.generate(m, [65], 40, top_k=2, temperature=1e3, seed=1)) == {0, 65}
+    assert generate.generate(m, [65], 3, top_k=1) == generate.generate(m, [65], 3, greedy=True)
+
+
+def test_the_context_is_padded_to_the_longest_a_forward_sees(monkeypatch):
+    seen, forward = [], generate._last_logits
+
+    def recording(model, params, tokens, n):
+        seen.append((tokens.shape[1], n))
+        return forward(model, params, tokens, n)
+    monkeypatch.setattr(generate, "_last_logits", recording)
+    m = _model_favouring(300, end_of_text=256)
+    assert generate.generate(m, [65, 66, 67], 4, greedy=True) == [65] * 4
+    assert seen == [(6, 3), (6, 4), (6, 5), (6, 6)]  # the 4th new token is sampled, never fed back
+    seen.clear()
+    assert generate.generate(m, [], 2, greedy=True) == [65] * 2  # after the end-of-text a document starts with
+    assert seen == [(2, 1), (2, 2)]
+    seen.clear()
+    long = [65] * m.config.max_seq_len  # past max_seq_len the context is its last max_seq_len tokens
+    generate.generate(m, long, 2, greedy=True)
+    assert seen == [(m.config.max_seq_len, m.config.max_seq_len)] * 2
+
+
+def test_generate_takes_token_ids_and_refuses_text_or_other_numbers_in_one_error():
+    m = _model_favouring(300)
+    assert generate.generate(m, np.array([65, 66]), 2, greedy=True) == [65, 65]  # an array of ids, as a list
+    with pytest.raises(ConfigError, match="generate takes token ids.*generate.encode"):
+        generate.generate(m, "AB", 2, greedy=True)
+    for bad in ([65.0], [[65, 66]]):  # a float id would be truncated; a batch is not one prompt
+        with pytest.raises(ConfigError, match="prompt of .* is not allowed; allowed: a list of int token ids"):
+            generate.generate(m, bad, 2, greedy=True)
+    for k in (2.5, True):  # 2.5 failed as an index deep in numpy; True passed as 1
+        with pytest.raises(ConfigError, match=f"--top-k {k} is not allowed"):
+            generate.generate(m, [65], 2, top_k=k)
+
+
+def test_a_model_prints_its_config_and_sizes_not_its_arrays(tmp_path):
+    import tokenizers
+
+    _tokenizer_json("abc abd abe " * 20, tmp_path / "bpe.json")
+    tok = tokenizers.Tokenizer.from_file(str(tmp_path / "bpe.json"))
+    m = _model_favouring(300, tokenizer=tok, end_of_text=256)
+    count = sum(leaf.size for leaf in jax.tree.leaves(m.params))
+    assert repr(m) == (f"Model(config={m.config!r}, step=0, params=<{count:,} parameters>, "
+                       f"tokenizer=<tokenizers.Tokenizer of {tok.get_vocab_size()} ids>, end_of_text=256, token_file=None)")
+    assert "tokenizer=None" in repr(_model_favouring(300))
+    assert m == m and m != _model_favouring(300)  # identity: comparing the arrays raised
+
+
+def test_generation_runs_the_head_at_the_last_context_position_only():
+    cfg = presets.resolve(ModelConfig(preset="tiny", num_layers=1, hidden=64, num_heads=4, ffn_hidden=96, vocab_size=4096))
+    model, length = gpt.GPT(cfg), 64
+    params = model.init(0)
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, length)).astype(np.int32)
+    np.testing.assert_allclose(generate._last_logits(model, params, tokens, 5), model.logits(params, tokens)[0, 4],
+                               rtol=1e-5, atol=1e-5)
+    full = jax.jit(model.logits).lower(params, tokens).compile().cost_analysis()["flops"]
+    last = generate._last_logits.lower(model, params, tokens, 5).compile().cost_analysis()["flops"]
+    head = 2 * length * cfg.hidden * cfg.vocab_size  # the output projection at every position: most of this forward
+    assert last < full - head / 2
