@@ -144,3 +144,21 @@ def test_a_utf8_file_loads_under_a_non_utf8_locale(tmp_path):
                        cwd=Path(__file__).resolve().parent.parent)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == ascii("münchen")
+
+
+def test_plan_takes_a_topology_as_a_dict_of_the_toml_tables():
+    # it was refused ("allowed: a TOML file path or a Topology") though the tables are the file's
+    import tomllib
+
+    import holmes_jax
+
+    path = TOPOLOGIES / "ib4_roce4.toml"
+    tables = tomllib.loads(path.read_text())
+    from_dict, from_file = holmes_jax.plan(tables, "tiny").to_dict(), holmes_jax.plan(str(path), "tiny").to_dict()
+    assert (from_dict["topology"].pop("name"), from_file["topology"].pop("name")) == ("topology", "ib4_roce4")
+    assert from_dict == from_file
+    del tables["cluster"][0]["nic"]
+    with pytest.raises(ConfigError, match="nic"):  # checked as a file's fields are
+        holmes_jax.plan(tables, "tiny")
+    with pytest.raises(ConfigError, match="a dict shaped like one"):
+        holmes_jax.plan(42, "tiny")

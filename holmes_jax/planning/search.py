@@ -62,7 +62,7 @@ from holmes_jax.planning.cost import SCHEDULES, CostModel
 from holmes_jax.planning.measured import Profile, block_shape
 from holmes_jax.planning.placement import Placement
 from holmes_jax.planning.contract import Plan
-from holmes_jax.planning.topology import Link, Topology, load
+from holmes_jax.planning.topology import Link, Topology, from_dict, load
 
 SEARCHABLE = ("tp", "pp", "dp", "microbatches", "schedule")
 DEFAULT_GLOBAL_BATCH = 512  # sequences: with seq 2048, 1M tokens a step, GPT-3-sized batches
@@ -373,13 +373,17 @@ def _topology(topology) -> Topology:
         return topology
     if isinstance(topology, (str, os.PathLike)):
         return load(topology)
-    raise ConfigError(f"topology = {topology!r} is not allowed; allowed: a TOML file path or a Topology")
+    if isinstance(topology, Mapping):  # the TOML file's tables, e.g. built in a script
+        return from_dict(dict(topology))
+    raise ConfigError(f"topology = {topology!r} is not allowed; allowed: a TOML file path, a dict shaped like "
+                      f"one, or a Topology")
 
 
 def plan(topology, model, parallel: ParallelConfig | None = None, *, global_batch: int = DEFAULT_GLOBAL_BATCH,
          seq_len: int | None = None, auto: Iterable[str] | None = None, allow_mixed: bool = False,
          ratios: Mapping[str, float] | None = None, profile=None) -> Plan:
-    """Plans `model` (a preset name or ModelConfig) on `topology` (a TOML path or Topology).
+    """Plans `model` (a preset name or ModelConfig) on `topology` (a TOML path, a dict of its
+    tables, or a Topology).
 
     `parallel` fixes tp, pp, dp (None: what is left), microbatches, the partition method or
     stage_layers, the schedule, placement, zero1 and the wire dtypes over `data`. `auto` names
