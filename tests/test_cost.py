@@ -3,7 +3,9 @@ import itertools
 import numpy as np
 import pytest
 
-from holmes_jax.planning import cost
+from helpers import small_configs
+from holmes_jax import build
+from holmes_jax.planning import cost, search
 from holmes_jax.planning import schedule as schedules
 
 LINK = cost.Link(bytes_per_s=1e9, latency_s=1e-5)
@@ -81,8 +83,14 @@ def _model(stage_flops=(1e12, 1e12), dp=2, tp=1, m=4, schedule="gpipe", zero1=Fa
     return cost.CostModel(work, stages, [LINK] * (len(stages) - 1), m, schedule, zero1, step_flops=1e15, samples=64)
 
 
+def step_memory(model: cost.CostModel, split) -> tuple:
+    """The step's memory per device, apart from a checkpoint save's (the plan's column is the larger)."""
+    return tuple(model.stage_terms([split])["step_memory"][0])
+
+
 def test_prediction_by_hand():
-    pr = _model(update=1e-9).predict([2, 2])
+    model = _model(update=1e-9)
+    pr = model.predict([2, 2])
     assert pr.stage_fwd_s == (2.0, 2.0) and pr.stage_bwd_s == (4.0, 4.0)
     # every stage: 4 forwards and 4 backwards (the last stage runs each pair in one tick)
     assert pr.stage_compute_s == (24.0, 24.0)
@@ -101,7 +109,7 @@ def test_prediction_by_hand():
     assert pr.tflops_per_device == pytest.approx(1e15 / pr.step_time_s / 4 / 1e12)
     # memory: (4 + 4 + 8) bytes per parameter, 4 microbatches x 2 layers x 1 GB stashed, and the
     # scan's boundary-sized buffers: 4 stashed inputs, 1 gradient, 2 arriving (0.1 GB each)
-    assert pr.stage_memory_bytes == pytest.approx((2e9 * 16 + 8e9 + 7e8,) * 2) and pr.fits
+    assert step_memory(model, [2, 2]) == pytest.approx((2e9 * 16 + 8e9 + 7e8,) * 2) and pr.fits
 
 
 def test_uneven_stages_sync_and_update_their_real_layers_and_hold_their_padding():
@@ -112,7 +120,7 @@ def test_uneven_stages_sync_and_update_their_real_layers_and_hold_their_padding(
     assert uneven.stage_update_s == pytest.approx((3.0, 1.0))
     # but every stage holds 3 layer slots: weights, gradients, Adam (16 B each) and the ring of
     # stashed residuals (4 microbatches x 3 layer slots x 1 GB), and the scan's 7 boundary buffers
-    assert uneven.stage_memory_bytes == pytest.approx((3e9 * 16 + 12e9 + 7e8,) * 2)
+    assert step_memory(_model(), [3, 1]) == pytest.approx((3e9 * 16 + 12e9 + 7e8,) * 2)
 
 
 def test_every_stage_waits_for_the_slowest_reduction_before_its_update():
@@ -214,7 +222,8 @@ def test_zero1_that_splits_nothing_costs_what_no_zero1_costs():
 
 def test_zero1_shards_only_what_it_splits():
     work, stages = _zero1_keeping(0.5, 0.0, 4)
-    pr = cost.CostModel(work, stages, [LINK], 4, zero1=True).predict([3, 1])
+    model = cost.CostModel(work, stages, [LINK], 4, zero1=True)
+    pr = model.predict([3, 1])
     # stage 1: 1 real layer and 2 of padding; half of each layer stays whole, the 1e9 shared split
     split, whole = 0.5e9 + 1e9, 0.5e9
     assert pr.stage_sync_s[1] == pytest.approx(float(
@@ -225,7 +234,7 @@ def test_zero1_shards_only_what_it_splits():
     # float32 weights and gradients of every slot; moments (8 B) and the pending update (4 B) of
     # a 1/3 share of the split, the whole's moments in full; no residuals stashed (layer_stash_bytes
     # 0), the scan's 4 + 3 boundary buffers of 0.1 GB
-    assert pr.stage_memory_bytes[1] == pytest.approx(
+    assert step_memory(model, [3, 1])[1] == pytest.approx(
         (held_split + held_whole) * 8 + held_split * 12 / 3 + held_whole * 8 + 7e8)
 
 
@@ -262,14 +271,14 @@ def test_bfloat16_reduction_halves_the_gradient_bytes_not_the_memory(zero1):
 
 
 def test_1f1b_stashes_fewer_microbatches():
-    gpipe, one = _model(m=8).predict([2, 2]), _model(m=8, schedule="1f1b").predict([2, 2])
+    gpipe, one = step_memory(_model(m=8), [2, 2]), step_memory(_model(m=8, schedule="1f1b"), [2, 2])
     # every stage holds 8 (GPipe) vs 2p - 1 = 3 (1F1B) microbatches of 2 layers x 1 GB, and of
     # their inputs (0.1 GB)
-    assert np.subtract(gpipe.stage_memory_bytes, one.stage_memory_bytes) == pytest.approx([5 * (2e9 + 1e8)] * 2)
+    assert np.subtract(gpipe, one) == pytest.approx([5 * (2e9 + 1e8)] * 2)
 
 
 def test_over_memory_is_infinitely_slow():
-    model = _model(memory=4.5e10)
+    model = _model(memory=5e10)  # [3, 1]: a step of 6.07e10; [2, 2]: a save of 4.8e10
     assert not model.predict([3, 1]).fits and model.predict([2, 2]).fits
     times = model.step_times([[3, 1], [2, 2]])
     assert times[0] == np.inf and times[1] == pytest.approx(model.predict([2, 2]).step_time_s)
@@ -317,7 +326,7 @@ def test_the_head_runs_whole_on_every_tensor_rank_unless_tp_splits_the_vocabular
         # weights, gradients and Adam's moments (4 + 4 + 8 bytes a parameter) of 2 layers and the
         # head, and the scan's boundary buffers (GPipe's 4 input slots and 3 more)
         memory = 16 * (2e9 / tp + 4e9 / head_tp) + 7 * 1e8
-        assert model.stage_terms([[2, 2]])["memory"][0, 0] == pytest.approx(memory)
+        assert model.stage_terms([[2, 2]])["step_memory"][0, 0] == pytest.approx(memory)
 
 
 @pytest.mark.parametrize("schedule, p, m", [("gpipe", 2, 4), ("1f1b", 3, 8), ("1f1b", 2, 1)])
@@ -334,3 +343,46 @@ def test_memory_counts_the_scans_boundary_buffers(schedule, p, m):
         assert pr.stage_memory_bytes == pytest.approx([(table.x_slots + table.g_slots + 2) * 1e8] * p)
     one = cost.CostModel(work, [cost.Stage(1e12, 1, LINK, 1, LINK)], [], m, schedule).predict([6])
     assert one.stage_memory_bytes == (0.0,)
+
+
+def test_a_checkpoint_save_holds_the_state_and_twice_the_canonical_state_spread_over_every_device():
+    # The memory column counted the step only; a save holds the train state, the canonical state
+    # and the all-to-all's buffer of the padded one, each of those spread over all devices.
+    # 2 stages x 2 replicas, no ZeRO-1: a stage holds 3 layer slots of 1e9 parameters, weights (4 B)
+    # and Adam (8 B); 4e9 parameters of 12 B over 4 devices each, twice, and the buffer's 2 padding
+    # slots the same way
+    model = _model(update=1e-9)
+    state, canonical, padding = 3e9 * 12, 4e9 * 12 / 4, 2 * 1e9 * 12 / 4
+    save = model.stage_terms([[3, 1]])["checkpoint_memory"][0]
+    assert save == pytest.approx([state + 2 * canonical + padding] * 2)
+    # little to stash: the save needs more than the step, and the plan counts it
+    assert max(step_memory(model, [3, 1])) < save[0]
+    assert model.predict([3, 1]).stage_memory_bytes == pytest.approx(tuple(save))
+    # 16 microbatches' residuals: the step needs more
+    deep = _model(m=16)
+    assert deep.predict([3, 1]).stage_memory_bytes == pytest.approx(step_memory(deep, [3, 1]))
+    assert max(step_memory(deep, [3, 1])) > deep.stage_terms([[3, 1]])["checkpoint_memory"].max()
+
+
+@pytest.mark.parametrize("pp, dp, stage_layers, seq_len", [(8, 1, None, 8), (4, 2, "[5,1,1,1]", 4)])
+def test_the_memory_column_counts_a_compiled_save_restore_and_fresh_state(tmp_path, pp, dp, stage_layers, seq_len):
+    # A deep pipeline with short sequences: the compiled save (and restore) needed 1.4x and 1.2x
+    # what the plan said a device needs
+    layers = [f"--gin.ParallelConfig.stage_layers={stage_layers}"] if stage_layers else []
+    cfgs = small_configs(tmp_path, f"--gin.ParallelConfig.pp={pp}", f"--gin.ParallelConfig.dp={dp}",
+                         f"--gin.ParallelConfig.microbatches={pp}", "--gin.ModelConfig.num_layers=8",
+                         "--gin.ModelConfig.hidden=128", "--gin.ModelConfig.ffn_hidden=512",
+                         f"--gin.DataConfig.seq_len={seq_len}", *layers)
+    setup = build.build(cfgs)
+
+    def peak(jitted, *args) -> int:
+        m = jitted.lower(*args).compile().memory_analysis()
+        return m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+
+    compiled = max(peak(setup.canonical, setup.abstract_state()), peak(setup.staged, setup.abstract_canonical()),
+                   peak(setup._jitted_fresh_state))
+    pl = setup.plan
+    model, _ = search._cost_model(pl.model, pl.placement, pl.global_batch, pl.seq_len, pl.microbatches, pl.schedule,
+                                  cfgs.parallel)
+    assert model.stage_terms([list(pl.stage_layers)])["checkpoint_memory"].max() == pytest.approx(compiled, rel=0.1)
+    assert max(pl.prediction.stage_memory_bytes) >= 0.9 * compiled

@@ -48,6 +48,12 @@ One training step as the pipeline runtime runs it (holmes_jax.pipeline.runtime):
    scan's boundary-sized buffers (whole on every tp rank): a stashed input per ring slot, the one
    stashed output gradient, and the two a tick's transfers arrive in. With one stage, one
    microbatch's residuals.
+   A checkpoint's save (and a resume's restore, a fresh state's creation) runs apart from the
+   step, with no gradients or activations, but holds at once the train state, the canonical state
+   (every layer's weights and moments spread over all devices) and the all-to-all's buffer between
+   them (every stage's layer slots, padding included, spread the same way: build.Setup.canonical).
+   With little to stash (deep pipelines, short sequences, full remat) that is more than the step
+   holds, so a device's memory is the larger of the two.
    A split over some device's memory is infinitely slow.
 6. The runtime pads every stage to the longest stage's layer count, but the padding's
    reduction, update and gather are skipped (pipeline.update): sync and update cover a stage's
@@ -144,7 +150,8 @@ class Prediction:
     stage_fixed_s: tuple[float, ...]  # the step's unpriced work, fitted to measured steps (0 without)
     shared_sum_s: float  # the embedding's and head's gradients summed over `stage`
     stage_finish_s: tuple[float, ...]  # the slowest (last tick + reduction), then the sum over stage and the update
-    stage_memory_bytes: tuple[float, ...]  # per device: weights, gradients, optimizer state, stashed activations
+    # per device: weights, gradients, optimizer state, stashed activations, or a checkpoint's save if more
+    stage_memory_bytes: tuple[float, ...]
     fits: bool  # every stage within its devices' memory
     step_time_s: float
     samples_per_s: float
@@ -229,6 +236,8 @@ class CostModel:
 
         self._prefix = {a: prefix(a) for a in ("fwd_flops", "bwd_flops", "params")}
         self._mean_layer_params = self._prefix["params"][-1] / max(len(work.layers), 1)
+        self._all_params = self._prefix["params"][-1] + work.embed.params + work.head.params
+        self._devices = sum(s.tp * s.dp for s in stages)
         tp = stages[0].tp  # every stage has the same tp
         # on every stage, per device: whole, but for the vocabulary's share where tp splits it
         self._shared_params = work.embed.params + work.head.params - work.vocab_split_params * (1 - 1 / tp)
@@ -303,9 +312,9 @@ class CostModel:
     def stage_terms(self, splits) -> dict[str, np.ndarray]:
         """What each stage of each split (batch, stages) costs, before the schedule: one
         microbatch's forward and backward, the gradient reduction, the optimizer step, the
-        parameter gather (ZeRO-1) and memory per device. Reduction, update and gather cover the
-        stage's real layers; memory is of the padded stage (every stage holds the longest
-        stage's layer count)."""
+        parameter gather (ZeRO-1) and memory per device: the step's, a checkpoint save's and the
+        larger of the two. Reduction, update and gather cover the stage's real layers; memory is
+        of the padded stage (every stage holds the longest stage's layer count)."""
         n = np.asarray(splits, dtype=int)
         stop = np.cumsum(n, axis=1)
         start = stop - n
@@ -336,12 +345,21 @@ class CostModel:
         else:
             reduce, gather = allreduce_s(params * w.reduce_bytes_per_param, self._dp, self._dp_link, k), 0.0 * params
             state, update = held * w.optimizer_bytes_per_param, self._update_rate * params
-        memory = (held * (w.param_bytes_per_param + w.grad_bytes_per_param) + state
-                  + self._ring_slots * n.max(axis=1, keepdims=True) * w.layer_stash_bytes + self._inputs_bytes)
+        longest = n.max(axis=1, keepdims=True)
+        step_memory = (held * (w.param_bytes_per_param + w.grad_bytes_per_param) + state
+                       + self._ring_slots * longest * w.layer_stash_bytes + self._inputs_bytes)
+        # a save: the train state, the canonical state and the all-to-all's buffer of the padded
+        # one (every stage's layer slots), both spread over every device (module docstring, 5.)
+        spread = (w.param_bytes_per_param + w.optimizer_bytes_per_param) / self._devices
+        padding_slots = n.shape[1] * longest - self.num_layers
+        checkpoint_memory = (held * w.param_bytes_per_param + state + 2 * self._all_params * spread
+                             + padding_slots * self._mean_layer_params * spread)
+        memory = np.maximum(step_memory, checkpoint_memory)
         shared_sum = np.full((n.shape[0], 1), self._shared_sum)
         fixed = np.broadcast_to(self._fixed, n.shape)
         return {"fwd": fwd, "bwd": bwd, "reduce": reduce, "gather": gather, "sync": reduce + gather,
-                "update": update, "fixed": fixed, "shared_sum": shared_sum, "memory": memory,
+                "update": update, "fixed": fixed, "shared_sum": shared_sum, "step_memory": step_memory,
+                "checkpoint_memory": checkpoint_memory, "memory": memory,
                 "fits": (memory <= self._memory).all(axis=1)}
 
     @staticmethod
