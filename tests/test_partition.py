@@ -157,3 +157,14 @@ def test_plan_tables_round_before_picking_the_unit():
         ["1 s", "1 ms", "76.6 ms", "2.27 us", "12.6 s", "0 s"]
     assert format_seconds(1234.5) == "1230 s"
     assert [_bytes(n) for n in (999.6e6, 15.7e6, 80e9, 2.5e12)] == ["1 GB", "15.7 MB", "80 GB", "2.5 TB"]
+
+
+def test_a_plan_prints_its_layout_in_one_short_line():
+    # the dataclass's own repr printed the topology, the placement and every partition's
+    # prediction: about 6,000 characters for print(plan)
+    p = plan(TOPOLOGIES / "ib4_roce4.toml", "tiny", ParallelConfig(tp=4, pp=2))
+    text = repr(p)
+    assert len(text) < 300 and "\n" not in text and str(p) == text, text
+    for part in ("'ib4_roce4'", "'tiny'", "{'stage': 2, 'data': 8, 'tensor': 4}", f"stage_layers={p.stage_layers}",
+                 f"schedule='{p.schedule}'", "fits=True"):
+        assert part in text, (part, text)

@@ -41,6 +41,14 @@ class Plan:
     partitions: Mapping[str, Prediction]  # every partition method's split on this layout
     notes: tuple[str, ...] = ()  # how a measured profile was used (or why parts of it were not)
 
+    def __repr__(self) -> str:
+        # Not the fields' own: the topology, placement and every partition's prediction ran to
+        # thousands of characters. explain() prints it all.
+        return (f"Plan(topology={self.topology.name!r}, model={self.model.preset!r}, mesh={self.mesh}, "
+                f"stage_layers={self.stage_layers}, partition={self.partition!r}, schedule={self.schedule!r}, "
+                f"microbatches={self.microbatches}, step_time_s={self.prediction.step_time_s:.4g}, "
+                f"fits={self.prediction.fits})")
+
     @property
     def grid(self) -> np.ndarray:
         """(pp, dp, tp) topology device numbers."""
