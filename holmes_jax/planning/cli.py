@@ -34,7 +34,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help=f"preset: {', '.join(presets.PRESETS)}")
     for name in ("tp", "pp", "dp", "microbatches"):
         p.add_argument(f"--{name}", type=cli.positive_int, help="default: chosen by the cost model")
-    p.add_argument("--global-batch", type=cli.positive_int, default=DEFAULT_GLOBAL_BATCH, help=f"sequences per step (default {DEFAULT_GLOBAL_BATCH})")
+    p.add_argument("--global-batch", type=cli.positive_int, default=DEFAULT_GLOBAL_BATCH,
+                   help=f"sequences per step (default {DEFAULT_GLOBAL_BATCH})")
     p.add_argument("--seq-len", type=cli.positive_int, help="default: the model's max_seq_len")
     p.add_argument("--partition", choices=partition.METHODS, default="auto",
                    help="how layers are split over the stages (default auto: the fastest predicted)")
@@ -42,7 +43,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--placement", choices=PLACEMENTS, default="holmes",
                    help="which devices hold which stage (default holmes)")
     p.add_argument("--schedule", choices=SCHEDULES, help="default: chosen by the cost model")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="activation dtype (default float32)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="activation dtype (default float32)")
     p.add_argument("--remat", nargs="?", const="full", default="none", choices=REMAT,
                    help="what each block's backward recomputes: none (default), full (--remat alone), dots")
     p.add_argument("--allow-mixed", action="store_true", help="let a stage span clusters instead of refusing")
