@@ -5,16 +5,19 @@
 1. `HOLMES_NUM_PROCESSES`, `HOLMES_PROCESS_ID`, `HOLMES_COORDINATOR` (host:port), as
    `holmes_jax.launch` and `holmes_jax.emulate` set them;
 2. Open MPI (`OMPI_COMM_WORLD_SIZE`, i.e. under `mpirun`; one rank is a single process), then
-   SLURM (`SLURM_JOB_ID` with `SLURM_NTASKS` > 1, i.e. inside `srun`): the coordinator and ranks
-   as JAX's own cluster detection finds them, which makes each process see one GPU (its local
-   rank; set `JAX_LOCAL_DEVICE_IDS` to change that); `HOLMES_COORDINATOR` may name the
+   SLURM (`SLURM_JOB_ID` with `SLURM_NTASKS` > 1, i.e. inside `srun`; the process count is the
+   step's, `SLURM_STEP_NUM_TASKS`, where set: `srun --preserve-env` leaves the job's in
+   `SLURM_NTASKS`): the coordinator and ranks as JAX's own cluster detection finds them, which
+   makes each process see one GPU (its local rank, refused at once where this host's CUDA shows
+   fewer GPUs; set `JAX_LOCAL_DEVICE_IDS` to change that); `HOLMES_COORDINATOR` may name the
    coordinator instead (needed for Open MPI 5, whose environment JAX does not parse). Open MPI
    comes first, as in JAX: an `mpirun` inside a SLURM allocation gives its ranks SLURM variables
    too, of the allocation or of the `srun` step that started its daemons, one task per node;
 3. MPICH, Intel MPI, MVAPICH (`PMI_SIZE` > 1, Hydra's `mpiexec`): ranks from `PMI_RANK` and
    `MPI_LOCALRANKID`, the coordinator from `HOLMES_COORDINATOR` (JAX does not detect these).
-   Inside SLURM they win over SLURM's variables when `PMI_SIZE` is not `SLURM_NTASKS` (Hydra's
-   proxies run as an `srun` step of one task per node; `srun --mpi=pmi2` sets the same count);
+   Inside SLURM they win over SLURM's variables when `PMI_SIZE` is not the step's task count
+   (Hydra's proxies run as an `srun` step of one task per node; `srun --mpi=pmi2` sets the same
+   count);
 4. otherwise a single process, and `jax.distributed` is not started at all.
 
 Processes that have not all met within `INIT_TIMEOUT_S` end with one error line and status 1.
@@ -35,9 +38,11 @@ import collections
 import dataclasses
 import difflib
 import errno
+import importlib.metadata
 import ipaddress
 import json
 import os
+import pkgutil
 import re
 import socket
 import sys
@@ -144,6 +149,14 @@ def slurm_first_host(node_list: str) -> str | None:
     return re.sub(r"\[(\d+)[^\]]*\]", r"\1", name.group(1))
 
 
+def slurm_tasks_name(env) -> str:
+    """The variable that counts the processes of this SLURM job step: SLURM_STEP_NUM_TASKS where
+    set. SLURM_NTASKS is the step's too, except under `srun --preserve-env` (-E), which keeps the
+    job's: `srun -E -n 2` in an allocation of 4 tasks then left its 2 processes waiting for 2 more
+    until the start-up timeout."""
+    return "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in env else "SLURM_NTASKS"
+
+
 def _coordinator(env) -> str | None:
     address = env.get(COORDINATOR)
     if address is None:
@@ -207,6 +220,75 @@ def _local_device_ids(env) -> None:
                           "e.g. 0,1,2,3")
 
 
+NVIDIA_GPUS = "/proc/driver/nvidia/gpus"  # one folder per GPU of the NVIDIA driver, read without CUDA
+LOCAL_RANKS = {"slurm": "SLURM_LOCALID", "ompi": "OMPI_COMM_WORLD_LOCAL_RANK", "pmi": "MPI_LOCALRANKID"}
+
+
+def _cuda_plugin_installed() -> bool:
+    """Whether JAX has a CUDA plugin to start, looked for where JAX finds its plugins (the
+    jax_plugins package and entry points), without importing one."""
+    names = [entry.value for entry in importlib.metadata.entry_points(group="jax_plugins")]
+    try:
+        import jax_plugins
+    except ImportError:
+        pass
+    else:
+        names += [name for _, name, _ in pkgutil.iter_modules(jax_plugins.__path__)]
+    return any("cuda" in name for name in names)
+
+
+def visible_gpus(env, gpus_dir: str | None = None, platforms: str | None = None) -> int | None:
+    """How many GPUs CUDA will show this process, read without starting it (that would fix the
+    devices before jax.distributed chooses them); None where JAX will not run on CUDA (JAX_PLATFORMS
+    without it, no CUDA plugin, no NVIDIA driver). `gpus_dir`: NVIDIA_GPUS by default; `platforms`:
+    JAX's, by default its config's."""
+    platforms = jax.config.jax_platforms if platforms is None else platforms
+    wanted = {name.strip() for name in (platforms or "").lower().split(",") if name.strip()}
+    if wanted and not wanted & {"cuda", "gpu"}:
+        return None
+    if not _cuda_plugin_installed():
+        return None
+    try:
+        driver = len(os.listdir(gpus_dir or NVIDIA_GPUS))
+    except OSError:
+        return None
+    shown = env.get("CUDA_VISIBLE_DEVICES")
+    if shown is None:
+        return driver
+    # CUDA takes the entries up to the first it cannot use (-1, SLURM's NoDevFiles, a GPU the
+    # driver does not have); a UUID (GPU-..., MIG-...) is one GPU
+    count = 0
+    for entry in shown.split(","):
+        entry = entry.strip()
+        if not (entry.isdigit() and int(entry) < driver or entry.startswith(("GPU-", "MIG-"))):
+            break
+        count += 1
+    return count
+
+
+def check_local_gpus(method: str, env=None, gpus_dir: str | None = None, platforms: str | None = None) -> None:
+    """Raises `ConfigError` where jax.distributed would give this process a GPU that CUDA does not
+    show it: more ranks on a host than it has GPUs (mpirun -npernode 8 on a host of 4), or SLURM
+    giving each task a GPU of its own (--gpus-per-task=1: every task is shown one, GPU 0) while
+    the process takes the GPU of its local rank. jaxlib would fail only when its backend starts,
+    with CUDA's 'invalid device ordinal', after the others waited for it."""
+    env = os.environ if env is None else env
+    name = LOCAL_DEVICE_IDS if env.get(LOCAL_DEVICE_IDS) else LOCAL_RANKS.get(method)
+    if name is None or name not in env:  # no devices chosen: the process takes every GPU it is shown
+        return
+    shown = visible_gpus(env, gpus_dir, platforms)
+    if not shown:  # not a CUDA run, or no GPU shown at all (JAX then runs on the CPU)
+        return
+    beyond = [int(i) for i in env[name].split(",") if int(i) >= shown]
+    if beyond:
+        whence = (f"CUDA_VISIBLE_DEVICES = {env['CUDA_VISIBLE_DEVICES']!r}" if "CUDA_VISIBLE_DEVICES" in env
+                  else "every GPU of the NVIDIA driver")
+        raise ConfigError(
+            f"{name} = {env[name]!r}: this process would use GPU {beyond[0]}, but CUDA shows it {shown} "
+            f"(0 .. {shown - 1}; {whence}); allowed: one process a GPU shown (at most {shown} on this host), "
+            f"or {LOCAL_DEVICE_IDS} naming GPUs it shows (e.g. 0 where each process is shown its own)")
+
+
 def _mpi_coordinator(coordinator: str | None, example: str) -> str:
     if coordinator is None:
         raise ConfigError(f"this MPI does not tell JAX the coordinator; pass {COORDINATOR}=HOST:PORT "
@@ -251,17 +333,18 @@ def _launch_method(env) -> tuple[str, dict]:
         address = _mpi_coordinator(coordinator, "mpirun -x HOLMES_COORDINATOR=$(hostname):29500")
         return "ompi", {"coordinator_address": address, **kwargs}
     pmi_size = _int(env, "PMI_SIZE", 1) if "PMI_SIZE" in env else 1
-    slurm_tasks = _int(env, "SLURM_NTASKS", 1) if "SLURM_JOB_ID" in env and "SLURM_NTASKS" in env else 1
-    # srun's own PMI (--mpi=pmi2) counts SLURM's tasks; Hydra's mpiexec inside an allocation runs
+    tasks_name = slurm_tasks_name(env)  # SLURM_NTASKS itself is needed still: JAX's detection reads it
+    slurm_tasks = _int(env, tasks_name, 1) if "SLURM_JOB_ID" in env and "SLURM_NTASKS" in env else 1
+    # srun's own PMI (--mpi=pmi2) counts the step's tasks; Hydra's mpiexec inside an allocation runs
     # its proxies as a step of one task per node, whose SLURM variables its ranks inherit.
     if slurm_tasks > 1 and pmi_size in (1, slurm_tasks):
         needed = ("SLURM_STEP_NODELIST", "SLURM_PROCID", "SLURM_LOCALID")
         if any(name not in env for name in needed):
-            raise ConfigError(f"SLURM_NTASKS = {env['SLURM_NTASKS']} but {', '.join(n for n in needed if n not in env)} "
+            raise ConfigError(f"{tasks_name} = {env[tasks_name]} but {', '.join(n for n in needed if n not in env)} "
                               "unset: start one process per task with srun")
         # JAX reads these with int() (a traceback) and checks none of them: a rank out of range or
         # an empty coordinator host ends only in its connection timeout, minutes later.
-        index = _index(env, "SLURM_PROCID", "SLURM_NTASKS", slurm_tasks)
+        index = _index(env, "SLURM_PROCID", tasks_name, slurm_tasks)
         _int(env, "SLURM_LOCALID", 0)
         if coordinator is None:
             host = slurm_first_host(env["SLURM_STEP_NODELIST"])
@@ -272,8 +355,8 @@ def _launch_method(env) -> tuple[str, dict]:
             # JAX's port rule for SLURM jobs, unless JAX_COORDINATOR_PORT names one
             port = env.get("JAX_COORDINATOR_PORT") or str(_int(env, "SLURM_JOB_ID", 0) % 4096 + 61440)
             coordinator = f"{host}:{port}"
-        # The count and index JAX would read, given here so that process 0 checks its port first
-        # and a timeout names the process
+        # The step's count (JAX would read the job's) and the index, given here so that process 0
+        # checks its port first and a timeout names the process
         return "slurm", {"coordinator_address": coordinator, "num_processes": slurm_tasks, "process_id": index,
                          "cluster_detection_method": "slurm"}
     # MPICH's, Intel MPI's and MVAPICH's mpiexec (Hydra's PMI), which JAX does not detect: left
@@ -372,6 +455,8 @@ def initialize(cpu_devices_per_process: int | None = None) -> ProcessInfo:
     if _info is not None:
         return _info
     method, kwargs = launch_method()
+    if method != "single":
+        check_local_gpus(method)  # one line before start-up, not jaxlib's failure when its backend starts
     local = nic.detect()
     _network[:] = network_settings(local)
     if CPU_DEVICES in os.environ:  # the launcher's --devices-per-process wins over the config

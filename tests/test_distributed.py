@@ -417,3 +417,104 @@ def test_bad_distributed_environment_exits_2():
                        text=True, timeout=120, cwd=REPO, env=env)
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == ["error: HOLMES_NUM_PROCESSES = 'two' is not allowed; allowed: an integer >= 1"]
+
+
+# --------------------------------------------------------------------------- the step's tasks, the host's GPUs
+
+
+# `srun --preserve-env -n 2` inside an allocation of 4 tasks: SLURM_NTASKS stays the job's 4, and
+# SLURM_STEP_NUM_TASKS is the step's 2
+SLURM_STEP_OF_2 = {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4", "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NODELIST": "n1",
+                   "SLURM_PROCID": "1", "SLURM_LOCALID": "1"}
+
+
+@pytest.mark.parametrize("env, method, kwargs", [
+    # the processes waited for 2 ranks that never came, until the start-up timeout
+    (SLURM_STEP_OF_2, "slurm",
+     {"coordinator_address": "n1:61447", "num_processes": 2, "process_id": 1, "cluster_detection_method": "slurm"}),
+    # srun -E -n 1: one process, not one of 4 (it waited for 3 more)
+    ({**SLURM_STEP_OF_2, "SLURM_STEP_NUM_TASKS": "1", "SLURM_PROCID": "0", "SLURM_LOCALID": "0"}, "single", {}),
+    # srun -E --mpi=pmi2 -n 2: PMI counts the step's tasks, so SLURM's detection (no coordinator needed)
+    ({**SLURM_STEP_OF_2, "PMI_SIZE": "2", "PMI_RANK": "1"}, "slurm",
+     {"coordinator_address": "n1:61447", "num_processes": 2, "process_id": 1, "cluster_detection_method": "slurm"}),
+])
+def test_a_slurm_step_counts_its_own_tasks(env, method, kwargs):
+    assert distributed.launch_method(env) == (method, kwargs)
+
+
+def test_a_rank_beyond_the_steps_tasks_names_the_steps_count():
+    with pytest.raises(ConfigError, match=re.escape(
+            "SLURM_PROCID = 2 is not allowed; allowed: 0 .. SLURM_STEP_NUM_TASKS - 1 = 1")):
+        distributed.launch_method({**SLURM_STEP_OF_2, "SLURM_PROCID": "2"})
+
+
+@pytest.fixture
+def four_gpus(tmp_path, monkeypatch):
+    """A host whose NVIDIA driver has 4 GPUs and a JAX with a CUDA plugin, as the seams see them."""
+    for bus in ("0000:07:00.0", "0000:0f:00.0", "0000:47:00.0", "0000:4e:00.0"):
+        (tmp_path / bus).mkdir()
+    monkeypatch.setattr(distributed, "_cuda_plugin_installed", lambda: True)
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize("env, platforms, count", [
+    ({}, "", 4),
+    ({"CUDA_VISIBLE_DEVICES": "2,3"}, "cuda", 2),
+    ({"CUDA_VISIBLE_DEVICES": "GPU-8d2c4a1e-0000-0000-0000-000000000000"}, "", 1),
+    ({"CUDA_VISIBLE_DEVICES": "1,7,2"}, "", 1),  # CUDA stops at a GPU the driver does not have
+    ({"CUDA_VISIBLE_DEVICES": "NoDevFiles"}, "", 0),
+    ({"CUDA_VISIBLE_DEVICES": ""}, "", 0),
+    ({}, "cpu", None),  # JAX will not start CUDA
+])
+def test_the_gpus_cuda_shows_are_counted_without_starting_it(four_gpus, env, platforms, count):
+    assert distributed.visible_gpus(env, four_gpus, platforms) == count
+
+
+def test_no_gpus_are_counted_without_a_driver_or_a_cuda_plugin(four_gpus, tmp_path, monkeypatch):
+    assert distributed.visible_gpus({}, str(tmp_path / "no-driver"), "") is None
+    monkeypatch.setattr(distributed, "_cuda_plugin_installed", lambda: False)
+    assert distributed.visible_gpus({}, four_gpus, "") is None
+
+
+MPIRUN_RANK_5 = {"OMPI_COMM_WORLD_SIZE": "8", "OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_LOCAL_RANK": "5",
+                 "HOLMES_COORDINATOR": "head:29500"}
+
+
+@pytest.mark.parametrize("method, env, message", [
+    # mpirun -npernode 8 on a host of 4 GPUs: jaxlib failed only when its backend started
+    ("ompi", MPIRUN_RANK_5,
+     "OMPI_COMM_WORLD_LOCAL_RANK = '5': this process would use GPU 5, but CUDA shows it 4 (0 .. 3; every GPU of the "
+     "NVIDIA driver); allowed: one process a GPU shown (at most 4 on this host), or JAX_LOCAL_DEVICE_IDS naming GPUs "
+     "it shows (e.g. 0 where each process is shown its own)"),
+    # srun --gpus-per-task=1: every task is shown one GPU, but takes the GPU of its local rank
+    ("slurm", {**SLURM_STEP_OF_2, "CUDA_VISIBLE_DEVICES": "1"},
+     "SLURM_LOCALID = '1': this process would use GPU 1, but CUDA shows it 1 (0 .. 0; CUDA_VISIBLE_DEVICES = '1')"),
+    ("pmi", {"PMI_SIZE": "8", "PMI_RANK": "6", "MPI_LOCALRANKID": "6", "CUDA_VISIBLE_DEVICES": "0,1"},
+     "MPI_LOCALRANKID = '6': this process would use GPU 6, but CUDA shows it 2"),
+    ("holmes", {"JAX_LOCAL_DEVICE_IDS": "2,3,4"}, "JAX_LOCAL_DEVICE_IDS = '2,3,4': this process would use GPU 4"),
+])
+def test_a_process_given_a_gpu_cuda_does_not_show_is_one_error_before_start_up(four_gpus, method, env, message):
+    with pytest.raises(ConfigError, match="^" + re.escape(message)):
+        distributed.check_local_gpus(method, env, four_gpus, "")
+
+
+@pytest.mark.parametrize("method, env, platforms", [
+    ("ompi", {**MPIRUN_RANK_5, "OMPI_COMM_WORLD_LOCAL_RANK": "3"}, ""),  # the last GPU
+    ("ompi", {**MPIRUN_RANK_5, "JAX_LOCAL_DEVICE_IDS": "0,1,2,3"}, ""),  # JAX_LOCAL_DEVICE_IDS wins over the rank
+    ("ompi", MPIRUN_RANK_5, "cpu"),  # a CPU run on a GPU host
+    ("ompi", {**MPIRUN_RANK_5, "CUDA_VISIBLE_DEVICES": ""}, ""),  # no GPU shown: JAX runs on the CPU
+    ("holmes", {"HOLMES_NUM_PROCESSES": "8", "HOLMES_PROCESS_ID": "5"}, ""),  # every GPU it is shown
+])
+def test_a_process_given_a_gpu_cuda_shows_starts(four_gpus, method, env, platforms):
+    distributed.check_local_gpus(method, env, four_gpus, platforms)
+
+
+def test_initialize_checks_the_local_gpu_before_anything_starts(four_gpus, monkeypatch):
+    # the seam: the driver's GPUs in a folder of the test's, not /proc (this machine has no GPU)
+    monkeypatch.setattr(distributed, "NVIDIA_GPUS", four_gpus)
+    monkeypatch.setattr(distributed, "_info", None)
+    monkeypatch.setattr(distributed, "network_settings", lambda local: pytest.fail("started before the check"))
+    for name, value in MPIRUN_RANK_5.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError, match="^OMPI_COMM_WORLD_LOCAL_RANK = '5': this process would use GPU 5"):
+        distributed.initialize(1)
