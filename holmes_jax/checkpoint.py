@@ -186,17 +186,31 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
 
-    def save(self, step: int, state_fn, force: bool = False) -> None:
+    def save(self, step: int, state_fn, force: bool = False, record: dict | None = None) -> None:
         """Saves `state_fn()` every `cfg.every` steps, or now when `force` (the last step, a
         signal). A function, so the checkpoint layout is only built on steps that save. A failed
-        write (this save's, or the previous async one's) is a `RunError`."""
+        write (this save's, or the previous async one's) is a `RunError`. `record` (JSON values:
+        what the run that saves it was, see `record`) goes into the step's metadata, which orbax's
+        primary process writes into the step's folder before the folder is committed: a checkpoint
+        that exists has its record, and a save that dies leaves neither."""
         if (force or step % self.cfg.every == 0) and step != self._manager.latest_step():
             try:
-                self._manager.save(step, args=ocp.args.StandardSave(state_fn()), force=True)
+                self._manager.save(step, args=ocp.args.StandardSave(state_fn()), force=True,
+                                   custom_metadata=record)
             except Exception as e:
                 raise RunError(f"cannot write checkpoints in {self.directory} (saving step {step}, or the one "
                                f"before it in the background): {reason(e)}") from None
             self._newest_save = step
+
+    def record(self, step: int) -> dict:
+        """The `record` step `step` was saved with; {} for one saved without (by an earlier
+        version) or whose metadata cannot be read (the record only serves notices, and the state's
+        own reading decides whether the checkpoint is usable)."""
+        try:
+            found = self._manager.metadata(step).custom_metadata
+        except Exception:  # orbax's errors for a missing or malformed metadata file vary
+            return {}
+        return found if isinstance(found, dict) else {}
 
     def restore(self, step: int, target):
         """`target`: arrays or `jax.ShapeDtypeStruct`s carrying the shardings to restore onto.

@@ -58,10 +58,6 @@ COPY_CHUNK = 1 << 20  # bytes read at a time when copying text files into the ca
 # A prepared source's meta.json as a run keeps it in its workdir (its end-of-text id, for export and
 # generate, also where the data folder is not found from there).
 RUN_META_FILE = "data_meta.json"
-# The identity of the data a run trained on (`identity`), kept in its workdir: a resume on other
-# data says so (a user may change the data on purpose, but the batches are no longer those of an
-# uninterrupted run).
-RUN_DATA_FILE = "data_identity.json"
 # What `identity` hashes: this many evenly spaced blocks of this many ids, the first and last among them.
 SAMPLE_BLOCKS, SAMPLE_BLOCK = 16, 1 << 16
 
@@ -136,16 +132,11 @@ def identity_changes(old: dict, new: dict) -> list[str]:
     return changes
 
 
-def read_identity(path: Path) -> dict | None:
-    """The identity a run kept in `path` (RUN_DATA_FILE), or None: a workdir of an earlier version
-    has none, and one unreadable or edited by hand is as good as none (it only serves a notice)."""
-    try:
-        found = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
+def is_identity(found) -> bool:
+    """Whether `found` is an `identity` (one a checkpoint's record holds; a record edited by hand is
+    as good as none: it only serves a notice)."""
     fields = {"tokens": int, "vocab_size": int, "sample": str}
-    ok = isinstance(found, dict) and all(type(found.get(k)) is t for k, t in fields.items())
-    return found if ok else None
+    return isinstance(found, dict) and all(type(found.get(k)) is t for k, t in fields.items())
 
 
 def _stdlib_root() -> Path:

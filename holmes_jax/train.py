@@ -12,7 +12,6 @@ import array
 import contextlib
 import dataclasses
 import fcntl
-import json
 import os
 import re
 import signal
@@ -258,6 +257,17 @@ def run_config(cfgs: Configs, setup: Setup) -> str:
     return re.sub(r"^ParallelConfig\.cpu_devices = .*$", lambda _: line, text, flags=re.MULTILINE)
 
 
+def _trained_run(record: dict, workdir: Path) -> tuple[str | None, dict | None]:
+    """The config text and data identity (None where unknown) of the run that saved a checkpoint
+    whose `record` (`Checkpointer.record`) is given. A checkpoint of an earlier version has no
+    record: the workdir's config.gin stands for its settings, and its data is unknown."""
+    config, identity = record.get("config"), record.get("data_identity")
+    if not isinstance(config, str):
+        saved = workdir / "config.gin"
+        config = saved.read_text() if saved.is_file() else None
+    return config, identity if data.is_identity(identity) else None
+
+
 def _resume_and_train(cfgs: Configs, setup: Setup, token_data, workdir: Path, ckpt: Checkpointer | None, say,
                       quiet: bool) -> dict:
     lead, tcfg = jax.process_index() == 0, cfgs.train
@@ -273,23 +283,24 @@ def _resume_and_train(cfgs: Configs, setup: Setup, token_data, workdir: Path, ck
     if start >= last:  # config.gin stays the checkpointed run's: these settings trained nothing
         say(f"nothing to do: the checkpoint is at step {start}, the run ends at step {last}")
         return {"steps": start}
+    # What this run is, kept in every checkpoint it saves: a later resume compares against the run
+    # that trained the checkpoint it restores. The workdir's config.gin describes the latest run,
+    # which may have died before its first save.
+    record = {"config": run_config(cfgs, setup), "data_identity": token_data.identity}
     if lead:  # only now: a checkpoint that does not fit must not leave this run's config behind
-        settings, saved = run_config(cfgs, setup), workdir / "config.gin"
-        if resumed and saved.is_file() and (changed := configure.changed_settings(saved.read_text(), settings)):
+        settings, saved = record["config"], workdir / "config.gin"
+        trained_settings, trained_on = _trained_run(ckpt.record(start), workdir) if resumed else (None, None)
+        if trained_settings and (changed := configure.changed_settings(trained_settings, settings)):
             # Legitimate (a longer run, a new learning rate), but new data or seq_len means other
-            # batches than an uninterrupted run's: say which, before config.gin forgets the old.
+            # batches than an uninterrupted run's: say which.
             say(f"resumed with settings changed since the checkpointed run: {'; '.join(changed)}")
         # The data's identity likewise: new data (a file added to a text folder, a folder prepared
-        # again) means other batches than an uninterrupted run's, legitimate but said. A workdir of
-        # an earlier version has no record: resumed silently.
-        record = workdir / data.RUN_DATA_FILE
-        if resumed and (trained_on := data.read_identity(record)):
-            if changes := data.identity_changes(trained_on, token_data.identity):
-                say(f"resumed on data changed since the checkpointed run: {'; '.join(changes)}")
-        # Each file whole or not at all: a full disk mid-write must not leave half of the config
-        # that export, generate and the next resume read.
+        # again) means other batches than an uninterrupted run's, legitimate but said.
+        if trained_on and (changes := data.identity_changes(trained_on, token_data.identity)):
+            say(f"resumed on data changed since the checkpointed run: {'; '.join(changes)}")
+        # Whole or not at all: a full disk mid-write must not leave half of the config that export,
+        # generate and a resume from an earlier version's checkpoint read.
         cli.replace_file(saved, settings)
-        cli.replace_file(record, json.dumps(token_data.identity) + "\n")
         # Export and generate read the data's meta.json and tokenizer here, from any folder; a run
         # resumed on other data drops the copies it no longer has, or they would speak for it.
         folder = data.prepared_folder(cfgs.data.source)
@@ -316,7 +327,7 @@ def _resume_and_train(cfgs: Configs, setup: Setup, token_data, workdir: Path, ck
 
     def save(step: int, state: dict, force: bool) -> None:
         t0 = time.perf_counter()
-        ckpt and ckpt.save(step, lambda: setup.canonical(state), force=force)
+        ckpt and ckpt.save(step, lambda: setup.canonical(state), force=force, record=record)
         logger.exclude(time.perf_counter() - t0)
 
     # a row on validation steps too: the validation loss is written in a row

@@ -3,6 +3,7 @@ mismatched checkpoints, unusable workdirs and full disks, and the launcher's sig
 
 import argparse
 import glob
+import json
 import os
 import re
 import signal
@@ -905,25 +906,6 @@ def test_a_resume_on_data_changed_since_the_checkpointed_run_names_the_token_cou
     assert f"{DATA_NOTICE}other contents, the same 7,000 tokens" in resume(4)
 
 
-def test_a_workdir_without_a_record_of_its_data_resumes_silently(tmp_path, capsys):
-    # a workdir of an earlier version, which kept no record of its data
-    workdir, corpus = tmp_path / "run", tmp_path / "corpus"
-    source = _text_corpus(corpus, a=5000)
-    train.run(small_configs(workdir, *ONE_DEVICE, *source, "--gin.TrainConfig.stop_after=1",
-                            "--gin.CheckpointConfig.every=1"), devices=jax.devices()[:1], quiet=True)
-    record = workdir / data.RUN_DATA_FILE
-    assert record.is_file()
-    record.unlink()
-    _text_corpus(corpus, b=2000)
-    capsys.readouterr()
-    train.run(small_configs(workdir, *ONE_DEVICE, *source, "--gin.CheckpointConfig.every=1",
-                            "--gin.TrainConfig.steps=2"), devices=jax.devices()[:1])
-    said = capsys.readouterr().out.splitlines()
-    assert "resumed from checkpoint at step 1" in said and not [s for s in said if s.startswith(DATA_NOTICE)], said
-    assert said[-1].startswith("done: step 2")
-    assert record.is_file()  # kept from now on
-
-
 @pytest.mark.slow
 def test_processes_that_read_different_data_end_with_one_error_line_each(tmp_path):
     # Each host's own copy of the corpus, one of them grown: each global batch was built of rows
@@ -943,3 +925,98 @@ def test_processes_that_read_different_data_end_with_one_error_line_each(tmp_pat
         assert "error: the processes read different data: process 1 has 7,000 tokens" in line, line
         assert "where process 0 has 5,000 tokens" in line and "(processes that differ from process 0: 1)" in line
     assert not (tmp_path / "run" / "metrics.jsonl").exists()  # no step was taken
+
+
+# --------------------------------------------------------------------------- the record a checkpoint carries
+
+SETTINGS_NOTICE = "resumed with settings changed since the checkpointed run: "
+
+
+def _notices(said: list[str]) -> list[str]:
+    return [line for line in said if line.startswith((SETTINGS_NOTICE, DATA_NOTICE))]
+
+
+def _both_changed(steps: int) -> list[str]:
+    """The notices of a resume at `steps` with TrainConfig.learning_rate 0.003 on the text corpus
+    grown from 5,000 to 7,000 bytes, after a run of small_configs' 6 steps."""
+    return [f"{SETTINGS_NOTICE}TrainConfig.learning_rate 0.01 -> 0.003; TrainConfig.steps 6 -> {steps}",
+            f"{DATA_NOTICE}5,000 -> 7,000 tokens"]
+
+
+class _Crash(Exception):
+    """A run that dies (a lost host, an OOM kill) before its first checkpoint save."""
+
+
+def _crash_before_the_first_step(compiled, setup, state, start, last, token_data):
+    raise _Crash
+    yield  # a generator, as train_steps is
+
+
+def _saved_by_an_earlier_version(step_dir: Path) -> None:
+    """Leaves the checkpoint in `step_dir` as a version that kept no record in it saved it."""
+    metadata = step_dir / "_CHECKPOINT_METADATA"  # orbax's step metadata, where the record is kept
+    found = json.loads(metadata.read_text())
+    assert found["custom_metadata"]  # there was one to drop
+    metadata.write_text(json.dumps(found | {"custom_metadata": {}}))
+
+
+def test_a_resume_that_dies_before_its_first_save_leaves_the_notices_to_the_next(tmp_path, capsys, monkeypatch):
+    # The resume rewrote the workdir's record of the run (config.gin, data_identity.json), then
+    # died: the next resume compared against it, said nothing, and trained the old run's
+    # checkpoint on other data and settings.
+    workdir, corpus = tmp_path / "run", tmp_path / "corpus"
+    source = _text_corpus(corpus, a=5000)
+    train.run(small_configs(workdir, *ONE_DEVICE, *source, "--gin.TrainConfig.stop_after=1",
+                            "--gin.CheckpointConfig.every=1"), devices=jax.devices()[:1], quiet=True)
+    _text_corpus(corpus, b=2000)
+    changed = [*ONE_DEVICE, *source, "--gin.TrainConfig.learning_rate=0.003", "--gin.CheckpointConfig.every=1",
+               "--gin.TrainConfig.steps=3"]
+    with monkeypatch.context() as patch:
+        patch.setattr(train, "train_steps", _crash_before_the_first_step)
+        with pytest.raises(_Crash):
+            train.run(small_configs(workdir, *changed), devices=jax.devices()[:1])
+    assert train.saved_steps(workdir / "checkpoints") == [1]
+    capsys.readouterr()
+    train.run(small_configs(workdir, *changed, "--gin.TrainConfig.stop_after=2"), devices=jax.devices()[:1])
+    said = capsys.readouterr().out.splitlines()
+    assert "resumed from checkpoint at step 1" in said
+    assert _notices(said) == _both_changed(steps=3), said
+    # step 2's checkpoint is this run's: resumed from it, there is nothing to say
+    train.run(small_configs(workdir, *changed), devices=jax.devices()[:1])
+    said = capsys.readouterr().out.splitlines()
+    assert "resumed from checkpoint at step 2" in said
+    assert _notices(said) == []
+
+
+def test_the_notices_compare_against_the_run_of_the_checkpoint_restored(tmp_path, capsys):
+    # the newest checkpoint, the changed run's, is damaged: the one restored is the first run's
+    workdir, corpus = tmp_path / "run", tmp_path / "corpus"
+    source = _text_corpus(corpus, a=5000)
+    train.run(small_configs(workdir, *ONE_DEVICE, *source, "--gin.TrainConfig.stop_after=1",
+                            "--gin.CheckpointConfig.every=1"), devices=jax.devices()[:1], quiet=True)
+    _text_corpus(corpus, b=2000)
+    changed = [*ONE_DEVICE, *source, "--gin.TrainConfig.learning_rate=0.003", "--gin.CheckpointConfig.every=1"]
+    train.run(small_configs(workdir, *changed, "--gin.TrainConfig.steps=2"), devices=jax.devices()[:1], quiet=True)
+    _damage_truncate(workdir / "checkpoints" / "2")
+    capsys.readouterr()
+    train.run(small_configs(workdir, *changed, "--gin.TrainConfig.steps=3"), devices=jax.devices()[:1])
+    said = capsys.readouterr().out.splitlines()
+    assert "resumed from checkpoint at step 1" in said, said
+    assert _notices(said) == _both_changed(steps=3), said
+
+
+def test_a_checkpoint_without_a_record_is_compared_with_config_gin_and_its_data_unknown(tmp_path, capsys):
+    # a checkpoint an earlier version saved: config.gin speaks for its settings; its data is unknown
+    workdir, corpus = tmp_path / "run", tmp_path / "corpus"
+    source = _text_corpus(corpus, a=5000)
+    train.run(small_configs(workdir, *ONE_DEVICE, *source, "--gin.TrainConfig.stop_after=1",
+                            "--gin.CheckpointConfig.every=1"), devices=jax.devices()[:1], quiet=True)
+    _saved_by_an_earlier_version(workdir / "checkpoints" / "1")
+    _text_corpus(corpus, b=2000)
+    capsys.readouterr()
+    train.run(small_configs(workdir, *ONE_DEVICE, *source, "--gin.TrainConfig.learning_rate=0.003",
+                            "--gin.CheckpointConfig.every=1", "--gin.TrainConfig.steps=2"), devices=jax.devices()[:1])
+    said = capsys.readouterr().out.splitlines()
+    assert "resumed from checkpoint at step 1" in said
+    assert _notices(said) == _both_changed(steps=2)[:1], said
+    assert said[-1].startswith("done: step 2")
