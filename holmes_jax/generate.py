@@ -13,7 +13,9 @@ K-th).
 Generation stops early at the end-of-text id the data put after each document; an empty prompt
 starts a new document after one.
 There is no KV cache: every new token reruns the model over its context, padded to one fixed
-length so the forward compiles once. The context is the last `max_seq_len` tokens.
+length per call, the longest context the call sees rounded up to a power of two (at most
+`max_seq_len`), so that the forward compiles once per such length and model config in a
+process, not once per prompt length or loaded Model. The context is the last `max_seq_len` tokens.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import functools
 import json
 import math
 import numbers
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -56,13 +59,36 @@ def encode(m: Model, text: str) -> list[int]:
 def _unknown_characters(tokenizer, text: str, encoding) -> list[str]:
     """The characters of `text` (each once, in order) that `encoding` spells with the tokenizer's
     unknown token or drops. Dropped whitespace is fine: many pre-tokenizers split on it."""
-    model = json.loads(tokenizer.to_str())["model"]  # the unknown token: unk_id (Unigram) or unk_token
-    unk = model["unk_id"] if "unk_id" in model else tokenizer.token_to_id(model.get("unk_token") or "")
+    unk = _unknown_id(tokenizer)
     spans = [(token == unk, range(start, end)) for token, (start, end) in zip(encoding.ids, encoding.offsets)]
     covered = {i for _, span in spans for i in span}
     as_unknown = {i for is_unk, span in spans if is_unk for i in span}
     unknown = [c for i, c in enumerate(text) if i in as_unknown or (i not in covered and not c.isspace())]
     return list(dict.fromkeys(unknown))
+
+
+def _per_tokenizer(read):
+    """`read(tokenizer)`, read once per tokenizer object: what it reads (the whole JSON, the whole
+    vocabulary) takes milliseconds for a big vocabulary, on every encode or generate call else."""
+    cache = weakref.WeakKeyDictionary()  # the entry goes with its tokenizer
+
+    @functools.wraps(read)
+    def cached(tokenizer):
+        if tokenizer not in cache:
+            cache[tokenizer] = read(tokenizer)
+        return cache[tokenizer]
+    return cached
+
+
+@_per_tokenizer
+def _unknown_id(tokenizer) -> int | None:
+    model = json.loads(tokenizer.to_str())["model"]  # the unknown token: unk_id (Unigram) or unk_token
+    return model["unk_id"] if "unk_id" in model else tokenizer.token_to_id(model.get("unk_token") or "")
+
+
+@_per_tokenizer
+def _tokenizer_ids(tokenizer) -> int:
+    return max(tokenizer.get_vocab(with_added_tokens=True).values()) + 1
 
 
 def decode(m: Model, ids: list[int]) -> str:
@@ -82,11 +108,12 @@ def generate(m: Model, prompt: list[int], max_tokens: int, greedy: bool = False,
     start = [] if prompt else [eot]  # every training document follows an end-of-text
     known = min(_known_ids(m), m.config.vocab_size)
     # The longest context a forward sees: the last new token is sampled, never fed back.
-    length = min(len(start) + len(prompt) + max_tokens - 1, m.config.max_seq_len)
+    longest = min(len(start) + len(prompt) + max_tokens - 1, m.config.max_seq_len)
+    length = _padded_length(longest, m.config.max_seq_len)
     rng = np.random.default_rng(seed)
     ids = start + list(prompt)
     for _ in range(max_tokens):
-        context = ids[-length:]
+        context = ids[-m.config.max_seq_len:]
         padded = np.zeros((1, length), np.int32)
         padded[0, : len(context)] = context  # causal: the padding after the context changes nothing before it
         logits = np.asarray(_last_logits(m.gpt, m.params, jnp.asarray(padded), len(context)), np.float64)[:known]
@@ -99,6 +126,14 @@ def generate(m: Model, prompt: list[int], max_tokens: int, greedy: bool = False,
             break
         ids.append(token)
     return ids[len(start) + len(prompt):]
+
+
+def _padded_length(longest: int, max_seq_len: int) -> int:
+    """The length a call's contexts are padded to: `longest` rounded up to a power of two, at most
+    `max_seq_len`. Each length the forward sees compiles once per process: padding to the exact
+    longest context compiled again for each new prompt length. A forward over at most twice the
+    tokens (no more than `max_seq_len`) is the price; finer steps would compile more programs."""
+    return min(1 << (longest - 1).bit_length(), max_seq_len)
 
 
 def _token_ids(prompt) -> list[int]:
@@ -139,7 +174,7 @@ def _known_ids(m: Model) -> int:
     """How many ids the run's text has: the vocabulary is padded (to a multiple of 128) with rows no
     data held, which would print as nothing (tokenizer) or U+FFFD (bytes)."""
     if m.tokenizer is not None:
-        return max(m.tokenizer.get_vocab(with_added_tokens=True).values()) + 1
+        return _tokenizer_ids(m.tokenizer)
     if m.token_file is not None:
         return m.config.vocab_size
     return prepare.BYTE_VOCAB + (m.end_of_text is not None)

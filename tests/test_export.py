@@ -934,7 +934,7 @@ def test_top_k_samples_exactly_k_ids_and_a_tie_goes_to_the_lower_id_as_greedy_pi
     assert generate.generate(m, [65], 3, top_k=1) == generate.generate(m, [65], 3, greedy=True)
 
 
-def test_the_context_is_padded_to_the_longest_a_forward_sees(monkeypatch):
+def test_the_context_is_padded_to_the_longest_a_forward_sees_rounded_up_to_a_power_of_two(monkeypatch):
     seen, forward = [], generate._last_logits
 
     def recording(model, params, tokens, n):
@@ -943,7 +943,8 @@ def test_the_context_is_padded_to_the_longest_a_forward_sees(monkeypatch):
     monkeypatch.setattr(generate, "_last_logits", recording)
     m = _model_favouring(300, end_of_text=256)
     assert generate.generate(m, [65, 66, 67], 4, greedy=True) == [65] * 4
-    assert seen == [(6, 3), (6, 4), (6, 5), (6, 6)]  # the 4th new token is sampled, never fed back
+    # the longest context, 6 (the 4th new token is sampled, never fed back), up to a power of two
+    assert seen == [(8, 3), (8, 4), (8, 5), (8, 6)]
     seen.clear()
     assert generate.generate(m, [], 2, greedy=True) == [65] * 2  # after the end-of-text a document starts with
     assert seen == [(2, 1), (2, 2)]

@@ -197,6 +197,14 @@ class GPT:
         parts = nnx.eval_shape(lambda: self._modules(nnx.Rngs(0)))
         self._defs = {name: nnx.split(module)[0] for name, module in parts.items()}
 
+    # Equal where the configs are: its functions depend on nothing else, so a jit taking the model
+    # as a static argument compiles once per config, not once per object.
+    def __eq__(self, other) -> bool:
+        return isinstance(other, GPT) and other.cfg == self.cfg
+
+    def __hash__(self) -> int:
+        return hash(self.cfg)
+
     def _modules(self, rngs: nnx.Rngs) -> dict[str, nnx.Module]:
         cfg = self.cfg
 
