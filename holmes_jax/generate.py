@@ -191,9 +191,12 @@ def _last_logits(model: gpt.GPT, params: dict, tokens: jax.Array, n: jax.Array) 
 def _sample(logits: np.ndarray, temperature: float, top_k: int | None, rng: np.random.Generator) -> int:
     logits = np.asarray(logits, np.float64)  # a tiny temperature is 0 in float32
     if top_k is not None and top_k < len(logits):
-        # Exactly top_k ids; a stable sort puts the lower of tied ids first, as argmax picks it.
-        kept = np.argsort(-logits, kind="stable")[:top_k]
-        logits = np.where(np.isin(np.arange(len(logits)), kept), logits, -np.inf)
+        # Exactly top_k ids: those above the k-th largest, then the lowest of those tied with it (as
+        # argmax picks). A partition, not a sort: a sort took 27 ms a token at 128k ids.
+        kth = np.partition(logits, -top_k)[-top_k]
+        kept = logits > kth
+        kept[np.flatnonzero(logits == kth)[: top_k - kept.sum()]] = True
+        logits = np.where(kept, logits, -np.inf)
     with np.errstate(over="ignore"):  # the largest at 0 first: the rest may go to -inf, never NaN
         p = np.exp((logits - logits.max()) / temperature)
     return int(rng.choice(len(p), p=p / p.sum()))
