@@ -16,6 +16,7 @@ import gin
 
 
 REMAT = ("none", "full", "dots")
+LR_SCHEDULES = ("cosine", "wsd", "constant")
 WIRE_BYTES = {"float32": 4, "bfloat16": 2}  # bytes per number of what crosses `data`: *_dtype in ParallelConfig
 
 
@@ -194,15 +195,20 @@ class DataConfig:
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    """The optimisation (AdamW, warm-up then cosine decay), its length, logging and validation."""
+    """The optimisation (AdamW, a linear warm-up then `lr_schedule`), its length, logging and validation.
+    Step n of the warm-up uses learning_rate * n / warmup_steps; the decay ends at step `steps`."""
 
     steps: int = 300  # the length of the run; the learning-rate schedule spans it
     stop_after: int | None = None  # end early after this step (a time-limited job); a rerun resumes
     seed: int = 0  # parameters' initialisation and the batch order
     workdir: str = "runs/default"  # metrics.jsonl, tensorboard/, config.gin, plan.json, checkpoints/, data copies
-    learning_rate: float = 3e-3  # peak, reached after warmup_steps
-    warmup_steps: int = 20  # linear warm-up from 0
-    min_lr_ratio: float = 0.1  # cosine decays to learning_rate * min_lr_ratio
+    learning_rate: float = 3e-3  # the peak, reached at step warmup_steps
+    warmup_steps: int = 20  # linear warm-up: step 1 at learning_rate / warmup_steps, this step at the peak
+    # wsd (warm-up, stable, decay) suits a run whose length is not known up front: rerun with more
+    # `steps` before its decay starts and it resumes, still at the peak, on the longer schedule.
+    lr_schedule: str = "cosine"  # cosine: decay to the floor at `steps` | wsd: the peak, then a linear decay over decay_fraction | constant: the peak
+    decay_fraction: float = 0.2  # wsd: the last fraction of the steps that decays to the floor
+    min_lr_ratio: float = 0.1  # the decay ends at the floor learning_rate * min_lr_ratio (not for constant)
     weight_decay: float = 0.1  # AdamW's decoupled weight decay (kernels and embeddings, not norms or biases)
     beta1: float = 0.9  # Adam's first-moment decay
     beta2: float = 0.95  # Adam's second-moment decay
@@ -227,6 +233,9 @@ class TrainConfig:
             value = getattr(self, name)
             if not is_number(value) or value <= 0:
                 raise ConfigError(f"TrainConfig.{name} = {value!r} must be a finite positive number")
+        check_choice("TrainConfig.lr_schedule", self.lr_schedule, LR_SCHEDULES)
+        if not is_number(self.decay_fraction) or not 0 < self.decay_fraction <= 1:
+            raise ConfigError(f"TrainConfig.decay_fraction = {self.decay_fraction!r} must be a number in (0, 1]")
         for name in ("min_lr_ratio", "weight_decay"):
             value = getattr(self, name)
             if not is_number(value) or not 0 <= value <= 1:

@@ -323,11 +323,14 @@ def changed_settings(old: str, new: str) -> list[str]:
     """'Class.field OLD -> NEW' for each setting that differs between two config.gin texts, but
     `TrainConfig.stop_after`, which a run ended early and resumed changes by design, and
     `TrainConfig.workdir`, the folder both texts were read from however it is spelt (`runs/x/`,
-    an absolute path, a moved folder)."""
+    an absolute path, a moved folder). A field only `new` has at its default is a field added
+    since `old`'s version, not a change."""
     before, after = _bindings(old), _bindings(new)
+    defaults = {f"{cls.__name__}.{f.name}": repr(f.default) for cls in CLASSES for f in dataclasses.fields(cls)}
     return [f"{k} {before.get(k, '(unset)')} -> {after.get(k, '(unset)')}"
             for k in sorted(before.keys() | after.keys())
-            if before.get(k) != after.get(k) and k not in ("TrainConfig.stop_after", "TrainConfig.workdir")]
+            if before.get(k) != after.get(k) and k not in ("TrainConfig.stop_after", "TrainConfig.workdir")
+            and not (k not in before and after[k] == defaults.get(k))]
 
 
 def field_meanings() -> dict[str, str]:

@@ -408,3 +408,15 @@ def test_a_gin_file_saved_with_a_byte_order_mark_sets_its_values(tmp_path):
     cfgs = configure.load_configs(["--gin_file", str(tmp_path / "run.gin")])
     assert (cfgs.train.seed, cfgs.train.steps) == (7, 9)
     assert gin.config._FILE_READERS[0][0] is open  # gin's own reader is back for whoever parses next
+
+
+def test_a_field_added_since_the_saved_config_is_a_change_only_off_its_default():
+    # A checkpoint of a version without TrainConfig.lr_schedule: resuming it said the schedule
+    # changed from (unset) to 'cosine', the default it had all along.
+    saved = configure.operative_config(configure.load_configs([]))
+    older = "\n".join(line for line in saved.splitlines() if not line.startswith("TrainConfig.lr_schedule"))
+    assert older != saved
+    assert configure.changed_settings(older, saved) == []
+    wsd = saved.replace("TrainConfig.lr_schedule = 'cosine'", "TrainConfig.lr_schedule = 'wsd'")
+    assert configure.changed_settings(older, wsd) == ["TrainConfig.lr_schedule (unset) -> 'wsd'"]
+    assert configure.changed_settings(saved, older) == ["TrainConfig.lr_schedule 'cosine' -> (unset)"]

@@ -365,9 +365,10 @@ def test_the_learning_rate_warms_up_linearly_then_decays_by_cosine_to_its_floor(
     lr, floor, warmup, steps = 2e-3, 2e-4, 4, 12
     _, schedule = optimizer.make_optimizer(TrainConfig(steps=steps, warmup_steps=warmup, learning_rate=lr,
                                                        min_lr_ratio=floor / lr))
-    for k in range(steps + 3):  # k: the updates made before this one
-        progress = min(max(k - warmup, 0) / (steps - warmup), 1.0)
-        expected = lr * k / warmup if k < warmup else floor + (lr - floor) * 0.5 * (1 + np.cos(np.pi * progress))
+    for k in range(steps + 3):  # k: the updates made before this one, which is step k + 1
+        step = k + 1
+        progress = min(max(step - warmup, 0) / (steps - warmup), 1.0)
+        expected = lr * step / warmup if step < warmup else floor + (lr - floor) * 0.5 * (1 + np.cos(np.pi * progress))
         assert float(schedule(k)) == pytest.approx(expected, rel=1e-5, abs=1e-12), k
 
 

@@ -1,3 +1,4 @@
+import dataclasses
 import gc
 import math
 import re
@@ -16,8 +17,10 @@ from helpers import read_metrics, run_module, small_configs
 
 
 def _step_losses(cfgs, devices, with_state=False):
-    """Losses of three steps on one fixed batch (the warm-up's first learning rate is 0), and the
-    state after them, its updates settled, where `with_state`."""
+    """Losses of three steps on one fixed batch, warmed up over the three (the full learning rate
+    twice on one batch overshoots: the loss rose), and the state after them, its updates settled,
+    where `with_state`."""
+    cfgs = dataclasses.replace(cfgs, train=dataclasses.replace(cfgs.train, warmup_steps=3))
     setup = build.build(cfgs, devices)
     step = build.make_train_step(setup)
     from holmes_jax import data
