@@ -280,7 +280,7 @@ def _resume_and_train(cfgs: Configs, setup: Setup, token_data, workdir: Path, ck
         state, start = setup.init_state(), 0
     del restored  # its canonical arrays would stay on the devices beside the state for the whole run
     last = min(tcfg.steps, tcfg.stop_after or tcfg.steps)
-    if start >= last:  # config.gin stays the checkpointed run's: these settings trained nothing
+    if start >= last:  # config.gin is left as it was: these settings trained nothing
         say(f"nothing to do: the checkpoint is at step {start}, the run ends at step {last}")
         return {"steps": start}
     # What this run is, kept in every checkpoint it saves: a later resume compares against the run
