@@ -47,10 +47,19 @@ def run_module(module: str, *args: str, timeout: int = 120) -> subprocess.Comple
                           timeout=timeout, cwd=REPO, env=env)
 
 
+# The session's compilation cache (tests/conftest.py), the one JAX_ setting a launched job keeps.
+# JAX keys a multi-process program per process and only process 0 writes entries, so a job's
+# process 0 reuses what an earlier job's process 0 compiled; the other ranks compile as before.
+COMPILE_CACHE_SETTINGS = ("JAX_COMPILATION_CACHE_DIR", "JAX_COMPILATION_CACHE_MAX_SIZE",
+                          "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS")
+
+
 def launch_env() -> dict:
     """The environment for a `holmes_jax.launch` job: the package importable, and none of this
-    process's own HOLMES_ and JAX_ settings (the launcher gives each rank its own)."""
-    return {k: v for k, v in dict(os.environ, PYTHONPATH=str(REPO)).items() if not k.startswith(("HOLMES_", "JAX_"))}
+    process's own HOLMES_ and JAX_ settings (the launcher gives each rank its own; process ids,
+    coordinator, platforms or device counts must not leak), but the compilation cache's."""
+    return {k: v for k, v in dict(os.environ, PYTHONPATH=str(REPO)).items()
+            if not k.startswith(("HOLMES_", "JAX_")) or k in COMPILE_CACHE_SETTINGS}
 
 
 @contextlib.contextmanager

@@ -15,7 +15,7 @@ import pytest
 from holmes_jax import distributed
 from holmes_jax.config import ConfigError
 from holmes_jax.mesh import nic
-from helpers import REPO, killed_on_exit, read_metrics
+from helpers import REPO, killed_on_exit, launch_env, read_metrics
 
 # --------------------------------------------------------------------------- launch detection
 
@@ -182,15 +182,24 @@ def test_a_node_may_run_one_process_per_device():
         real.device_array(np.arange(4), ib, spread, ["infiniband"] * 3)
 
 
-def _env() -> dict:
-    # The launched processes must not see the test process's own distributed state.
-    return {k: v for k, v in dict(os.environ, PYTHONPATH=str(REPO)).items() if not k.startswith(("HOLMES_", "JAX_"))}
+def test_launched_jobs_keep_the_compilation_cache_and_no_other_jax_setting(monkeypatch):
+    # The session's compilation cache (conftest.py) spares a launched job's process 0 the programs
+    # an earlier job compiled; a setting that fixes process ids, the coordinator, platforms or
+    # device counts would make the job's processes disagree with what the launcher gives them.
+    for name in ("JAX_PLATFORMS", "JAX_NUM_CPU_DEVICES", "JAX_COORDINATOR_ADDRESS", "JAX_COORDINATOR_PORT",
+                 "JAX_PROCESS_ID", "JAX_NUM_PROCESSES", "JAX_LOCAL_DEVICE_IDS", "HOLMES_PROCESS_ID"):
+        monkeypatch.setenv(name, "1")
+    cache = ("JAX_COMPILATION_CACHE_DIR", "JAX_COMPILATION_CACHE_MAX_SIZE",
+             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS")
+    env = launch_env()
+    assert {k: v for k, v in env.items() if k.startswith(("HOLMES_", "JAX_"))} == {k: os.environ[k] for k in cache}
+    assert env["XLA_FLAGS"] == os.environ["XLA_FLAGS"] and env["PYTHONPATH"] == str(REPO)
 
 
 def _launch(n: int, devices: int, *cmd: str, extra: tuple = (), timeout: int = 240) -> subprocess.CompletedProcess:
     r = subprocess.run([sys.executable, "-m", "holmes_jax.launch", "-n", str(n), "--devices-per-process", str(devices),
                         "--timeout", str(timeout - 20), *extra, "--", sys.executable, *cmd],
-                       capture_output=True, text=True, timeout=timeout, cwd=REPO, env=_env())
+                       capture_output=True, text=True, timeout=timeout, cwd=REPO, env=launch_env())
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return r
 
@@ -239,7 +248,7 @@ def one_process_losses(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("one")
     r = subprocess.run([sys.executable, "-m", "holmes_jax.train", *TRAIN_ARGS, "--gin.ParallelConfig.cpu_devices=4",
                         f"--gin.TrainConfig.workdir={workdir}"], capture_output=True, text=True, timeout=240,
-                       cwd=REPO, env=_env())
+                       cwd=REPO, env=launch_env())
     assert r.returncode == 0, r.stderr[-3000:]
     return [row["loss"] for row in read_metrics(workdir)]
 
@@ -274,7 +283,7 @@ def test_processes_given_different_settings_end_in_one_error_line_each(tmp_path)
     r = subprocess.run([sys.executable, "-m", "holmes_jax.launch", "-n", "2", "--devices-per-process", "1",
                         "--timeout", "100", "--", "sh", "-c",
                         f'exec "$0" -m holmes_jax.train --gin.TrainConfig.workdir={tmp_path} {steps}', sys.executable],
-                       capture_output=True, text=True, timeout=120, cwd=REPO, env=_env())
+                       capture_output=True, text=True, timeout=120, cwd=REPO, env=launch_env())
     assert r.returncode == 2, r.stdout[-3000:] + r.stderr[-3000:]
     errors = sorted(line for line in r.stderr.splitlines() if "error:" in line)
     expected = ("error: the processes were given different settings: process 1 has TrainConfig.steps = 8 where "
@@ -324,9 +333,9 @@ def test_coordinator_port_in_use_is_one_error_line(launcher):
     # (or, at times, its segmentation fault). Under srun process 0 did not look (its index was JAX's).
     with socket.create_server(("127.0.0.1", 0)) as taken:
         address = f"127.0.0.1:{taken.getsockname()[1]}"
-        env = dict(_env(), HOLMES_COORDINATOR=address, HOLMES_NUM_PROCESSES="2", HOLMES_PROCESS_ID="0")
+        env = dict(launch_env(), HOLMES_COORDINATOR=address, HOLMES_NUM_PROCESSES="2", HOLMES_PROCESS_ID="0")
         if launcher == "slurm":
-            env = dict(_env(), HOLMES_COORDINATOR=address, SLURM_JOB_ID="7", SLURM_NTASKS="2",
+            env = dict(launch_env(), HOLMES_COORDINATOR=address, SLURM_JOB_ID="7", SLURM_NTASKS="2",
                        SLURM_STEP_NODELIST="127.0.0.1", SLURM_PROCID="0", SLURM_LOCALID="0")
         r = subprocess.run([sys.executable, "-m", "holmes_jax.train", "--gin.TrainConfig.steps=1"], capture_output=True,
                            text=True, timeout=120, cwd=REPO, env=env)
@@ -340,7 +349,7 @@ def test_coordinator_port_in_use_is_one_error_line(launcher):
 def test_a_stop_signal_while_the_processes_wait_to_meet_ends_the_process_at_once(tmp_path, sig, line):
     # jaxlib held the main thread until the processes met: Ctrl-C did nothing for up to 300 s
     with socket.create_server(("127.0.0.1", 0)) as coordinator:  # it accepts, and answers nothing
-        env = dict(_env(), HOLMES_COORDINATOR=f"127.0.0.1:{coordinator.getsockname()[1]}",
+        env = dict(launch_env(), HOLMES_COORDINATOR=f"127.0.0.1:{coordinator.getsockname()[1]}",
                    HOLMES_NUM_PROCESSES="2", HOLMES_PROCESS_ID="1")
         coordinator.settimeout(120)
         process = subprocess.Popen([sys.executable, "-m", "holmes_jax.train"], stderr=subprocess.PIPE, text=True,
@@ -381,7 +390,7 @@ def test_processes_that_never_meet_end_in_one_error_line(rank, why):
         # Process 1's port stays ours meanwhile: closed, a process of another test (the other
         # worker's) could take it and answer.
         script = "from holmes_jax import distributed; distributed.INIT_TIMEOUT_S = 1; distributed.initialize(1)"
-        env = dict(_env(), HOLMES_COORDINATOR=address, HOLMES_NUM_PROCESSES="2", HOLMES_PROCESS_ID=str(rank))
+        env = dict(launch_env(), HOLMES_COORDINATOR=address, HOLMES_NUM_PROCESSES="2", HOLMES_PROCESS_ID=str(rank))
         r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=REPO,
                            env=env)
     assert r.returncode == 1, r.stderr
@@ -412,7 +421,7 @@ def test_why_processes_did_not_meet(monkeypatch):
 
 
 def test_bad_distributed_environment_exits_2():
-    env = dict(_env(), HOLMES_NUM_PROCESSES="two", HOLMES_PROCESS_ID="0")
+    env = dict(launch_env(), HOLMES_NUM_PROCESSES="two", HOLMES_PROCESS_ID="0")
     r = subprocess.run([sys.executable, "-m", "holmes_jax.train", "--gin.TrainConfig.steps=1"], capture_output=True,
                        text=True, timeout=120, cwd=REPO, env=env)
     assert r.returncode == 2
