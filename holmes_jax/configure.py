@@ -311,9 +311,9 @@ def _bindings(text: str) -> dict[str, str]:
     found, name = {}, None
     for line in text.splitlines():
         if m := re.match(r"^(\w+(?:\.\w+)?) = (.*)$", line):
-            name, found[m[1]] = m[1], m[2]
+            name, found[m[1]] = m[1], m[2].removesuffix("\\").rstrip()  # gin's `= \` before a long value
         elif name and line[:1].isspace():
-            found[name] += " " + line.strip()
+            found[name] = f"{found[name]} {line.strip()}".lstrip()
         else:
             name = None
     return found
@@ -331,6 +331,20 @@ def changed_settings(old: str, new: str) -> list[str]:
             for k in sorted(before.keys() | after.keys())
             if before.get(k) != after.get(k) and k not in ("TrainConfig.stop_after", "TrainConfig.workdir")
             and not (k not in before and after[k] == defaults.get(k))]
+
+
+def train_config_of(text: str) -> TrainConfig | None:
+    """The TrainConfig a config.gin text binds (class defaults for the fields it lacks), or None
+    where a TrainConfig value is not a plain literal (a macro's `%NAME`)."""
+    fields, values = {f.name for f in dataclasses.fields(TrainConfig)}, {}
+    for key, value in _bindings(text).items():
+        cls, _, name = key.partition(".")
+        if cls == "TrainConfig" and name in fields:
+            try:
+                values[name] = ast.literal_eval(value)
+            except (ValueError, SyntaxError):
+                return None
+    return TrainConfig(**values)
 
 
 def field_meanings() -> dict[str, str]:

@@ -12,6 +12,7 @@ import array
 import contextlib
 import dataclasses
 import fcntl
+import math
 import os
 import re
 import signal
@@ -31,6 +32,7 @@ from holmes_jax.checkpoint import Checkpointer
 from holmes_jax.config import ConfigError
 from holmes_jax.configure import Configs, load_configs
 from holmes_jax.models import gpt
+from holmes_jax.optimizer import make_schedule
 from holmes_jax.pipeline import warmup
 from holmes_jax.planning.workload import megatron_flops
 
@@ -268,6 +270,19 @@ def _trained_run(record: dict, workdir: Path) -> tuple[str | None, dict | None]:
     return config, identity if data.is_identity(identity) else None
 
 
+def _learning_rate_moved(trained_settings: str, tcfg, start: int) -> str | None:
+    """Where the learning rate of the first resumed step differs from the checkpointed run's
+    schedule, a line saying so: a cosine run resumed with more steps goes from its floor back up."""
+    before = configure.train_config_of(trained_settings)
+    if before is None:
+        return None
+    old, new = (float(make_schedule(c)(start)) for c in (before, tcfg))
+    if math.isclose(old, new, rel_tol=1e-6):
+        return None
+    return (f"the learning rate at step {start + 1} is {new:.3g}, where the checkpointed run's schedule "
+            f"had {old:.3g}")
+
+
 def _resume_and_train(cfgs: Configs, setup: Setup, token_data, workdir: Path, ckpt: Checkpointer | None, say,
                       quiet: bool) -> dict:
     lead, tcfg = jax.process_index() == 0, cfgs.train
@@ -294,6 +309,8 @@ def _resume_and_train(cfgs: Configs, setup: Setup, token_data, workdir: Path, ck
             # Legitimate (a longer run, a new learning rate), but new data or seq_len means other
             # batches than an uninterrupted run's: say which.
             say(f"resumed with settings changed since the checkpointed run: {'; '.join(changed)}")
+            if moved := _learning_rate_moved(trained_settings, tcfg, start):
+                say(moved)
         # The data's identity likewise: new data (a file added to a text folder, a folder prepared
         # again) means other batches than an uninterrupted run's, legitimate but said.
         if trained_on and (changes := data.identity_changes(trained_on, token_data.identity)):

@@ -420,3 +420,13 @@ def test_a_field_added_since_the_saved_config_is_a_change_only_off_its_default()
     wsd = saved.replace("TrainConfig.lr_schedule = 'cosine'", "TrainConfig.lr_schedule = 'wsd'")
     assert configure.changed_settings(older, wsd) == ["TrainConfig.lr_schedule (unset) -> 'wsd'"]
     assert configure.changed_settings(saved, older) == ["TrainConfig.lr_schedule 'cosine' -> (unset)"]
+
+
+def test_the_train_config_of_a_saved_config_reads_values_gin_wrapped_and_refuses_macros():
+    workdir = "/tmp/" + "a-long-folder-name/" * 6 + "run"  # gin writes `= \` and the value on the next line
+    saved = configure.operative_config(configure.load_configs(
+        [f"--gin.TrainConfig.workdir={workdir}", "--gin.TrainConfig.lr_schedule='wsd'"]))
+    assert "TrainConfig.workdir = \\\n" in saved
+    found = configure.train_config_of(saved)
+    assert found.workdir == workdir and found.lr_schedule == "wsd" and found.steps == TrainConfig().steps
+    assert configure.train_config_of(saved.replace("TrainConfig.steps = 300", "TrainConfig.steps = %STEPS")) is None

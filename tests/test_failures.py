@@ -1020,3 +1020,37 @@ def test_a_checkpoint_without_a_record_is_compared_with_config_gin_and_its_data_
     assert "resumed from checkpoint at step 1" in said
     assert _notices(said) == _both_changed(steps=2)[:1], said
     assert said[-1].startswith("done: step 2")
+
+
+LR_NOTICE = re.compile(r"^the learning rate at step (\d+) is (\S+), where the checkpointed run's schedule had (\S+)$")
+
+
+def test_a_resume_that_moves_the_learning_rate_says_from_what_to_what(tmp_path, capsys):
+    # A cosine run of 4 steps ends at its floor; rerun with 8 steps, its step 5 went back up to
+    # most of the peak with only 'TrainConfig.steps 4 -> 8' said.
+    first = ("--gin.TrainConfig.steps=4", "--gin.CheckpointConfig.every=1")
+    train.run(small_configs(tmp_path, *first), devices=jax.devices()[:1], quiet=True)
+    capsys.readouterr()
+    train.run(small_configs(tmp_path, "--gin.TrainConfig.steps=8", "--gin.CheckpointConfig.every=1"),
+              devices=jax.devices()[:1])
+    said = capsys.readouterr().out.splitlines()
+    found = [m for line in said if (m := LR_NOTICE.match(line))]
+    assert len(found) == 1, "\n".join(said)
+    step, new, old = int(found[0][1]), float(found[0][2]), float(found[0][3])
+    lr = {row["step"]: row["lr"] for row in read_metrics(tmp_path)}
+    assert step == 5 and new == pytest.approx(lr[5], rel=5e-3)
+    assert old == pytest.approx(0.01 * 0.1, rel=5e-3)  # small_configs' peak times min_lr_ratio: the floor
+    assert new > 4 * old  # cosine over steps 2-8 (warm-up 1), at step 5: floor + 0.39 of (peak - floor)
+
+
+def test_a_resume_that_keeps_the_learning_rate_says_nothing_of_it(tmp_path, capsys):
+    # wsd extended before its decay: the peak before and after; a new seed changes no rate
+    wsd = ("--gin.TrainConfig.lr_schedule='wsd'", "--gin.CheckpointConfig.every=1")
+    train.run(small_configs(tmp_path, *wsd, "--gin.TrainConfig.steps=10", "--gin.TrainConfig.stop_after=2"),
+              devices=jax.devices()[:1], quiet=True)
+    capsys.readouterr()
+    train.run(small_configs(tmp_path, *wsd, "--gin.TrainConfig.steps=20", "--gin.TrainConfig.stop_after=3"),
+              devices=jax.devices()[:1])
+    said = capsys.readouterr().out.splitlines()
+    assert any(line.startswith(SETTINGS_NOTICE) and "TrainConfig.steps 10 -> 20" in line for line in said), said
+    assert not [line for line in said if LR_NOTICE.match(line)], said
