@@ -231,9 +231,9 @@ def test_topology_with_an_infinite_rate_is_one_error_line(tmp_path):
 
 
 def test_auto_finds_the_split_that_fits_memory_when_the_time_balanced_one_does_not():
-    """Fast devices want most layers, but only the even split fits 50 GB: a plan, not 'no layout fits'."""
-    topo = Topology((Cluster("fast", "infiniband", 4, 8, device_tflops=1000, device_memory_gb=50),
-                     Cluster("slow", "infiniband", 4, 8, device_tflops=100, device_memory_gb=50)))
+    """Fast devices want most layers, but only the even split fits 63 GB: a plan, not 'no layout fits'."""
+    topo = Topology((Cluster("fast", "infiniband", 4, 8, device_tflops=1000, device_memory_gb=63),
+                     Cluster("slow", "infiniband", 4, 8, device_tflops=100, device_memory_gb=63)))
     p = plan(topo, "7.5b", ParallelConfig(tp=8, pp=2, microbatches=64, schedule="1f1b"))
     assert p.prediction.fits and p.stage_layers == (18, 18)
     assert not p.partitions["params"].fits  # 17,19 is over memory: the even split is the only one

@@ -290,9 +290,9 @@ def test_a_layout_that_fits_only_past_the_microbatch_cap_is_named():
 
 
 def test_a_given_split_over_memory_is_named_with_the_way_out():
-    """Memory is the longest stage's: 20,10 is over 21 GB where 15,15 is not. The error named the
+    """Memory is the longest stage's: 20,10 is over 24 GB where 15,15 is not. The error named the
     layout but not the split that put it over."""
-    t = Topology((Cluster("big", "infiniband", 2, 8), Cluster("small", "roce", 2, 8, device_memory_gb=21)))
+    t = Topology((Cluster("big", "infiniband", 2, 8), Cluster("small", "roce", 2, 8, device_memory_gb=24)))
     fixed = dict(tp=8, pp=2, microbatches=256, schedule="1f1b")
     for given in (dict(stage_layers=(20, 10)), dict(partition="holmes-ratio")):
         with pytest.raises(ConfigError) as e:

@@ -47,7 +47,10 @@ One training step as the pipeline runtime runs it (holmes_jax.pipeline.runtime):
    longest stage's layers, on every stage (the runtime's arrays have equal shards), and the
    scan's boundary-sized buffers (whole on every tp rank): a stashed input per ring slot, the one
    stashed output gradient, and the two a tick's transfers arrive in. With one stage, one
-   microbatch's residuals.
+   microbatch's residuals. On top, a tick's working memory at its largest: one layer's backward
+   (what its remat policy recomputes, or the activation gradients it makes, and its fresh
+   parameter gradient; with one stage a microbatch's gradient of the whole model) or, on the last
+   stage, the head's float32 logits and their gradient (workload.layer_work_bytes, head_work_bytes).
    A checkpoint's save (and a resume's restore, a fresh state's creation) runs apart from the
    step, with no gradients or activations, but holds at once the train state, the canonical state
    (every layer's weights and moments spread over all devices) and the all-to-all's buffer between
@@ -119,6 +122,11 @@ class Work:
     # the token embedding's and output projection's parameters tp splits over the vocabulary
     # (workload.vocab_split_params; 0: replicated over `tensor`, every rank runs the head whole)
     vocab_split_params: float = 0.0
+    # working memory of a step beyond what it stashes, per device (workload.layer_work_bytes and
+    # head_work_bytes): one layer's backward (what the remat policy recomputes and the gradients
+    # on the way) and the last stage's head (float32 logits and their gradient)
+    layer_work_bytes: float = 0.0
+    head_work_bytes: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -346,8 +354,15 @@ class CostModel:
             reduce, gather = allreduce_s(params * w.reduce_bytes_per_param, self._dp, self._dp_link, k), 0.0 * params
             state, update = held * w.optimizer_bytes_per_param, self._update_rate * params
         longest = n.max(axis=1, keepdims=True)
+        # A tick's working memory on top of the ring, at its largest: a layer's backward (with its
+        # fresh parameter gradient, added to the accumulator only after; one stage takes the vjp
+        # of the whole model, a microbatch's gradient of every parameter at once), or on the last
+        # stage the head's logits, which run before the layers' backward, not with it.
+        fresh = held if n.shape[1] == 1 else self._mean_layer_params / self._tp
+        work = np.broadcast_to(w.layer_work_bytes + fresh * w.grad_bytes_per_param, n.shape).copy()
+        work[:, -1] = np.maximum(work[:, -1], w.head_work_bytes)
         step_memory = (held * (w.param_bytes_per_param + w.grad_bytes_per_param) + state
-                       + self._ring_slots * longest * w.layer_stash_bytes + self._inputs_bytes)
+                       + self._ring_slots * longest * w.layer_stash_bytes + self._inputs_bytes + work)
         # a save: the train state, the canonical state and the all-to-all's buffer of the padded
         # one (every stage's layer slots), both spread over every device (module docstring, 5.)
         spread = (w.param_bytes_per_param + w.optimizer_bytes_per_param) / self._devices

@@ -92,8 +92,11 @@ def _cost_model(cfg: ModelConfig, pl: Placement, global_batch: int, seq_len: int
         layers, device_flops, update, dp_links, boundaries = _with_profile(
             prof, cfg, costs, micro_batch, seq_len, pl, topo, dp_links, boundaries, notes)
     whole = workload.zero1_whole(cfg, dp, tp)
+    stash = _stash_bytes(cfg, costs, tp, micro_batch, seq_len)
     work = cost.Work(costs.embed, layers, costs.head, costs.activation_bytes,
-                     tp_allreduces_bwd=4 if cfg.remat == "full" else 2, layer_stash_bytes=_stash_bytes(cfg, costs, tp, seq_len),
+                     tp_allreduces_bwd=4 if cfg.remat == "full" else 2, layer_stash_bytes=stash,
+                     layer_work_bytes=workload.layer_work_bytes(cfg, micro_batch, seq_len, stash, tp),
+                     head_work_bytes=workload.head_work_bytes(cfg, micro_batch, seq_len, tp),
                      sync_collectives=costs.param_leaves, reduce_bytes_per_param=WIRE_BYTES[par.grad_reduce_dtype],
                      gather_bytes_per_param=WIRE_BYTES[par.update_gather_dtype],
                      zero1_whole_layer_share=whole.layer_share, zero1_whole_shared_share=whole.shared_share,
@@ -296,20 +299,19 @@ def _with_profile(prof, cfg: ModelConfig, costs: workload.ModelCosts, micro_batc
     return layers, device_flops, update, dp_links, boundaries
 
 
-def _stash_bytes(cfg: ModelConfig, costs: workload.ModelCosts, tp: int, seq_len: int) -> float:
+def _stash_bytes(cfg: ModelConfig, costs: workload.ModelCosts, tp: int, micro_batch: int, seq_len: int) -> float:
     """Activations one layer keeps per in-flight microbatch on one device, by remat policy: 'full'
     its input; 'dots' its input, the attention projection's output and the column-parallel
-    matmuls' outputs (q, k, v, the MLP's first one(s)), split over tp; 'none' Korthikanti et
-    al.'s s*b*h*(10 + 24/t + 5*a*s/(h*t)) bytes (16-bit activations, tensor parallel without
-    sequence parallelism), scaled to the compute dtype: an estimate, the runtime keeps what JAX's
-    autodiff saves."""
+    matmuls' outputs (q, k, v, the MLP's first one(s)), split over tp; 'none' every residual
+    JAX's autodiff saves (workload.layer_residual_bytes). Korthikanti et al.'s
+    s*b*h*(10 + 24/t + 5*a*s/(h*t)) 16-bit bytes, used before, were 0.5-0.6 of what the runtime
+    keeps: JAX keeps the norms' activations in float32 and six ffn-wide arrays."""
     h, f, kv = cfg.hidden, cfg.ffn_hidden, cfg.num_kv_heads * cfg.head_dim
     if cfg.remat == "full":
         return costs.activation_bytes
     if cfg.remat == "dots":
         return costs.activation_bytes * (2 + (h + 2 * kv + (2 if cfg.mlp == "swiglu" else 1) * f) / (h * tp))
-    a = cfg.num_heads
-    return costs.activation_bytes / 2 * (10 + 24 / tp + 5 * a * seq_len / (h * tp))
+    return workload.layer_residual_bytes(cfg, micro_batch, seq_len, tp)
 
 
 def _stage_ratios(topology: Topology, pl: Placement, ratios: Mapping[str, float] | None) -> list[float]:

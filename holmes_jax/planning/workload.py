@@ -82,6 +82,66 @@ def model_costs(cfg: ModelConfig, micro_batch: int, seq_len: int) -> ModelCosts:
     return ModelCosts(embed, (layer,) * cfg.num_layers, head, act_bytes, block_leaves + embed_leaves + head_leaves)
 
 
+def _dtype_bytes(cfg: ModelConfig) -> int:
+    return 2 if cfg.compute_dtype == "bfloat16" else 4
+
+
+def _attention_scores(cfg: ModelConfig) -> bool:
+    """Whether a layer forms attention's s x s scores: XLA's attention does, cuDNN's fused (flash)
+    attention never does. 'auto' is read as a run on a CUDA GPU would resolve it
+    (models.gpt.attention_implementation): cuDNN for bfloat16 compute and head sizes up to 128 in
+    multiples of 8, else XLA. The planner plans GPU clusters; a bfloat16 run on CPU forms the
+    scores all the same, so there its figure is low."""
+    if cfg.attention != "auto":
+        return cfg.attention != "cudnn"
+    cudnn_runs = cfg.compute_dtype == "bfloat16" and cfg.head_dim % 8 == 0 and cfg.head_dim <= 128
+    return not cudnn_runs
+
+
+def layer_residual_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, tp: int = 1) -> float:
+    """What one layer's vjp keeps of one microbatch with nothing recomputed (remat 'none'), per
+    device: as JAX's autodiff saves it (the runtime stashes exactly these, pipeline.runtime._Layers).
+    Whole on every tp rank: the residual stream, both norms' inputs, outputs and per-token
+    statistics in float32, the normed inputs of the column-parallel matmuls in the compute dtype.
+    Split over tp (column-parallel, by heads or ffn columns): q, k, v and the attention's output,
+    six ffn-wide arrays (gelu's or SwiGLU's pieces), and with XLA's attention its float32 scores,
+    its probabilities in the compute dtype and two float32 per-row statistics."""
+    h, f, kv, heads = cfg.hidden, cfg.ffn_hidden, cfg.num_kv_heads * cfg.head_dim, cfg.num_heads
+    tokens, c = micro_batch * seq_len, _dtype_bytes(cfg)
+    whole = tokens * (6 * h * 4 + 4 * 4 + 2 * h * c)
+    split = tokens * (2 * h + 2 * kv + 6 * f) * c
+    if _attention_scores(cfg):
+        split += micro_batch * heads * seq_len * (seq_len * (4 + c) + 2 * 4)
+    return whole + split / tp
+
+
+def layer_work_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, stash_bytes: float, tp: int = 1) -> float:
+    """What one layer's backward holds at once beyond the stash, per device: the larger of what
+    the remat policy recomputes (the residuals 'none' keeps less what the policy stashed) and the
+    gradients it makes on the way (of the residual stream and a norm's float32 activation, two
+    ffn-wide ones, and with XLA's attention of the float32 scores): the backward frees what it
+    recomputed as it makes the gradients, so it does not hold both whole (on CPU, XLA's compile
+    holds within 5% of the larger in bench/checkpoint_memory.py's layouts). On every device kind:
+    the same arrays exist wherever the backward runs."""
+    h, f, heads = cfg.hidden, cfg.ffn_hidden, cfg.num_heads
+    tokens, c = micro_batch * seq_len, _dtype_bytes(cfg)
+    recomputed = max(layer_residual_bytes(cfg, micro_batch, seq_len, tp) - stash_bytes, 0.0)
+    gradients = tokens * 2 * h * 4 + tokens * 2 * f * c / tp
+    if _attention_scores(cfg):
+        gradients += micro_batch * heads * seq_len * seq_len * 4 / tp
+    return max(recomputed, gradients)
+
+
+def head_work_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, tp: int = 1) -> float:
+    """What the last stage's head holds at once for one microbatch, per device: the float32
+    logits (rows x seq x vocab, float32 for the loss in any compute dtype, models.gpt) and their
+    float32 gradient (the softmax fused into it), split over tp where tp splits the vocabulary
+    (`vocab_split_params`), else whole on every rank. With 128k ids and 4k tokens a row that is
+    4 GB a row: on large vocabularies more than any layer's work."""
+    logits = micro_batch * seq_len * cfg.vocab_size * 4
+    return 2 * logits / (tp if vocab_split_params(cfg, tp) else 1)
+
+
 @dataclasses.dataclass(frozen=True)
 class Zero1Whole:
     """What ZeRO-1 over `dp` replicas cannot split and keeps whole on every replica: all-reduced,
