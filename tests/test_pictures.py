@@ -111,7 +111,7 @@ def test_the_timeline_draws_only_real_sync_as_sync(name):
 
 def test_an_uneven_plans_idle_stage_waits_uncoloured():
     p = plan(str(TOPOLOGIES / "ib4_roce4.toml"), "1.3b", ParallelConfig(tp=8, pp=2, stage_layers=(23, 1)),
-             global_batch=64)
+             global_batch=32)  # 64 rows in one microbatch: over memory
     pr = p.prediction
     ended = [g for g in pictures.timeline(p) if g.stage == 1 and g.start >= pr.stage_busy_s[1]]
     assert sum(g.seconds for g in ended) < pr.stage_finish_s[1] - pr.stage_busy_s[1] - 0.05  # the wait for stage 0
