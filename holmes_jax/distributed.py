@@ -237,11 +237,10 @@ def _cuda_plugin_installed() -> bool:
     return any("cuda" in name for name in names)
 
 
-def visible_gpus(env, gpus_dir: str | None = None, platforms: str | None = None) -> int | None:
+def visible_gpus(env, platforms: str | None = None) -> int | None:
     """How many GPUs CUDA will show this process, read without starting it (that would fix the
     devices before jax.distributed chooses them); None where JAX will not run on CUDA (JAX_PLATFORMS
-    without it, no CUDA plugin, no NVIDIA driver). `gpus_dir`: NVIDIA_GPUS by default; `platforms`:
-    JAX's, by default its config's."""
+    without it, no CUDA plugin, no NVIDIA driver). `platforms`: JAX's, by default its config's."""
     platforms = jax.config.jax_platforms if platforms is None else platforms
     wanted = {name.strip() for name in (platforms or "").lower().split(",") if name.strip()}
     if wanted and not wanted & {"cuda", "gpu"}:
@@ -249,7 +248,7 @@ def visible_gpus(env, gpus_dir: str | None = None, platforms: str | None = None)
     if not _cuda_plugin_installed():
         return None
     try:
-        driver = len(os.listdir(gpus_dir or NVIDIA_GPUS))
+        driver = len(os.listdir(NVIDIA_GPUS))
     except OSError:
         return None
     shown = env.get("CUDA_VISIBLE_DEVICES")
@@ -266,7 +265,7 @@ def visible_gpus(env, gpus_dir: str | None = None, platforms: str | None = None)
     return count
 
 
-def check_local_gpus(method: str, env=None, gpus_dir: str | None = None, platforms: str | None = None) -> None:
+def check_local_gpus(method: str, env=None, platforms: str | None = None) -> None:
     """Raises `ConfigError` where jax.distributed would give this process a GPU that CUDA does not
     show it: more ranks on a host than it has GPUs (mpirun -npernode 8 on a host of 4), or SLURM
     giving each task a GPU of its own (--gpus-per-task=1: every task is shown one, GPU 0) while
@@ -276,7 +275,7 @@ def check_local_gpus(method: str, env=None, gpus_dir: str | None = None, platfor
     name = LOCAL_DEVICE_IDS if env.get(LOCAL_DEVICE_IDS) else LOCAL_RANKS.get(method)
     if name is None or name not in env:  # no devices chosen: the process takes every GPU it is shown
         return
-    shown = visible_gpus(env, gpus_dir, platforms)
+    shown = visible_gpus(env, platforms)
     if not shown:  # not a CUDA run, or no GPU shown at all (JAX then runs on the CPU)
         return
     beyond = [int(i) for i in env[name].split(",") if int(i) >= shown]

@@ -459,11 +459,12 @@ def test_a_rank_beyond_the_steps_tasks_names_the_steps_count():
 
 @pytest.fixture
 def four_gpus(tmp_path, monkeypatch):
-    """A host whose NVIDIA driver has 4 GPUs and a JAX with a CUDA plugin, as the seams see them."""
+    """A host whose NVIDIA driver has 4 GPUs and a JAX with a CUDA plugin, as the seams see them:
+    the driver's GPUs in a folder of the test's, not /proc (this machine has no GPU)."""
     for bus in ("0000:07:00.0", "0000:0f:00.0", "0000:47:00.0", "0000:4e:00.0"):
         (tmp_path / bus).mkdir()
     monkeypatch.setattr(distributed, "_cuda_plugin_installed", lambda: True)
-    return str(tmp_path)
+    monkeypatch.setattr(distributed, "NVIDIA_GPUS", str(tmp_path))
 
 
 @pytest.mark.parametrize("env, platforms, count", [
@@ -476,13 +477,15 @@ def four_gpus(tmp_path, monkeypatch):
     ({}, "cpu", None),  # JAX will not start CUDA
 ])
 def test_the_gpus_cuda_shows_are_counted_without_starting_it(four_gpus, env, platforms, count):
-    assert distributed.visible_gpus(env, four_gpus, platforms) == count
+    assert distributed.visible_gpus(env, platforms) == count
 
 
 def test_no_gpus_are_counted_without_a_driver_or_a_cuda_plugin(four_gpus, tmp_path, monkeypatch):
-    assert distributed.visible_gpus({}, str(tmp_path / "no-driver"), "") is None
     monkeypatch.setattr(distributed, "_cuda_plugin_installed", lambda: False)
-    assert distributed.visible_gpus({}, four_gpus, "") is None
+    assert distributed.visible_gpus({}, "") is None
+    monkeypatch.setattr(distributed, "_cuda_plugin_installed", lambda: True)
+    monkeypatch.setattr(distributed, "NVIDIA_GPUS", str(tmp_path / "no-driver"))
+    assert distributed.visible_gpus({}, "") is None
 
 
 MPIRUN_RANK_5 = {"OMPI_COMM_WORLD_SIZE": "8", "OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_LOCAL_RANK": "5",
@@ -504,7 +507,7 @@ MPIRUN_RANK_5 = {"OMPI_COMM_WORLD_SIZE": "8", "OMPI_COMM_WORLD_RANK": "5", "OMPI
 ])
 def test_a_process_given_a_gpu_cuda_does_not_show_is_one_error_before_start_up(four_gpus, method, env, message):
     with pytest.raises(ConfigError, match="^" + re.escape(message)):
-        distributed.check_local_gpus(method, env, four_gpus, "")
+        distributed.check_local_gpus(method, env, "")
 
 
 @pytest.mark.parametrize("method, env, platforms", [
@@ -515,12 +518,10 @@ def test_a_process_given_a_gpu_cuda_does_not_show_is_one_error_before_start_up(f
     ("holmes", {"HOLMES_NUM_PROCESSES": "8", "HOLMES_PROCESS_ID": "5"}, ""),  # every GPU it is shown
 ])
 def test_a_process_given_a_gpu_cuda_shows_starts(four_gpus, method, env, platforms):
-    distributed.check_local_gpus(method, env, four_gpus, platforms)
+    distributed.check_local_gpus(method, env, platforms)
 
 
 def test_initialize_checks_the_local_gpu_before_anything_starts(four_gpus, monkeypatch):
-    # the seam: the driver's GPUs in a folder of the test's, not /proc (this machine has no GPU)
-    monkeypatch.setattr(distributed, "NVIDIA_GPUS", four_gpus)
     monkeypatch.setattr(distributed, "_info", None)
     monkeypatch.setattr(distributed, "network_settings", lambda local: pytest.fail("started before the check"))
     for name, value in MPIRUN_RANK_5.items():
