@@ -191,3 +191,17 @@ def test_a_stage_without_layers_is_refused_in_one_line(tmp_path, layers):
     with pytest.raises(ConfigError, match=r"stage_layers = .* must list 4 positive layer counts"):
         small_configs(tmp_path, "--gin.ModelConfig.num_layers=4", "--gin.ParallelConfig.pp=4",
                       f"--gin.ParallelConfig.stage_layers={layers}")
+
+
+def test_settling_uneven_stages_updates_the_parameters_in_place(tmp_path):
+    # The later slot group's cond read the parameters as one operand and wrote them in place as
+    # another: XLA copied them whole, each step (temporaries 1.7 times a stage's block parameters).
+    cfgs = small_configs(tmp_path, "--gin.ModelConfig.num_layers=4", "--gin.ParallelConfig.pp=2",
+                         "--gin.ParallelConfig.stage_layers=(3, 1)", "--gin.ParallelConfig.microbatches=2")
+    setup = build.build(cfgs)
+    state = setup.abstract_state()
+    settle = jax.jit(setup.settle, donate_argnums=0, out_shardings=setup.state_shardings["params"])
+    temp = settle.lower(state["params"], state["pending"]).compile().memory_analysis().temp_size_in_bytes
+    blocks = sum(np.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+                 for x in jax.tree.leaves(state["params"]["blocks"]))
+    assert temp < blocks  # the later group's gathered updates (2 of 3 slots) and small ones

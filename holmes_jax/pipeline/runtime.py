@@ -3,7 +3,7 @@
 Block parameters live in a staged layout: every block leaf is (stages, max_layers, ...) split over
 `stage`, stage s holding its `stage_layers[s]` layers first and zero padding after. Padding is
 skipped by the stage's layer scans (`_Layers`), so it gets zero gradient; its reduction over `data` and its optimizer
-update are skipped too (`by_slot_group`, pipeline.update), so it never moves and a stage's
+update are skipped too (`update_by_slot_group`, pipeline.update), so it never moves and a stage's
 traffic over `data` is its real layers'. Checkpoints hold the canonical layout, (layers, ...) in model order,
 so they move between partitions and pp values (`to_canonical` / `to_staged`).
 
@@ -223,32 +223,42 @@ class Pipeline:
         return map_blocks(lambda x: x.reshape((-1,) + x.shape[2:])[order], tree)
 
     def _over_slot_groups(self, n_layers, blocks, run, carry, axis: int):
-        """`carry = run(carry, group_slice, start)` for each slot group's slice of `blocks` (slot
-        axis at `axis`). A group beyond the first runs under `lax.cond` on this stage's
+        """`carry = run(carry, group_slice, start, stop)` for each slot group's slice of `blocks`
+        (slot axis at `axis`). A group beyond the first runs under `lax.cond` on this stage's
         `n_layers`, so the stages it is padding on skip its work and its collectives (a data
         group is one stage: its members agree) and keep the carry. The slice sits in the branch
         with the work, so XLA need not copy the trees whole."""
         for start, stop in self.slot_groups:
             def group(carry, blocks, start=start, stop=stop):
-                return run(carry, jax.tree.map(lambda x: lax.slice_in_dim(x, start, stop, axis=axis), blocks), start)
+                part = jax.tree.map(lambda x: lax.slice_in_dim(x, start, stop, axis=axis), blocks)
+                return run(carry, part, start, stop)
             carry = group(carry, blocks) if start == 0 else lax.cond(n_layers > start, group, lambda c, b: c,
                                                                        carry, blocks)
         return carry
 
-    def by_slot_group(self, n_layers, blocks, fn, axis: int = 0, into=None):
-        """`fn` over each slot group's slice of `blocks`, each result written in place into
-        `into` (a tree shaped like `fn(blocks)`; default zeros), which stages keep where the group
-        is their padding (`_over_slot_groups`). Writing in place, rather than slicing each group
-        out and joining the results, spares XLA a copy of every tree each step."""
-        out = into if into is not None else jax.tree.map(lambda r: jnp.zeros(r.shape, r.dtype),
-                                                          jax.eval_shape(fn, blocks))
-        return self._over_slot_groups(n_layers, blocks, lambda out, part, start: jax.tree.map(
-            lambda o, r: lax.dynamic_update_slice_in_dim(o, r, start, axis=axis), out, fn(part)), out, axis)
+    def by_slot_group(self, n_layers, blocks, fn, axis: int = 0):
+        """`fn` over each slot group's slice of `blocks`, the results written in place into zeros
+        shaped like `fn(blocks)` (`update_by_slot_group`); padding groups stay zero."""
+        zeros = jax.tree.map(lambda r: jnp.zeros(r.shape, r.dtype), jax.eval_shape(fn, blocks))
+        return self.update_by_slot_group(n_layers, zeros, blocks, lambda _, part: fn(part), axis)
+
+    def update_by_slot_group(self, n_layers, state, blocks, fn, axis: int = 0):
+        """`state` (a tree) with each slot group's slice replaced by `fn(state's slice, blocks'
+        slice)`, written in place; the stages a group is padding on keep theirs
+        (`_over_slot_groups`). Writing in place, rather than slicing each group out and joining
+        the results, spares XLA a copy of every tree each step. What `fn` updates it must read
+        from its first argument, not from `blocks`: a `cond` that reads an array as one operand
+        and writes it in place as another makes XLA copy the array whole."""
+        def run(state, part, start, stop):
+            new = fn(jax.tree.map(lambda x: lax.slice_in_dim(x, start, stop, axis=axis), state), part)
+            return jax.tree.map(lambda x, r: lax.dynamic_update_slice_in_dim(x, r, start, axis=axis), state, new)
+
+        return self._over_slot_groups(n_layers, blocks, run, state, axis)
 
     def sum_over_slot_groups(self, n_layers, blocks, fn, axis: int = 0):
         """The sum of the float32 scalar `fn` over each slot group's slice of `blocks`, skipping
         the groups that are padding on this stage."""
-        return self._over_slot_groups(n_layers, blocks, lambda total, part, _: total + fn(part),
+        return self._over_slot_groups(n_layers, blocks, lambda total, part, *_: total + fn(part),
                                       jnp.zeros((), jnp.float32), axis)
 
     # ------------------------------------------------------------------ transfers

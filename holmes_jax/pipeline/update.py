@@ -2,8 +2,8 @@
 
 Block leaves are (stages, max_layers, ...) with zero padding after a stage's real layers
 (`Pipeline`). The step runs in one `jax.shard_map` manual over `stage` and `data` (`tensor`
-automatic), one slot group at a time (`Pipeline.by_slot_group`): a group that is padding on a
-stage runs under a `lax.cond` that stage skips, so the stage neither updates its padding nor
+automatic), one slot group at a time (`Pipeline.update_by_slot_group`): a group that is padding
+on a stage runs under a `lax.cond` that stage skips, so the stage neither updates its padding nor
 all-gathers it (ZeRO-1). What a stage computes and moves around the update is proportional to
 its real layers; padding stays exactly zero. The embedding and head take their own AdamW call.
 
@@ -108,8 +108,8 @@ def make_update(pipeline: Pipeline, tx: optax.GradientTransformation, max_norm: 
         new_shared, shared_pending, state = adamw(shared(params), shared(grads),
                                                   _with_moments(opt_state, like, shared), shared(dims))
 
-        def block_group(part):
-            p, g, moments = part
+        def block_group(held, g):
+            p, _, moments = held
             it = iter(moments)
             new_p, pending, new_state = adamw({"blocks": p}, {"blocks": g},
                                               _with_moments(opt_state, like, lambda _: {"blocks": next(it)}),
@@ -121,9 +121,8 @@ def make_update(pipeline: Pipeline, tx: optax.GradientTransformation, max_norm: 
         # Written in place into the old blocks and moments and into zeros (padding keeps its
         # zeros and pends nothing).
         nothing = [jnp.zeros(g.shape, wire) for g in _split_leaves(grads["blocks"], dims["blocks"])]
-        new_blocks, split_pending, new_moments = pipeline.by_slot_group(
-            n_layers, (params["blocks"], grads["blocks"], moments), block_group, axis=1,
-            into=(params["blocks"], nothing, moments))
+        new_blocks, split_pending, new_moments = pipeline.update_by_slot_group(
+            n_layers, (params["blocks"], nothing, moments), grads["blocks"], block_group, axis=1)
         blocks_pending = _with_split_leaves(jax.tree.map(lambda _: no_pending(wire), params["blocks"]),
                                             dims["blocks"], split_pending)
         it = iter(new_moments)
@@ -160,10 +159,10 @@ def make_settle(pipeline: Pipeline, state_specs: dict, grad_specs: dict):
         block_dims = _split_leaves(dims["blocks"], dims["blocks"])
         block_tensor = _split_leaves(tensor_specs["blocks"], dims["blocks"])
         blocks = _split_leaves(params["blocks"], dims["blocks"])
-        settled = pipeline.by_slot_group(
-            pipeline.stage_n_layers(), (blocks, _split_leaves(pending["blocks"], dims["blocks"])),
-            lambda part: [add(p, u, d, t) for p, u, d, t in zip(*part, block_dims, block_tensor)], axis=1,
-            into=blocks)
+        settled = pipeline.update_by_slot_group(
+            pipeline.stage_n_layers(), blocks, _split_leaves(pending["blocks"], dims["blocks"]),
+            lambda held, updates: [add(p, u, d, t) for p, u, d, t in zip(held, updates, block_dims, block_tensor)],
+            axis=1)
         return dict(new, blocks=_with_split_leaves(params["blocks"], dims["blocks"], settled))
 
     return jax.shard_map(body, mesh=pipeline.mesh, axis_names={"stage", "data"},
