@@ -68,15 +68,17 @@ def _unknown_characters(tokenizer, text: str, encoding) -> list[str]:
 
 
 def _per_tokenizer(read):
-    """`read(tokenizer)`, read once per tokenizer object: what it reads (the whole JSON, the whole
-    vocabulary) takes milliseconds for a big vocabulary, on every encode or generate call else."""
+    """`read(tokenizer)`, read once per tokenizer object and vocabulary size (tokens added later
+    are read again): what it reads (the whole JSON, the whole vocabulary) takes milliseconds for a
+    big vocabulary, on every encode or generate call else."""
     cache = weakref.WeakKeyDictionary()  # the entry goes with its tokenizer
 
     @functools.wraps(read)
     def cached(tokenizer):
-        if tokenizer not in cache:
-            cache[tokenizer] = read(tokenizer)
-        return cache[tokenizer]
+        size = tokenizer.get_vocab_size(with_added_tokens=True)
+        if cache.get(tokenizer, (None,))[0] != size:
+            cache[tokenizer] = (size, read(tokenizer))
+        return cache[tokenizer][1]
     return cached
 
 

@@ -101,6 +101,13 @@ def test_encode_and_generate_read_the_tokenizers_json_and_vocabulary_once():
     assert tok.reads == 2  # its JSON for the unknown token, its vocabulary for the ids it knows
 
 
+def test_tokens_added_after_the_first_read_are_known():
+    tok = _tokenizer("<unk>")
+    before = generate._tokenizer_ids(tok)
+    tok.add_tokens(["zz"])  # cached before, the new id stayed out of what generate may sample
+    assert generate._tokenizer_ids(tok) == before + 1 == tok.token_to_id("zz") + 1
+
+
 def test_each_tokenizer_keeps_its_own_unknown_token():
     with_unk, without = _tokenizer("<unk>"), _tokenizer(None)
     assert generate._unknown_id(with_unk) == with_unk.token_to_id("<unk>")
