@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from holmes_jax import build, configure, data, optimizer, train
+from holmes_jax import build, cli, configure, data, distributed, optimizer, train
 from holmes_jax.config import ConfigError
 from helpers import read_metrics, run_module, small_configs
 
@@ -252,22 +252,50 @@ def test_a_checkpoint_saves_time_is_not_step_time(tmp_path, monkeypatch):
     assert sorted(times) == [1, 2, 3] and max(times.values()) < 1.5, times  # each save took over 3 s
 
 
-@pytest.mark.parametrize("args, names", [
+# The data refused: the furthest a bad input gets (JAX's backend started, the run built); every
+# other case here stops earlier on the same way through train.main.
+DATA_REFUSED = (["--gin.DataConfig.source=/nonexistent/text"], "DataConfig.source")
+BAD_INPUT = [
     (["--gin.TrainConfig.stepz=3"], "stepz"),
     (["--gin.NoSuchConfig.x=1"], "NoSuchConfig"),
     (["--gin.ParallelConfig.schedule=zigzag"], "ParallelConfig.schedule"),
     (["--gin.ParallelConfig.tp=3"], "tp = 3"),
-    (["--gin.DataConfig.source=/nonexistent/text"], "DataConfig.source"),
+    DATA_REFUSED,
     (["--gin_file", "/nonexistent.gin"], "nonexistent.gin"),
     (["--bogus"], "--bogus"),
-])
-def test_bad_input_exits_2_with_one_error_line_and_writes_nothing(tmp_path, args, names):
+]
+
+
+def _one_error_line(stderr: str, names: str) -> None:
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and names in lines[0], stderr
+    assert "Traceback" not in stderr
+
+
+@pytest.mark.parametrize("args, names", BAD_INPUT)
+def test_bad_input_exits_2_with_one_error_line_and_writes_nothing(tmp_path, monkeypatch, capsys, args, names):
+    # In this process, through what `python -m holmes_jax.train` runs (cli.run(train.main)): a
+    # process start-up (JAX's import) for each case cost seconds; the test below runs one in a
+    # process of its own. An exception other than our errors (a traceback) would escape cli.run.
+    monkeypatch.setattr(distributed, "_info", None)  # train.main's start-up, as in a new process ...
+    monkeypatch.setattr(distributed, "_network", [])  # ... and none of it left for later tests
+    workdir = tmp_path / "wd"
+    with pytest.raises(SystemExit) as exited:
+        cli.run(train.main, [f"--gin.TrainConfig.workdir={workdir}", *args])
+    stderr = capsys.readouterr().err
+    assert exited.value.code == 2, stderr
+    _one_error_line(stderr, names)
+    assert not workdir.exists()
+
+
+def test_bad_input_in_a_process_of_its_own_exits_2_with_one_error_line_and_writes_nothing(tmp_path):
+    # The case that gets furthest, in a real process: its exit status, and a stderr with nothing
+    # but the error line (no warning of JAX's start-up, no traceback).
+    args, names = DATA_REFUSED
     workdir = tmp_path / "wd"
     result = run_module("holmes_jax.train", f"--gin.TrainConfig.workdir={workdir}", *args)
     assert result.returncode == 2, result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error:") and names in lines[0], result.stderr
-    assert "Traceback" not in result.stderr
+    _one_error_line(result.stderr, names)
     assert not workdir.exists()
 
 
