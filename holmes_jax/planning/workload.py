@@ -37,6 +37,10 @@ class ModelCosts:
         return self.embed.params + sum(p.params for p in self.layers) + self.head.params
 
 
+def _dtype_bytes(cfg: ModelConfig) -> int:
+    return 2 if cfg.compute_dtype == "bfloat16" else 4
+
+
 def _matmul_params(cfg: ModelConfig) -> int:
     """One block's weight matrices: q and o (h x h), k and v (h x kv: grouped-query attention
     shares kv heads), the MLP's two (three with SwiGLU) h x f."""
@@ -73,17 +77,13 @@ def model_costs(cfg: ModelConfig, micro_batch: int, seq_len: int) -> ModelCosts:
     head_fwd = 2.0 * tokens * h * v
     final_norm = 2 * h if cfg.norm == "layernorm" else h
     head = Part(final_norm + (0 if cfg.tie_embeddings else v * h), head_fwd, 2.0 * head_fwd)
-    act_bytes = tokens * h * (2 if cfg.compute_dtype == "bfloat16" else 4)
+    act_bytes = tokens * h * _dtype_bytes(cfg)
     norm_leaves = 2 if cfg.norm == "layernorm" else 1  # scale (and bias)
     linears = 4 + (3 if cfg.mlp == "swiglu" else 2)  # q k v o, the MLP's kernels
     block_leaves = 2 * norm_leaves + linears * (2 if cfg.bias else 1)  # norms, kernels (and biases)
     embed_leaves = 1 + (cfg.positions == "learned")
     head_leaves = norm_leaves + (0 if cfg.tie_embeddings else 1)
     return ModelCosts(embed, (layer,) * cfg.num_layers, head, act_bytes, block_leaves + embed_leaves + head_leaves)
-
-
-def _dtype_bytes(cfg: ModelConfig) -> int:
-    return 2 if cfg.compute_dtype == "bfloat16" else 4
 
 
 def _attention_scores(cfg: ModelConfig) -> bool:
