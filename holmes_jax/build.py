@@ -241,12 +241,11 @@ def make_train_step(setup: Setup):
     def step(state, batch):
         params = setup.settle(state["params"], state["pending"])
         loss, grads = pipeline.loss_and_grads(params, batch, setup.grad_specs)
-        new_params, pending, opt_state, norm = update(params, state["opt_state"], grads)
-        good = jnp.isfinite(loss) & jnp.isfinite(norm)
-        keep = functools.partial(jax.tree.map, lambda new, old: jnp.where(good, new, old))
-        new_state = {"params": keep(new_params, params), "pending": keep(pending, jax.tree.map(jnp.zeros_like, pending)),
+        new_params, pending, opt_state, norm, applied = update(params, state["opt_state"], grads, loss)
+        keep = functools.partial(jax.tree.map, lambda new, old: jnp.where(applied, new, old))
+        new_state = {"params": new_params, "pending": keep(pending, jax.tree.map(jnp.zeros_like, pending)),
                      "opt_state": keep(opt_state, state["opt_state"]), "step": state["step"] + 1}
-        return new_state, {"loss": loss, "grad_norm": norm, "skipped": ~good}
+        return new_state, {"loss": loss, "grad_norm": norm, "skipped": ~applied}
 
     return jax.jit(step, in_shardings=(setup.state_shardings, setup.batch_sharding),
                    out_shardings=(setup.state_shardings, None), donate_argnums=0)

@@ -193,6 +193,28 @@ def test_a_stage_without_layers_is_refused_in_one_line(tmp_path, layers):
                       f"--gin.ParallelConfig.stage_layers={layers}")
 
 
+def test_an_uneven_step_without_zero1_does_not_copy_the_parameters(tmp_path):
+    # The step chose the old parameters for a non-finite step after the update, so they stayed
+    # alive beside the new ones and the later slot group's cond could not update them in place:
+    # XLA copied them whole (temporaries 2.8 times a stage's block parameters above [3, 3]'s;
+    # 1.8 times now, what remains not understood).
+    def temporaries(layers):
+        cfgs = small_configs(tmp_path, f"--gin.ModelConfig.num_layers={sum(layers)}", "--gin.ParallelConfig.pp=2",
+                             "--gin.ParallelConfig.dp=2", f"--gin.ParallelConfig.stage_layers={layers}",
+                             "--gin.ParallelConfig.microbatches=2", "--gin.ParallelConfig.zero1=False")
+        setup = build.build(cfgs, jax.devices()[:4])
+        state = setup.abstract_state()
+        batch = jax.ShapeDtypeStruct((2, 8, 33), np.int32, sharding=setup.batch_sharding)
+        step = build.make_train_step(setup).lower(state, batch).compile()
+        blocks = sum(np.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+                     for x in jax.tree.leaves(state["params"]["blocks"]))
+        return step.memory_analysis().temp_size_in_bytes, blocks
+
+    (uneven, blocks), (even, same) = temporaries([3, 1]), temporaries([3, 3])
+    assert blocks == same  # as many slots
+    assert uneven - even < 2 * blocks
+
+
 def test_settling_uneven_stages_updates_the_parameters_in_place(tmp_path):
     # The later slot group's cond read the parameters as one operand and wrote them in place as
     # another: XLA copied them whole, each step (temporaries 1.7 times a stage's block parameters).

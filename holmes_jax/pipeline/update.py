@@ -59,17 +59,23 @@ def no_pending(dtype) -> jax.Array:
 
 def make_update(pipeline: Pipeline, tx: optax.GradientTransformation, max_norm: float, state_specs: dict,
                 grad_specs: dict, gather_dtype: str = "float32"):
-    """`update(params, opt_state, grads) -> (params, pending, opt_state, gradient norm before
-    clipping)`, for use inside `jit`; the arguments laid out as `state_specs` ({"params",
-    "pending", "opt_state"}) and `grad_specs` say (staged layout). Leaves that ZeRO-1 splits over
-    `data` are updated on this replica's shard: they come back unchanged in `params`, and the
-    update of the shard, in `gather_dtype`, in `pending` (for `settle`). The others are updated
-    in place and hold `no_pending` there."""
+    """`update(params, opt_state, grads, loss) -> (params, pending, opt_state, gradient norm
+    before clipping, applied)`, for use inside `jit`; the arguments laid out as `state_specs`
+    ({"params", "pending", "opt_state"}) and `grad_specs` say (staged layout). Leaves that ZeRO-1
+    splits over `data` are updated on this replica's shard: they come back unchanged in `params`,
+    and the update of the shard, in `gather_dtype`, in `pending` (for `settle`). The others are
+    updated in place and hold `no_pending` there. `applied` is False where `loss` or the norm is
+    not finite: those parameters then come back as they were, and the caller keeps the old
+    optimizer state and pends nothing. The parameters are chosen here, where each new value is
+    computed: chosen after the update, the old ones stayed alive beside the new, so a later slot
+    group's `cond` could not update them in place and XLA copied a stage's parameters whole
+    (ZeRO-1 off, `[6, 2]`: 72 MiB a device). Choosing the moments and pending updates here too
+    held more, not less (8.6 MiB, `[5, 1, 1, 1]` at seq 16)."""
     wire = jnp.dtype(gather_dtype)
     param_specs, pending_specs, opt_specs, grad_specs = _manual_specs(state_specs, grad_specs)
     dims = data_split_dims(grad_specs)
 
-    def body(params, opt_state, grads):
+    def body(params, opt_state, grads, loss):
         n_layers = pipeline.stage_n_layers()
         stages, replicas, rank = lax.axis_size("stage"), lax.axis_size("data"), lax.axis_index("data")
         shared = lambda tree: {k: tree[k] for k in _SHARED}  # noqa: E731
@@ -86,6 +92,7 @@ def make_update(pipeline: Pipeline, tx: optax.GradientTransformation, max_norm: 
                                                   lambda g: sum_squares(g, dims["blocks"], True), axis=1)
         norm = jnp.sqrt(lax.psum(blocks_sq + sum_squares(shared(grads), shared(dims), False), ("stage", "data")))
         scale = jnp.minimum(1.0, max_norm / jnp.maximum(norm, 1e-12))
+        applied = jnp.isfinite(loss) & jnp.isfinite(norm)
 
         def own(x, d):  # this replica's shard of a leaf ZeRO-1 splits along d
             if d < 0:
@@ -98,10 +105,11 @@ def make_update(pipeline: Pipeline, tx: optax.GradientTransformation, max_norm: 
             moments are shaped like `p`. Returns the new `p`, its pending updates and the state."""
             mine = jax.tree.map(own, p, d)
             g = jax.tree.map(lambda x: (x * scale).astype(x.dtype), g)
-            updates, state = tx.update(g, state, mine)
-            new_p = jax.tree.map(lambda x, u, d: x if d >= 0 else (x + u).astype(x.dtype), p, updates, d)
+            updates, new_state = tx.update(g, state, mine)
+            new_p = jax.tree.map(lambda x, u, d: x if d >= 0 else jnp.where(applied, (x + u).astype(x.dtype), x),
+                                 p, updates, d)
             pending = jax.tree.map(lambda u, d: u.astype(wire) if d >= 0 else no_pending(wire), updates, d)
-            return new_p, pending, state
+            return new_p, pending, new_state
 
         like = jax.tree.structure(params)
         # Embedding and head: every stage holds them whole; this call also advances the step count.
@@ -127,11 +135,11 @@ def make_update(pipeline: Pipeline, tx: optax.GradientTransformation, max_norm: 
                                             dims["blocks"], split_pending)
         it = iter(new_moments)
         state = _with_moments(state, jax.tree.structure(shared(params)), lambda m: dict(m, blocks=next(it)))
-        return dict(new_shared, blocks=new_blocks), dict(shared_pending, blocks=blocks_pending), state, norm
+        return dict(new_shared, blocks=new_blocks), dict(shared_pending, blocks=blocks_pending), state, norm, applied
 
     return jax.shard_map(body, mesh=pipeline.mesh, axis_names={"stage", "data"},
-                         in_specs=(param_specs, opt_specs, grad_specs),
-                         out_specs=(param_specs, pending_specs, opt_specs, P()), check_vma=False)
+                         in_specs=(param_specs, opt_specs, grad_specs, P()),
+                         out_specs=(param_specs, pending_specs, opt_specs, P(), P()), check_vma=False)
 
 
 def make_settle(pipeline: Pipeline, state_specs: dict, grad_specs: dict):
