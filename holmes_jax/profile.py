@@ -203,7 +203,8 @@ def profile_update(setup, repeats: int = 5) -> float:
 
     update = make_update(setup.pipeline, setup.tx, setup.cfgs.train.grad_clip, setup.specs, setup.grad_specs,
                          gather_dtype=setup.cfgs.parallel.update_gather_dtype)
-    step = jax.jit(lambda *args: update(*args)[1:3],
+    finite = jnp.zeros((), jnp.float32)  # a loss the update applies
+    step = jax.jit(lambda params, opt_state, grads: update(params, opt_state, grads, finite)[1:3],
                    in_shardings=(shardings["params"], shardings["opt_state"], grad_shardings),
                    out_shardings=(shardings["pending"], shardings["opt_state"]))
     # The step over the whole mesh lasts as long as the deepest stage's (the others skip their
