@@ -193,15 +193,18 @@ def test_a_stage_without_layers_is_refused_in_one_line(tmp_path, layers):
                       f"--gin.ParallelConfig.stage_layers={layers}")
 
 
-def test_an_uneven_step_without_zero1_does_not_copy_the_parameters(tmp_path):
-    # The step chose the old parameters for a non-finite step after the update, so they stayed
-    # alive beside the new ones and the later slot group's cond could not update them in place:
-    # XLA copied them whole (temporaries 2.8 times a stage's block parameters above [3, 3]'s;
-    # 1.8 times now, what remains not understood).
+@pytest.mark.parametrize("zero1, bound", [(True, 1), (False, 2)])
+def test_an_uneven_step_does_not_copy_the_parameters(tmp_path, zero1, bound):
+    # Without ZeRO-1 the step chose the old parameters for a non-finite step after the update, so
+    # they stayed alive beside the new ones and the later slot group's cond could not update them
+    # in place: XLA copied them whole (temporaries 2.8 times a stage's block parameters above
+    # [3, 3]'s; 1.8 now, the rest not understood). With ZeRO-1 the update wrote the leaves it
+    # splits back unchanged, a write that did not wait for the gradients, so XLA copied them to
+    # keep the pipeline's reads first (1.66 times; 0.66 now).
     def temporaries(layers):
         cfgs = small_configs(tmp_path, f"--gin.ModelConfig.num_layers={sum(layers)}", "--gin.ParallelConfig.pp=2",
                              "--gin.ParallelConfig.dp=2", f"--gin.ParallelConfig.stage_layers={layers}",
-                             "--gin.ParallelConfig.microbatches=2", "--gin.ParallelConfig.zero1=False")
+                             "--gin.ParallelConfig.microbatches=2", f"--gin.ParallelConfig.zero1={zero1}")
         setup = build.build(cfgs, jax.devices()[:4])
         state = setup.abstract_state()
         batch = jax.ShapeDtypeStruct((2, 8, 33), np.int32, sharding=setup.batch_sharding)
@@ -212,7 +215,7 @@ def test_an_uneven_step_without_zero1_does_not_copy_the_parameters(tmp_path):
 
     (uneven, blocks), (even, same) = temporaries([3, 1]), temporaries([3, 3])
     assert blocks == same  # as many slots
-    assert uneven - even < 2 * blocks
+    assert uneven - even < bound * blocks
 
 
 def test_settling_uneven_stages_updates_the_parameters_in_place(tmp_path):

@@ -46,10 +46,15 @@ def _split_leaves(tree, dims) -> list:
     return [x for x, d in zip(jax.tree.leaves(tree), jax.tree.leaves(dims)) if d >= 0]
 
 
-def _with_split_leaves(tree, dims, split: list):
-    """`tree` with its split leaves (in order) replaced by `split`."""
-    it = iter(split)
-    return jax.tree.map(lambda x, d: next(it) if d >= 0 else x, tree, dims)
+def _whole_leaves(tree, dims) -> list:
+    """The leaves ZeRO-1 does not split (all of them without ZeRO-1), in order."""
+    return [x for x, d in zip(jax.tree.leaves(tree), jax.tree.leaves(dims)) if d < 0]
+
+
+def _joined(dims, split: list, whole: list):
+    """The tree shaped like `dims` with its split leaves taken in order from `split`, the others from `whole`."""
+    split, whole = iter(split), iter(whole)
+    return jax.tree.map(lambda d: next(split) if d >= 0 else next(whole), dims)
 
 
 def no_pending(dtype) -> jax.Array:
@@ -116,23 +121,31 @@ def make_update(pipeline: Pipeline, tx: optax.GradientTransformation, max_norm: 
         new_shared, shared_pending, state = adamw(shared(params), shared(grads),
                                                   _with_moments(opt_state, like, shared), shared(dims))
 
-        def block_group(held, g):
-            p, _, moments = held
+        blocks, block_dims = params["blocks"], dims["blocks"]
+
+        def block_group(held, read):
+            whole, _, moments = held
+            g, split = read
+            p = _joined(block_dims, split, whole)
             it = iter(moments)
             new_p, pending, new_state = adamw({"blocks": p}, {"blocks": g},
                                               _with_moments(opt_state, like, lambda _: {"blocks": next(it)}),
-                                              {"blocks": dims["blocks"]})
-            return (new_p["blocks"], _split_leaves(pending["blocks"], dims["blocks"]),
+                                              {"blocks": block_dims})
+            return (_whole_leaves(new_p["blocks"], block_dims), _split_leaves(pending["blocks"], block_dims),
                     [m["blocks"] for m in _moments(new_state, jax.tree.structure({"blocks": p}))])
 
         moments = [m["blocks"] for m in _moments(opt_state, like)]
-        # Written in place into the old blocks and moments and into zeros (padding keeps its
-        # zeros and pends nothing).
-        nothing = [jnp.zeros(g.shape, wire) for g in _split_leaves(grads["blocks"], dims["blocks"])]
-        new_blocks, split_pending, new_moments = pipeline.update_by_slot_group(
-            n_layers, (params["blocks"], nothing, moments), grads["blocks"], block_group, axis=1)
-        blocks_pending = _with_split_leaves(jax.tree.map(lambda _: no_pending(wire), params["blocks"]),
-                                            dims["blocks"], split_pending)
+        # Written in place into the old leaves that ZeRO-1 does not split, the old moments and
+        # zeros (padding keeps its zeros and pends nothing). The split leaves do not change here
+        # (`settle` adds their updates), so they are only read: written back too, their copy
+        # would not depend on the gradients, and XLA copied them whole to keep the pipeline's
+        # reads of them before the write (ZeRO-1, `[6, 2]` at seq 16: 72 MiB a device).
+        nothing = [jnp.zeros(g.shape, wire) for g in _split_leaves(grads["blocks"], block_dims)]
+        new_whole, split_pending, new_moments = pipeline.update_by_slot_group(
+            n_layers, (_whole_leaves(blocks, block_dims), nothing, moments),
+            (grads["blocks"], _split_leaves(blocks, block_dims)), block_group, axis=1)
+        new_blocks = _joined(block_dims, _split_leaves(blocks, block_dims), new_whole)
+        blocks_pending = _joined(block_dims, split_pending, [no_pending(wire) for _ in new_whole])
         it = iter(new_moments)
         state = _with_moments(state, jax.tree.structure(shared(params)), lambda m: dict(m, blocks=next(it)))
         return dict(new_shared, blocks=new_blocks), dict(shared_pending, blocks=blocks_pending), state, norm, applied
@@ -171,7 +184,7 @@ def make_settle(pipeline: Pipeline, state_specs: dict, grad_specs: dict):
             pipeline.stage_n_layers(), blocks, _split_leaves(pending["blocks"], dims["blocks"]),
             lambda held, updates: [add(p, u, d, t) for p, u, d, t in zip(held, updates, block_dims, block_tensor)],
             axis=1)
-        return dict(new, blocks=_with_split_leaves(params["blocks"], dims["blocks"], settled))
+        return dict(new, blocks=_joined(dims["blocks"], settled, _whole_leaves(params["blocks"], dims["blocks"])))
 
     return jax.shard_map(body, mesh=pipeline.mesh, axis_names={"stage", "data"},
                          in_specs=(param_specs, pending_specs), out_specs=param_specs, check_vma=False)
