@@ -198,9 +198,9 @@ def test_an_uneven_step_does_not_copy_the_parameters(tmp_path, zero1, bound):
     # Without ZeRO-1 the step chose the old parameters for a non-finite step after the update, so
     # they stayed alive beside the new ones and the later slot group's cond could not update them
     # in place: XLA copied them whole (temporaries 2.8 times a stage's block parameters above
-    # [3, 3]'s; 1.8 now, the rest not understood). With ZeRO-1 the update wrote the leaves it
-    # splits back unchanged, a write that did not wait for the gradients, so XLA copied them to
-    # keep the pipeline's reads first (1.66 times; 0.66 now).
+    # [3, 3]'s; 1.8 now, the rest copies of the Adam moments, README "Checkpoint memory"). With
+    # ZeRO-1 the update wrote the leaves it splits back unchanged, a write that did not wait for
+    # the gradients, so XLA copied them to keep the pipeline's reads first (1.66 times; 0.66 now).
     def temporaries(layers):
         cfgs = small_configs(tmp_path, f"--gin.ModelConfig.num_layers={sum(layers)}", "--gin.ParallelConfig.pp=2",
                              "--gin.ParallelConfig.dp=2", f"--gin.ParallelConfig.stage_layers={layers}",
