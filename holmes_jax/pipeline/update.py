@@ -42,13 +42,9 @@ def _manual_specs(state_specs: dict, grad_specs: dict):
                  for specs in (state_specs["params"], state_specs["pending"], state_specs["opt_state"], grad_specs))
 
 
-def _split_leaves(tree, dims) -> list:
-    return [x for x, d in zip(jax.tree.leaves(tree), jax.tree.leaves(dims)) if d >= 0]
-
-
-def _whole_leaves(tree, dims) -> list:
-    """The leaves ZeRO-1 does not split (all of them without ZeRO-1), in order."""
-    return [x for x, d in zip(jax.tree.leaves(tree), jax.tree.leaves(dims)) if d < 0]
+def _leaves(tree, dims, split: bool) -> list:
+    """The leaves ZeRO-1 splits (`split`) or does not split (all of them without ZeRO-1), in order."""
+    return [x for x, d in zip(jax.tree.leaves(tree), jax.tree.leaves(dims)) if (d >= 0) == split]
 
 
 def _joined(dims, split: list, whole: list):
@@ -131,7 +127,8 @@ def make_update(pipeline: Pipeline, tx: optax.GradientTransformation, max_norm: 
             new_p, pending, new_state = adamw({"blocks": p}, {"blocks": g},
                                               _with_moments(opt_state, like, lambda _: {"blocks": next(it)}),
                                               {"blocks": block_dims})
-            return (_whole_leaves(new_p["blocks"], block_dims), _split_leaves(pending["blocks"], block_dims),
+            return (_leaves(new_p["blocks"], block_dims, split=False),
+                    _leaves(pending["blocks"], block_dims, split=True),
                     [m["blocks"] for m in _moments(new_state, jax.tree.structure({"blocks": p}))])
 
         moments = [m["blocks"] for m in _moments(opt_state, like)]
@@ -140,11 +137,12 @@ def make_update(pipeline: Pipeline, tx: optax.GradientTransformation, max_norm: 
         # (`settle` adds their updates), so they are only read: written back too, their copy
         # would not depend on the gradients, and XLA copied them whole to keep the pipeline's
         # reads of them before the write (ZeRO-1, `[6, 2]` at seq 16: 72 MiB a device).
-        nothing = [jnp.zeros(g.shape, wire) for g in _split_leaves(grads["blocks"], block_dims)]
+        split_blocks = _leaves(blocks, block_dims, split=True)
+        nothing = [jnp.zeros(g.shape, wire) for g in _leaves(grads["blocks"], block_dims, split=True)]
         new_whole, split_pending, new_moments = pipeline.update_by_slot_group(
-            n_layers, (_whole_leaves(blocks, block_dims), nothing, moments),
-            (grads["blocks"], _split_leaves(blocks, block_dims)), block_group, axis=1)
-        new_blocks = _joined(block_dims, _split_leaves(blocks, block_dims), new_whole)
+            n_layers, (_leaves(blocks, block_dims, split=False), nothing, moments),
+            (grads["blocks"], split_blocks), block_group, axis=1)
+        new_blocks = _joined(block_dims, split_blocks, new_whole)
         blocks_pending = _joined(block_dims, split_pending, [no_pending(wire) for _ in new_whole])
         it = iter(new_moments)
         state = _with_moments(state, jax.tree.structure(shared(params)), lambda m: dict(m, blocks=next(it)))
@@ -177,14 +175,15 @@ def make_settle(pipeline: Pipeline, state_specs: dict, grad_specs: dict):
         new = {k: jax.tree.map(lambda p, u, d, t: add(p, u, d, t) if d >= 0 else p, params[k], pending[k], dims[k],
                                tensor_specs[k], is_leaf=lambda x: isinstance(x, P))
                for k in _SHARED}
-        block_dims = _split_leaves(dims["blocks"], dims["blocks"])
-        block_tensor = _split_leaves(tensor_specs["blocks"], dims["blocks"])
-        blocks = _split_leaves(params["blocks"], dims["blocks"])
+        block_dims = _leaves(dims["blocks"], dims["blocks"], split=True)
+        block_tensor = _leaves(tensor_specs["blocks"], dims["blocks"], split=True)
+        blocks = _leaves(params["blocks"], dims["blocks"], split=True)
         settled = pipeline.update_by_slot_group(
-            pipeline.stage_n_layers(), blocks, _split_leaves(pending["blocks"], dims["blocks"]),
+            pipeline.stage_n_layers(), blocks, _leaves(pending["blocks"], dims["blocks"], split=True),
             lambda held, updates: [add(p, u, d, t) for p, u, d, t in zip(held, updates, block_dims, block_tensor)],
             axis=1)
-        return dict(new, blocks=_joined(dims["blocks"], settled, _whole_leaves(params["blocks"], dims["blocks"])))
+        whole = _leaves(params["blocks"], dims["blocks"], split=False)
+        return dict(new, blocks=_joined(dims["blocks"], settled, whole))
 
     return jax.shard_map(body, mesh=pipeline.mesh, axis_names={"stage", "data"},
                          in_specs=(param_specs, pending_specs), out_specs=param_specs, check_vma=False)
