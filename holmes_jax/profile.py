@@ -22,7 +22,8 @@
   the plan, from everything above, ranks fastest on this layout (its `auto` split and those one
   layer away), timed in rounds as the whole steps are. Planning's `auto` then takes the fastest
   measured: where the cost model ranks splits within a few percent of each other, a few compiles
-  of the whole model settle it.
+  of the whole model settle it, unless the host is noisier than that (a split's rounds further
+  apart than the two fastest splits): the profile then warns.
 
 Everything is timed as the step runs it, not at its best: compute over a whole stage's stack of
 layers (a one-layer stack compiles to faster straight-line code than the layer loop a stage
@@ -265,15 +266,38 @@ def profile_steps(setup, layouts: list[tuple[int, ...]], token_data: data.TokenD
         compiled.append(_compile_step(setup, layers, token_data))
         say(f"profile: compiled {i + 1}/{len(layouts)} {list(layers)}")
     pooled: list[list[float]] = [[] for _ in layouts]
+    by_round: list[list[float]] = [[] for _ in layouts]  # each round's median step, this process's
     for r in range(rounds):
         for i, (run, step) in enumerate(compiled):
-            pooled[i] += _time_steps(run, step, token_data, steps, warmup_steps)
-            median_ms = np.median(pooled[i][-steps:]) * 1e3
-            say(f"profile: round {r + 1}/{rounds} {list(layouts[i])}: {median_ms:.0f} ms a step")
+            times = _time_steps(run, step, token_data, steps, warmup_steps)
+            pooled[i] += times
+            by_round[i].append(float(np.median(times)))
+            say(f"profile: round {r + 1}/{rounds} {list(layouts[i])}: {by_round[i][-1] * 1e3:.0f} ms a step")
+    noise = _noisier_than_apart(layouts, by_round, [float(np.median(times)) for times in pooled])
+    if noise:
+        say(noise)
     medians = _median_over_processes(np.array([np.median(times) for times in pooled]))
     plan = setup.plan
     return [StepProbe(tuple(layers), plan.dp, plan.tp, plan.microbatches, plan.schedule, float(s))
             for layers, s in zip(layouts, medians)]
+
+
+def _noisier_than_apart(layouts, by_round: list[list[float]], medians: list[float]) -> str | None:
+    """A warning where one layout's rounds differ more than the two fastest layouts do: their
+    order (the split `auto` takes from timed splits) is then the host's noise. On the emulated
+    testbed's shared cores one split's rounds once took 1995 and 1338 ms while the three splits'
+    medians lay within 6%."""
+    if len(layouts) < 2 or len(by_round[0]) < 2:
+        return None
+    spread = [max(r) / min(r) - 1 for r in by_round]
+    first, second = sorted(medians)[:2]
+    apart, worst = second / first - 1, int(np.argmax(spread))
+    if spread[worst] <= apart:
+        return None
+    rounds_ms = ", ".join(f"{t * 1e3:.0f}" for t in by_round[worst])
+    return (f"profile: warning: the rounds of {list(layouts[worst])} differed by {spread[worst]:.0%} ({rounds_ms} ms), "
+            f"more than the two fastest layouts differ ({apart:.0%}): on this host their order is noise; "
+            f"profile again at a quieter time")
 
 
 def ranked_splits(setup, prof: Profile, count: int) -> list[tuple[int, ...]]:

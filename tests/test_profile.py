@@ -80,9 +80,35 @@ def test_step_probes_are_timed_in_interleaved_rounds(tmp_path, monkeypatch):
         return rounds[run][sum(o == run for o in order) - 1]
 
     monkeypatch.setattr(profile, "_time_steps", time_steps)
-    probes = profile.profile_steps(setup, [(1, 1), (2, 2)], token_data=None, rounds=2)
+    said = []
+    probes = profile.profile_steps(setup, [(1, 1), (2, 2)], token_data=None, rounds=2, say=said.append)
     assert order == [(1, 1), (2, 2), (1, 1), (2, 2)]
     assert [p.step_s for p in probes] == [2.5, 4.5]  # medians of 1, 2, 3, 9 and of 4, 4, 5, 6
+    # each round's own median: (1, 1) took 1.5 s, then 6 s, 300% apart, the layouts only 80%
+    assert said[-5:] == [
+        "profile: round 1/2 [1, 1]: 1500 ms a step", "profile: round 1/2 [2, 2]: 4000 ms a step",
+        "profile: round 2/2 [1, 1]: 6000 ms a step", "profile: round 2/2 [2, 2]: 5500 ms a step",
+        "profile: warning: the rounds of [1, 1] differed by 300% (1500, 6000 ms), more than the two fastest "
+        "layouts differ (80%): on this host their order is noise; profile again at a quieter time"]
+
+
+@pytest.mark.parametrize("rounds, warned", [
+    ({(2, 1): [1.0, 1.1], (1, 2): [2.0, 2.1]}, False),  # rounds 10% apart, the splits 100%
+    ({(2, 1): [1.0, 1.5], (1, 2): [1.1, 1.2]}, True),  # rounds 50% apart, the splits 9%
+])
+def test_the_profile_warns_where_its_rounds_differ_more_than_the_layouts(tmp_path, monkeypatch, rounds, warned):
+    setup = build.build(small_configs(tmp_path, "--gin.ParallelConfig.pp=2"))
+    monkeypatch.setattr(profile, "_compile_step", lambda setup, layers, token_data: (layers, None))
+    order = []
+
+    def time_steps(run, compiled, token_data, steps, warmup_steps):
+        order.append(run)
+        return [rounds[run][sum(o == run for o in order) - 1]] * steps
+
+    monkeypatch.setattr(profile, "_time_steps", time_steps)
+    said = []
+    profile.profile_steps(setup, list(rounds), token_data=None, rounds=2, steps=3, say=said.append)
+    assert any("warning" in line for line in said) == warned
 
 
 def test_a_probe_compiles_from_the_states_shapes_alone(tmp_path):
