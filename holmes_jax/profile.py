@@ -273,10 +273,11 @@ def profile_steps(setup, layouts: list[tuple[int, ...]], token_data: data.TokenD
             pooled[i] += times
             by_round[i].append(float(np.median(times)))
             say(f"profile: round {r + 1}/{rounds} {list(layouts[i])}: {by_round[i][-1] * 1e3:.0f} ms a step")
-    noise = _noisier_than_apart(layouts, by_round, [float(np.median(times)) for times in pooled])
+    mine = [float(np.median(times)) for times in pooled]  # this process's
+    noise = _noisier_than_apart(layouts, by_round, mine)
     if noise:
         say(noise)
-    medians = _median_over_processes(np.array([np.median(times) for times in pooled]))
+    medians = _median_over_processes(np.array(mine))
     plan = setup.plan
     return [StepProbe(tuple(layers), plan.dp, plan.tp, plan.microbatches, plan.schedule, float(s))
             for layers, s in zip(layouts, medians)]
