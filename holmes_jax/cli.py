@@ -141,6 +141,13 @@ def ignore_signal(signum, frame) -> None:
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
+def stop_signals_to_catch() -> list[int]:
+    """The stop signals a command takes over: all but a SIGHUP ignored from the start, `nohup`'s (a
+    closed terminal must not stop the run). An ignored SIGINT is taken over: a shell ignores it for
+    `cmd &` in a script, and a `kill -INT` must still stop the command, at any point, in one line."""
+    return [sig for sig in STOP_SIGNALS if sig != signal.SIGHUP or signal.getsignal(sig) != signal.SIG_IGN]
+
+
 def _stop(signum, frame) -> NoReturn:
     # The first stop wins: a second one (Ctrl-C and a kill together) raised again inside the
     # handling of the first, which ended with a traceback and status 1.
@@ -153,10 +160,10 @@ def _stop(signum, frame) -> NoReturn:
 def run(main: Callable[[list[str]], int | None], argv: list[str] | None = None) -> NoReturn:
     """Runs `main(argv)`, turning our exceptions into one stderr line and the status above. A
     SIGTERM or SIGHUP that no command took over unwinds it (its `finally` blocks clean up) and
-    ends it with one line, as Ctrl-C does; an ignored SIGHUP (`nohup`) or SIGINT (`cmd &`) stays
-    ignored."""
-    untouched = (signal.default_int_handler, signal.SIG_DFL)
-    previous = {sig: signal.signal(sig, _stop) for sig in STOP_SIGNALS
+    ends it with one line, as Ctrl-C does; see `stop_signals_to_catch` for the ignored ones. A
+    handler the caller set stays."""
+    untouched = (signal.default_int_handler, signal.SIG_DFL, signal.SIG_IGN)
+    previous = {sig: signal.signal(sig, _stop) for sig in stop_signals_to_catch()
                 if any(signal.getsignal(sig) is h for h in untouched)}
     stdout = sys.stdout or _devnull_stdout()
     sys.stdout = checked = _CheckedOutput(stdout)

@@ -531,9 +531,8 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(opts)
     # Ctrl-C, a SIGTERM (a scheduler's, `timeout`) or a SIGHUP (a closed terminal) unwinds through
     # the with-block below, so nothing is left; nohup's ignored SIGHUP stays ignored.
-    for sig in cli.STOP_SIGNALS:
-        if sig == signal.SIGTERM or signal.getsignal(sig) != signal.SIG_IGN:
-            signal.signal(sig, _stop)
+    for sig in cli.stop_signals_to_catch():
+        signal.signal(sig, _stop)
     if not cmd and not args.bandwidth:
         raise ConfigError("no command to run; give it after --, or pass --bandwidth")
     ec = EmulatedCluster(parse_clusters(args.clusters), parse_rates(args.intra_mbit) if args.intra_mbit else None,

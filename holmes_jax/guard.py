@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from holmes_jax.cli import STOP_SIGNALS, RunError
+from holmes_jax.cli import STOP_SIGNALS, RunError, stop_signals_to_catch
 from holmes_jax.config import ConfigError
 
 FAULT_ENV = "HOLMES_FAULT"
@@ -44,9 +44,7 @@ class Signals:
 
     def __enter__(self) -> "Signals":
         if threading.current_thread() is threading.main_thread():
-            # A SIGHUP ignored from the start is `nohup`'s: a closed terminal must not stop the run.
-            caught = [sig for sig in STOP_SIGNALS if sig != signal.SIGHUP or signal.getsignal(sig) != signal.SIG_IGN]
-            self._previous = {sig: signal.signal(sig, self._set) for sig in caught}
+            self._previous = {sig: signal.signal(sig, self._set) for sig in stop_signals_to_catch()}
         return self
 
     def __exit__(self, *exc) -> None:

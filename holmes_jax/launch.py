@@ -224,8 +224,7 @@ def launch(cmd: Sequence[str], n: int, devices_per_process: int | None = None, p
     # children, which live in their own sessions; set explicitly, since a background shell may have
     # ignored SIGINT. A SIGHUP ignored from the start is `nohup`'s: the children inherit that and
     # train on when the terminal closes, so it is left alone.
-    handled = [sig for sig in cli.STOP_SIGNALS if sig != signal.SIGHUP or signal.getsignal(sig) != signal.SIG_IGN]
-    handled = handled if threading.current_thread() is threading.main_thread() else ()
+    handled = cli.stop_signals_to_catch() if threading.current_thread() is threading.main_thread() else ()
     # A stop is recorded, not raised, and acted on by the loops below (the first one wins): raised from
     # the handler, it could land in Popen's fork hooks (logging's lock release), where Python prints
     # an exception as ignored, and the job ran on to the end with status 0.

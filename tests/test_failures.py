@@ -194,10 +194,16 @@ def test_a_signalled_run_exits_128_plus_the_signal_with_one_line(tmp_path, name,
     assert (tmp_path / "checkpoints" / "2").is_dir()
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
-def test_a_term_or_hup_before_a_command_takes_them_over_unwinds_it_with_one_line(capsys, sig):
-    # before training (the data prepared, the step compiled): Python's default ended it with no line
-    # and no clean-up, where Ctrl-C printed `interrupted`
+@pytest.mark.parametrize("sig, start", [
+    (signal.SIGTERM, signal.SIG_DFL),
+    (signal.SIGHUP, signal.SIG_DFL),
+    (signal.SIGINT, signal.default_int_handler),  # a command at a terminal
+    (signal.SIGINT, signal.SIG_IGN),  # `cmd &` in a script: the shell ignores SIGINT for it
+], ids=["SIGTERM", "SIGHUP", "SIGINT", "SIGINT-ignored"])
+def test_a_stop_signal_before_a_command_takes_it_over_unwinds_it_with_one_line(capsys, sig, start):
+    # before training (the data prepared, the step compiled): Python's default ended a SIGTERM or
+    # SIGHUP with no line and no clean-up; an ignored SIGINT did nothing (a process waiting for the
+    # others to start waited on), where during training it stopped the run
     cleaned = []
 
     def main(argv):
@@ -207,11 +213,16 @@ def test_a_term_or_hup_before_a_command_takes_them_over_unwinds_it_with_one_line
         finally:
             cleaned.append(True)
 
-    with pytest.raises(SystemExit) as e:
-        cli.run(main, [])
+    previous = signal.signal(sig, start)
+    try:
+        with pytest.raises(SystemExit) as e:
+            cli.run(main, [])
+        assert signal.getsignal(sig) is start  # given back as it was found
+    finally:
+        signal.signal(sig, previous)
     assert e.value.code == 128 + sig and cleaned
-    assert capsys.readouterr().err == f"stopped by {signal.Signals(sig).name}\n"
-    assert signal.getsignal(sig) == signal.SIG_DFL
+    line = "interrupted" if sig == signal.SIGINT else f"stopped by {signal.Signals(sig).name}"
+    assert capsys.readouterr().err == line + "\n"
 
 
 def test_a_second_stop_signal_while_the_first_is_handled_changes_nothing(monkeypatch, capsys):
