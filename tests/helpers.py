@@ -7,6 +7,7 @@ import errno
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -60,6 +61,18 @@ def launch_env() -> dict:
     coordinator, platforms or device counts must not leak), but the compilation cache's."""
     return {k: v for k, v in dict(os.environ, PYTHONPATH=str(REPO)).items()
             if not k.startswith(("HOLMES_", "JAX_")) or k in COMPILE_CACHE_SETTINGS}
+
+
+@contextlib.contextmanager
+def hangup_as_at_a_terminal():
+    """SIGHUP at its default while the block runs, as for a command started at a terminal: under
+    `nohup` (the suite's own run, say) a command keeps ignoring it, and so does a process the block
+    starts, which inherits the ignored signal."""
+    previous = signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGHUP, previous)
 
 
 @contextlib.contextmanager

@@ -16,7 +16,7 @@ import pytest
 
 from holmes_jax import emulate
 from holmes_jax.config import ConfigError
-from helpers import run_module
+from helpers import hangup_as_at_a_terminal, run_module
 
 REASON = emulate.unavailable_reason()
 needs_root = pytest.mark.skipif(REASON is not None, reason=f"emulated cluster {REASON}")
@@ -427,9 +427,10 @@ def _repo_env():
 @pytest.mark.parametrize("signals", [(signal.SIGHUP,), (signal.SIGINT, signal.SIGTERM)])
 def test_a_stop_signal_during_the_bandwidth_check_leaves_nothing(signals):
     # A closed terminal (SIGHUP) killed the emulator outright, leaving every namespace behind.
-    p = subprocess.Popen([sys.executable, "-m", "holmes_jax.emulate", "--clusters", "a:roce:1,b:roce:1",
-                          "--inter-mbit", "1", "--bandwidth"],  # 1 MiB at 1 Mbit/s: 8 s to stop it in
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_repo_env())
+    with hangup_as_at_a_terminal():
+        p = subprocess.Popen([sys.executable, "-m", "holmes_jax.emulate", "--clusters", "a:roce:1,b:roce:1",
+                              "--inter-mbit", "1", "--bandwidth"],  # 1 MiB at 1 Mbit/s: 8 s to stop it in
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_repo_env())
     prefix = f"{emulate.PREFIX}{p.pid}-"
     try:
         for line in p.stdout:

@@ -19,7 +19,8 @@ import pytest
 from holmes_jax import build, cli, data, guard, train
 from holmes_jax.checkpoint import Checkpointer
 from holmes_jax.config import ConfigError
-from helpers import REPO, killed_on_exit, launch_env, lock_folder, read_metrics, run_module, small_configs
+from helpers import (REPO, hangup_as_at_a_terminal, killed_on_exit, launch_env, lock_folder, read_metrics, run_module,
+                     small_configs)
 
 ONE_DEVICE = ["--gin.ParallelConfig.dp=1", "--gin.ParallelConfig.cpu_devices=1"]
 # small_configs' model and data as command-line flags, for runs in a subprocess
@@ -161,14 +162,10 @@ def test_max_bad_steps_must_be_positive(tmp_path):
 def test_a_signal_saves_the_step_in_flight_and_resume_gives_the_same_losses(tmp_path, monkeypatch, uninterrupted,
                                                                              fault, stopped_after):
     sig = signal.Signals["SIG" + fault.split(":")[1]]
-    # as from a terminal: under `nohup` (the suite's own run, say) a run keeps ignoring SIGHUP
-    previous = signal.signal(signal.SIGHUP, signal.SIG_DFL)
-    try:
+    with hangup_as_at_a_terminal():
         with pytest.raises(cli.Stopped, match=f"after step {stopped_after}; checkpoint saved") as stopped:
             _run(tmp_path, fault=fault, monkeypatch=monkeypatch)
         assert signal.getsignal(signal.SIGTERM) is signal.getsignal(signal.SIGHUP) is signal.SIG_DFL  # restored
-    finally:
-        signal.signal(signal.SIGHUP, previous)
     assert stopped.value.status == 128 + sig
     assert sorted(_losses(tmp_path)) == list(range(1, stopped_after + 1))
     ckpt = Checkpointer(tmp_path / "checkpoints", small_configs(tmp_path).checkpoint)
@@ -533,10 +530,11 @@ def test_workers_get_sigterm_when_the_launcher_is_killed(tmp_path):
 def _launch_two_ranks(workdir, *flags: str) -> subprocess.Popen:
     """The launcher running train in two processes of one device each, `flags` on top."""
     env = launch_env()
-    return subprocess.Popen([sys.executable, "-m", "holmes_jax.launch", "-n", "2", "--devices-per-process", "1",
-                             "--grace", "60", "--", sys.executable, "-m", "holmes_jax.train", *FLAGS[2:],
-                             f"--gin.TrainConfig.workdir={workdir}", "--gin.TrainConfig.steps=10000", *flags],
-                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    with hangup_as_at_a_terminal():  # the SIGHUP test's
+        return subprocess.Popen([sys.executable, "-m", "holmes_jax.launch", "-n", "2", "--devices-per-process", "1",
+                                 "--grace", "60", "--", sys.executable, "-m", "holmes_jax.train", *FLAGS[2:],
+                                 f"--gin.TrainConfig.workdir={workdir}", "--gin.TrainConfig.steps=10000", *flags],
+                                cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def _both_stepping(p: subprocess.Popen) -> list[int]:
