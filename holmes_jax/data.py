@@ -41,6 +41,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
 import sysconfig
 import uuid
@@ -58,6 +59,8 @@ COPY_CHUNK = 1 << 20  # bytes read at a time when copying text files into the ca
 # A prepared source's meta.json as a run keeps it in its workdir (its end-of-text id, for export and
 # generate, also where the data folder is not found from there).
 RUN_META_FILE = "data_meta.json"
+# The text cache's own files: a cache (bytes-FOLDER-VERSION.u8), its lock, a partial one (.tmp).
+CACHE_FILE = re.compile(r"bytes-[0-9a-f]{12}(-[0-9a-f]{16}\.u8(\.[0-9a-f]{32}\.tmp)?|\.lock)")
 # What `identity` hashes: this many evenly spaced blocks of this many ids, the first and last among them.
 SAMPLE_BLOCKS, SAMPLE_BLOCK = 16, 1 << 16
 
@@ -150,9 +153,10 @@ def _stdlib_files() -> list[Path]:
 
 
 def _text_files(source: str, cache_dir: Path) -> tuple[list[Path], int]:
-    """The files of a text source and how many binary files of its folder were skipped. The cache
-    folder's files are not text of the source, though it may lie in the source folder (each run
-    would read the last run's cache as more text, doubling the corpus)."""
+    """The files of a text source and how many binary files of its folder were skipped. The cache's
+    files are not text of the source, though the cache folder may be in the source folder or be
+    it (each run would read the last run's cache as more text, doubling the corpus); only they are
+    left out, so a cache folder above the source's leaves its text in."""
     path = Path(source).expanduser()
     if path.is_file():
         if _binary_file(path):  # token ids under another name would otherwise train as bytes
@@ -169,13 +173,18 @@ def _text_files(source: str, cache_dir: Path) -> tuple[list[Path], int]:
             listed = prepare.folder_files(path)
         except OSError as e:  # a folder under it without permission: its files were left out unsaid
             raise _unreadable(Path(e.filename or path), e) from None
-        files = [f for f in listed if not f.resolve().is_relative_to(cache)]
+        files = [f for f in listed if not _in_cache(f, cache)]
         text = [f for f in files if not _binary_file(f)]
         if text:
             return text, len(files) - len(text)
         what = "only binary files in it" if files else "no files in it (hidden ones are skipped)"
         raise ConfigError(f"DataConfig.source = {source!r} is a folder with {what}")
     raise ConfigError(f"DataConfig.source = {source!r} is not a readable file or folder; use 'stdlib', a text file or folder, a prepared folder or a .bin token file")
+
+
+def _in_cache(path: Path, cache: Path) -> bool:
+    real = path.resolve()
+    return real.parent == cache and CACHE_FILE.fullmatch(real.name) is not None
 
 
 def _binary_file(path: Path) -> bool:

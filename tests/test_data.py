@@ -500,14 +500,18 @@ def test_meta_json_counts_must_be_integers_not_true(tmp_path):
         data.load(DataConfig(source=str(tmp_path / "p"), seq_len=16))
 
 
-def test_a_cache_folder_inside_the_text_folder_is_not_read_as_text(tmp_path):
+@pytest.mark.parametrize("cache", ["corpus/cache", "corpus", "."])
+def test_a_cache_folder_in_above_or_as_the_text_folder_is_not_read_as_text(tmp_path, cache):
     corpus = tmp_path / "corpus"
     _write(corpus / "a.txt", b"hello world " * 100)
-    cfg = DataConfig(source=str(corpus), seq_len=8, cache_dir=str(corpus / "cache"))
-    for _ in range(3):  # each run read the caches of the runs before as text: 1,200, 2,400, 4,800 tokens
+    _write(corpus / "bytes-notes.txt", b"more text " * 10)  # a name like the cache's is still text
+    cfg = DataConfig(source=str(corpus), seq_len=8, cache_dir=str(tmp_path / cache))
+    # In the folder: each run read the caches of the runs before as text (1,300, 2,600, 5,200
+    # tokens); as it or above it: no text at all ("a folder with no files in it").
+    for _ in range(3):
         tokens = data.load(cfg)
-        assert bytes(np.concatenate([tokens.train, tokens.val])) == b"hello world " * 100
-    assert len(list((corpus / "cache").iterdir())) == 1
+        assert bytes(np.concatenate([tokens.train, tokens.val])) == b"hello world " * 100 + b"more text " * 10
+    assert len(list((tmp_path / cache).glob("*.u8"))) == 1
 
 
 def test_a_folder_in_a_text_folder_that_cannot_be_listed_is_named_not_left_out(tmp_path, monkeypatch):
