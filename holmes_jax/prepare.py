@@ -70,10 +70,11 @@ NEXT_PIECE_END = re.compile(r"\S ")
 FILE_PART_BYTES = 1 << 22
 BPE_MAX = 1 << 20  # bpe:N's largest N: 4x the largest released vocabularies; the trainer aborts the process on a huge N
 # The BPE trainer's time grows with the square of a word's length (a 300,000-letter line: 48 s, 3 MB:
-# over 12 minutes, silent and deaf to Ctrl-C), so it learns from runs of non-space characters cut
-# to pieces of at most this many; only the training sees the cuts, not the tokenizing.
+# over 12 minutes, silent and deaf to Ctrl-C; byte-level pre-tokenizing makes a run of blanks one
+# word too), so it learns from runs of non-space characters, and of whitespace, cut to pieces of at
+# most this many; only the training sees the cuts, not the tokenizing.
 BPE_RUN_MAX = 1000
-LONG_RUN = re.compile(rf"\S{{{BPE_RUN_MAX}}}")
+LONG_RUN = re.compile(rf"\S{{{BPE_RUN_MAX}}}|\s{{{BPE_RUN_MAX}}}")
 
 
 class Progress:
@@ -298,7 +299,8 @@ class HFTokenizer:
 
 
 def bpe_training_pieces(text: str) -> Iterator[str]:
-    """`text` in pieces, cut after every BPE_RUN_MAX characters of a longer run of non-space ones."""
+    """`text` in pieces, cut after every BPE_RUN_MAX characters of a longer run of non-space ones
+    or of whitespace."""
     start = 0
     for run in LONG_RUN.finditer(text):
         yield text[start:run.end()]

@@ -322,10 +322,12 @@ def test_a_jsonl_suffix_in_upper_or_mixed_case_is_read_as_jsonl(tmp_path):
     assert meta["documents"] == 3 and [bytes(d[:-1].astype(np.uint8)) for d in docs] == [b"first", b"second", b"third"]
 
 
-def test_bpe_learns_from_a_very_long_line_in_pieces_and_tokenizes_it_whole(tmp_path):
+@pytest.mark.parametrize("char", ["x", " ", "\n"])
+def test_bpe_learns_from_a_very_long_run_in_pieces_and_tokenizes_it_whole(tmp_path, char):
     # The trainer's time grows with the square of a word's length (a 3 MB line of one letter took
-    # over 12 minutes): it learns from runs cut to BPE_RUN_MAX characters, so no token is longer.
-    text = "x" * (20 * prepare.BPE_RUN_MAX) + " and some words after it\n"
+    # over 12 minutes; 200,000 spaces, one word to it too, 25 s): it learns from runs cut to
+    # BPE_RUN_MAX characters, so no token is longer.
+    text = "a line\n" + char * (20 * prepare.BPE_RUN_MAX) + " and some words after it\n"
     (tmp_path / "long.txt").write_text(text)
     prepare.prepare([str(tmp_path / "long.txt")], str(tmp_path / "out"), "bpe:300")
     from tokenizers import Tokenizer
