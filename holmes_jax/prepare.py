@@ -65,6 +65,7 @@ PIECE_CHARS = 1 << 16
 # newline: Llama-3's pattern keeps ".\n" together.)
 PIECE_END = re.compile(r".*\S(?= )", re.DOTALL)  # matched from a piece's start: up to its last such space
 NEXT_PIECE_END = re.compile(r"\S ")
+CUT_PROBE = "one two. three\nfour  five,six"  # a text to ask a tokenizer where it starts pre-tokens
 # A text file is read in parts of about this many bytes, each cut where a piece may end, so a
 # corpus in one file is never held whole (where the tokenizer lets it be cut).
 FILE_PART_BYTES = 1 << 22
@@ -257,6 +258,7 @@ class HFTokenizer:
         tokenizer.no_truncation()
         tokenizer.no_padding()
         self.tokenizer, self.eot_id, self.vocab_size = tokenizer, vocab[eot], max(vocab.values()) + 1
+        self.can_cut = _starts_words_at_spaces(tokenizer.pre_tokenizer)  # see PIECE_END
 
     def encode(self, docs: list[bytes]) -> list[np.ndarray]:
         # Every document in pieces (see PIECE_END), the pieces encoded about BATCH_BYTES at a time,
@@ -270,16 +272,11 @@ class HFTokenizer:
                 ids[n].append(np.asarray(e.ids, np.uint32))  # the library's ids are 32-bit
         return [np.concatenate(parts) for parts in ids]
 
-    @property
-    def can_cut(self) -> bool:
-        """Whether a document cut before spaces (PIECE_END) gets the ids of the whole: where the
-        tokenizer pre-tokenizes (see `_pieces`)."""
-        return self.tokenizer.pre_tokenizer is not None
-
     def _pieces(self, text: str) -> Iterator[str]:
         """`text` cut before spaces into pieces of about PIECE_CHARS characters (longer where a run
-        has no space to cut at), or whole where the tokenizer has no pre-tokenizer: such a model
-        (Llama-2's, with a normalizer that puts "▁" before the text) sees the text as one word."""
+        has no space to cut at), or whole where the tokenizer does not start words there: a model
+        without a pre-tokenizer (Llama-2's, with a normalizer that puts "▁" before the text) sees
+        the text as one word."""
         start = 0
         while self.can_cut and len(text) - start > PIECE_CHARS:
             last = PIECE_END.match(text, start, start + PIECE_CHARS)
@@ -296,6 +293,18 @@ class HFTokenizer:
 
     def save(self, folder: Path) -> None:
         self.tokenizer.save(str(folder / TOKENIZER_FILE))
+
+
+def _starts_words_at_spaces(pre_tokenizer) -> bool:
+    """Whether `pre_tokenizer` starts a new pre-token at every space after a non-space, so a
+    document cut there (PIECE_END) gets the ids of the whole. Not every one does (ByteLevel without
+    its pattern, a Metaspace that does not split, Punctuation alone): merges across a space would
+    change the ids at each cut. Asked on a probe text."""
+    if pre_tokenizer is None:
+        return False
+    cuts = [m.start() + 1 for m in NEXT_PIECE_END.finditer(CUT_PROBE)]  # each such space
+    words = [span for _, span in pre_tokenizer.pre_tokenize_str(CUT_PROBE)]
+    return not any(start < cut < end for start, end in words for cut in cuts)
 
 
 def bpe_training_pieces(text: str) -> Iterator[str]:

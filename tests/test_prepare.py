@@ -212,6 +212,44 @@ def test_a_long_document_is_encoded_in_pieces_to_the_ids_of_one_encoding(tmp_pat
     assert docs[0][:-1].tolist() == whole.encode(text, add_special_tokens=False).ids
 
 
+# Pre-tokenizers (from tokenizers.pre_tokenizers, as P) and whether they start a pre-token at
+# each space after a non-space, where a long document may be cut.
+PRE_TOKENIZERS = {
+    "byte-level": (lambda P: P.ByteLevel(add_prefix_space=False), True),
+    "whitespace": (lambda P: P.Whitespace(), True),
+    "metaspace": (lambda P: P.Metaspace(), True),
+    "split-then-byte-level": (lambda P: P.Sequence([P.Split(" ", "merged_with_next"), P.ByteLevel(use_regex=False)]), True),
+    "byte-level-without-pattern": (lambda P: P.ByteLevel(add_prefix_space=False, use_regex=False), False),
+    "metaspace-without-split": (lambda P: P.Metaspace(split=False), False),
+    "punctuation": (lambda P: P.Punctuation(), False),
+}
+
+
+@pytest.mark.parametrize("name", PRE_TOKENIZERS)
+def test_a_tokenizer_whose_merges_can_span_a_space_gets_each_document_whole(tmp_path, monkeypatch, name):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    monkeypatch.setattr(prepare, "PIECE_CHARS", 200)
+    monkeypatch.setattr(prepare, "FILE_PART_BYTES", 700)
+    text = _long_document()
+    make, cuts = PRE_TOKENIZERS[name]
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = make(pre_tokenizers)
+    tok.train_from_iterator([text], trainers.BpeTrainer(vocab_size=600, special_tokens=["<unk>"], show_progress=False,
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    assert prepare.HFTokenizer(tok).can_cut == cuts
+    (tmp_path / "long.txt").write_text(text)
+    prepare.prepare([str(tmp_path / "long.txt")], str(tmp_path / "out"), _save(tok, tmp_path / "tokenizer.json"))
+    _, docs = _documents(tmp_path / "out")
+    # Cut at spaces, the last three gave other ids (merges across the cut spaces)
+    assert docs[0][:-1].tolist() == tok.encode(text, add_special_tokens=False).ids
+
+
+def _save(tokenizer, path: Path) -> str:
+    tokenizer.save(str(path))
+    return str(path)
+
+
 def test_a_text_file_is_read_in_parts_cut_before_spaces_that_follow_a_non_space(tmp_path, monkeypatch):
     monkeypatch.setattr(prepare, "PIECE_CHARS", 200)
     monkeypatch.setattr(prepare, "FILE_PART_BYTES", 700)
