@@ -148,6 +148,9 @@ def input_files(sources: list[str]) -> list[Path]:
         try:
             if path.is_file():
                 files.append(path)
+            elif (path / META_FILE).is_file() and (path / TOKEN_FILE).is_file():  # was "no files to read"
+                raise ConfigError(f"SRC {source!r} is a prepared folder (it holds {META_FILE} and {TOKEN_FILE}): "
+                                  "give the text it was prepared from, or train on it as DataConfig.source")
             elif path.is_dir():
                 files += folder_files(path)
             else:

@@ -426,6 +426,7 @@ BAD_INPUTS = {  # case: (arguments after `prepare`, {d} the test's folder; what 
     "unwritable DIR": ("{d}/text.txt --out {d}/text.txt/sub", "cannot be written: '{d}/text.txt' is a file, not a folder"),
     "DIR not empty": ("{d}/text.txt --out {d}/taken", "already exists"),
     "no SRC": ("--out {d}/out", "SRC"),
+    "a prepared folder": ("{d}/prepared --out {d}/out", "is a prepared folder (it holds meta.json and tokens.bin)"),
 }
 
 
@@ -439,6 +440,9 @@ def test_bad_input_is_one_error_line_and_leaves_nothing_behind(tmp_path, case):
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "x").write_text("x")
     (tmp_path / "broken.json").write_text("{not json")
+    (tmp_path / "prepared").mkdir()  # was "no files to read": a prepared folder's files are not text
+    (tmp_path / "prepared" / "meta.json").write_text("{}")
+    (tmp_path / "prepared" / "tokens.bin").write_bytes(b"\0\0")
     args, names = BAD_INPUTS[case]
     before = sorted(p.name for p in tmp_path.iterdir())
     code, out, err = _cli("prepare", *args.format(d=tmp_path).split())
