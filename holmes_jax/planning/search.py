@@ -590,11 +590,13 @@ def _candidates(topo: Topology, cfg: ModelConfig, par: ParallelConfig, free: set
                         # more layers on a fast stage can be over memory where the even split is not
                         split = even
                 bound = float(model.lower_bounds([split])[0])
-                if bound == np.inf:
+                if not np.isfinite(bound):
                     terms = model.stage_terms([split])
-                    if terms["fits"][0]:  # in memory, but its times overflow a float (device_tflops = 1e-308)
+                    # in memory, but its times overflow a float (device_tflops = 1e-308; a backward
+                    # time of 1e306 made each layer's FLOPs inf, their sums' differences nan)
+                    if terms["fits"][0]:
                         infinite.append(f"tp = {tp}, pp = {pp}, microbatches = {m}, schedule {schedule}: the "
-                                      f"predicted step is infinite; allowed: device, link and profile figures "
+                                      f"predicted step is not finite; allowed: device, link and profile figures "
                                       f"whose times a float holds")
                         continue
                     memory = terms["memory"][0]
