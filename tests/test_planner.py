@@ -76,6 +76,10 @@ def test_stage_that_would_span_clusters_is_refused_or_reported():
         placement.place(t, tp=8, pp=2)
     assert "stage 0 would span clusters 'ib', 'roce'" in str(e.value)
     assert "allowed pp (every cluster holding whole stages): 8" in str(e.value)
+    # pp derived from a dp given: the dp is what to change (it named pp 8, which no dp 2 goes with)
+    with pytest.raises(ConfigError, match=r"^dp = 2 is not allowed with tp = 8: with pp = 4, stage 1 would span "
+                                          r"clusters 'ib', 'roce', .*; allowed dp \(every cluster holding whole stages\): 1;"):
+        placement.place(t, tp=8, pp=4, dp=2)
     pl = placement.place(t, tp=8, pp=2, allow_mixed=True)
     assert pl.mixed_stages == (0,) and pl.stage_clusters == ("ib+roce", "roce")
     assert pl.data_groups_nic == (("infiniband", "roce"), ("roce",))

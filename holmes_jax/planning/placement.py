@@ -148,13 +148,15 @@ def place(topology: Topology, tp: int, pp: int, dp: int | None = None, method: s
     clusters = [[topology.clusters[c] for c in np.unique(topology.device_cluster[grid[s]])] for s in range(pp)]
     mixed = tuple(s for s in range(pp) if len(clusters[s]) > 1)
     if method == "holmes" and mixed and not allow_mixed:
-        s = mixed[0]
-        raise ConfigError(
-            f"pp = {pp} is not allowed with tp = {tp}: stage {s} would span clusters "
-            f"{_names(clusters[s])}, so its data groups would sync across clusters; "
-            f"allowed pp (every cluster holding whole stages{_layers_limit(topology, tp, max_pp, ', ')}): "
-            f"{', '.join(map(str, _fitting_pp(topology, tp, max_pp))) or 'none'}; "
-            f"or allow mixed stages (the planner's allow_mixed=True, --allow-mixed)")
+        s, fitting = mixed[0], _fitting_pp(topology, tp, max_pp)
+        spans = f"stage {s} would span clusters {_names(clusters[s])}, so its data groups would sync across clusters"
+        if dp is None:
+            allowed = (f"pp = {pp} is not allowed with tp = {tp}: {spans}; allowed pp (every cluster holding whole "
+                       f"stages{_layers_limit(topology, tp, max_pp, ', ')}): {', '.join(map(str, fitting)) or 'none'}")
+        else:  # the search derived pp from the dp given (its pp offered alone could not go with that dp)
+            allowed = (f"dp = {dp} is not allowed with tp = {tp}: with pp = {pp}, {spans}; allowed dp (every "
+                       f"cluster holding whole stages): {', '.join(str(n // (p * tp)) for p in fitting[::-1]) or 'none'}")
+        raise ConfigError(f"{allowed}; or allow mixed stages (the planner's allow_mixed=True, --allow-mixed)")
 
     def joined(values) -> str:
         return "+".join(dict.fromkeys(values))  # file order, no repeats
