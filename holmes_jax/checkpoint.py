@@ -15,6 +15,7 @@ holds its workdir's lock (`holmes_jax.train.lock_workdir`) before it makes a `Ch
 from __future__ import annotations
 
 import gc
+import glob
 import json
 import logging
 import os
@@ -164,6 +165,12 @@ def _noting_failures(handler: ocp.StandardCheckpointHandler, failures: list) -> 
 class Checkpointer:
     def __init__(self, directory: str | Path, cfg: CheckpointConfig):
         self.cfg, self.directory = cfg, Path(directory).absolute()
+        if glob.escape(str(self.directory)) != str(self.directory):
+            # orbax finds each process's part of a save by a glob under the step's folder: with
+            # '[1]' in the path it found none and committed a step without its arrays, unreadable
+            raise ConfigError(f"TrainConfig.workdir = {str(self.directory.parent)!r} cannot hold checkpoints: "
+                              "orbax reads '[', '*' and '?' in their path as a pattern, and a checkpoint saved "
+                              "there could not be read back; allowed: a workdir whose path has none of them")
         try:  # now, not at the first save `cfg.every` steps in
             self.directory.mkdir(parents=True, exist_ok=True)
             tempfile.TemporaryFile(dir=self.directory).close()

@@ -452,6 +452,15 @@ def test_a_checkpoints_path_that_is_no_directory_is_bad_input_before_any_step(tm
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
+@pytest.mark.parametrize("name", ["exp[1]", "exp*"])
+def test_a_workdir_whose_path_orbax_reads_as_a_pattern_is_bad_input_before_any_step(tmp_path, name):
+    # '[1]': every checkpoint was saved without its arrays (orbax globs each process's part) and the
+    # next run found none it could read
+    with pytest.raises(ConfigError, match=r"TrainConfig.workdir = .* cannot hold checkpoints: orbax reads"):
+        _run(tmp_path / name, "--gin.TrainConfig.steps=1")
+    assert not (tmp_path / name / "metrics.jsonl").exists()
+
+
 def test_a_failed_metrics_write_is_a_run_error(tmp_path):
     (tmp_path / "metrics.jsonl").mkdir()  # the file cannot be opened for appending
     with pytest.raises(cli.RunError, match=r"cannot write .*metrics.jsonl: Is a directory"):
