@@ -111,6 +111,17 @@ def test_rings_share_a_node_nic_between_concurrent_groups():
     assert inside.via == "intra-node"
 
 
+def test_a_node_holding_two_stages_carries_both_stages_data_rings():
+    t = Topology((Cluster("ib", "infiniband", nodes=3, devices_per_node=8),), name="ib3")
+    pl = placement.place(t, tp=4, pp=2)  # 12 devices a stage: node 1 holds half of each
+    assert [sorted({int(n) for n in t.device_node[pl.grid[s]].ravel()}) for s in range(2)] == [[0, 1], [1, 2]]
+    # All stages sync at once: 4 hops of each stage's ring leave node 1 and 4 enter it; each stage
+    # was priced with its own 4 alone, at twice the rate its sync gets
+    ib = t.clusters[0].nic_link.bytes_per_s
+    assert [(r.via, r.shared_by) for r in pl.data_routes] == [("infiniband", 8)] * 2
+    assert pl.data_routes[0].bytes_per_s == pytest.approx(ib / 8)
+
+
 def test_build_mesh_on_eight_cpu_devices_matches_the_grid():
     t = topo("cpu_2x4")
     devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))

@@ -16,7 +16,8 @@
   RoCE hosts are numbered alternately. Data groups then mix NIC classes and cross the slow link.
 
 Routes (`Link`s with `via` and `shared_by`) say what the concurrent transfers of a collective go
-over: a ring's hops leaving one node on one fabric share that node's NIC.
+over: a ring's hops leaving one node on one fabric share that node's NIC, with the other stages'
+data rings where a node holds devices of several stages (they all sync at once).
 """
 
 from __future__ import annotations
@@ -74,17 +75,28 @@ def scheduler_order(topology: Topology) -> np.ndarray:
 
 def route(topology: Topology, src, dst) -> Link:
     """The bottleneck of transfers src[i] -> dst[i] all running at once."""
-    src, dst = np.ravel(src), np.ravel(dst)
-    kind, sender = topology.link_kind(src, dst), topology.device_cluster[src]
-    table = topology.link_table
-    rate = np.array([[link.bytes_per_s for link in row] for row in table])[kind, sender]
-    latency = np.array([[link.latency_s for link in row] for row in table])[kind, sender]
+    return _bottleneck(topology, _hops(topology, np.ravel(src), np.ravel(dst)))
+
+
+def _hops(topology: Topology, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+    """(kind, sender cluster, NICs' share) of each transfer src[i] -> dst[i], all running at once,
+    as the rows of an array."""
+    kind = topology.link_kind(src, dst)
     share = np.ones(len(src), dtype=int)
     net = kind != INTRA_NODE
     for end in (src[net], dst[net]):  # a node's NIC is shared by what leaves it and what enters it
         key = topology.device_node[end] * 3 + kind[net]  # (node, fabric)
         _, inverse, counts = np.unique(key, return_inverse=True, return_counts=True)
         share[net] = np.maximum(share[net], counts[inverse])
+    return np.stack([kind, topology.device_cluster[src], share])
+
+
+def _bottleneck(topology: Topology, hops: np.ndarray) -> Link:
+    """The slowest of `hops` (see `_hops`), with the longest latency among them."""
+    kind, sender, share = hops
+    table = topology.link_table
+    rate = np.array([[link.bytes_per_s for link in row] for row in table])[kind, sender]
+    latency = np.array([[link.latency_s for link in row] for row in table])[kind, sender]
     worst = int(np.argmin(rate / share))
     k, link = int(kind[worst]), table[kind[worst]][sender[worst]]
     via = "intra-node" if k == INTRA_NODE else link.name if k == CLUSTER else f"inter-cluster {link.name}"
@@ -158,6 +170,11 @@ def place(topology: Topology, tp: int, pp: int, dp: int | None = None, method: s
                        f"cluster holding whole stages): {', '.join(str(n // (p * tp)) for p in fitting[::-1]) or 'none'}")
         raise ConfigError(f"{allowed}; or allow mixed stages (the planner's allow_mixed=True, --allow-mixed)")
 
+    # Every stage syncs at once (after its last tick), so a node holding two stages' devices (a
+    # stage not a whole number of nodes) carries both stages' data rings: their NIC shares are
+    # counted together. (pp, 3, dp * tp): each stage's hops to the next device of its data group.
+    data_hops = _hops(topology, grid.ravel(), np.roll(grid, -1, axis=1).ravel()).reshape(3, pp, -1).swapaxes(0, 1)
+
     def joined(values) -> str:
         return "+".join(dict.fromkeys(values))  # file order, no repeats
 
@@ -170,6 +187,6 @@ def place(topology: Topology, tp: int, pp: int, dp: int | None = None, method: s
         device_flops=tuple(min(c.device_flops for c in cs) for cs in clusters),
         device_memory=tuple(min(c.device_memory_gb for c in cs) * 1e9 for cs in clusters),
         tensor_routes=tuple(route(topology, grid[s], np.roll(grid[s], -1, axis=1)) for s in range(pp)),
-        data_routes=tuple(route(topology, grid[s], np.roll(grid[s], -1, axis=0)) for s in range(pp)),
+        data_routes=tuple(_bottleneck(topology, h) for h in data_hops),
         boundary_routes=tuple(route(topology, grid[s], grid[s + 1]) for s in range(pp - 1)),
     )
