@@ -201,9 +201,9 @@ class Checkpointer:
         primary process writes into the step's folder before the folder is committed: a checkpoint
         that exists has its record, and a save that dies leaves neither."""
         if (force or step % self.cfg.every == 0) and step != self._manager.latest_step():
+            state = state_fn()  # outside: its failures (out of device memory, say) are the run's, not a write's
             try:
-                self._manager.save(step, args=ocp.args.StandardSave(state_fn()), force=True,
-                                   custom_metadata=record)
+                self._manager.save(step, args=ocp.args.StandardSave(state), force=True, custom_metadata=record)
             except Exception as e:
                 raise RunError(f"cannot write checkpoints in {self.directory} (saving step {step}, or the one "
                                f"before it in the background): {reason(e)}") from None

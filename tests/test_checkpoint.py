@@ -5,6 +5,7 @@ tested in test_train)."""
 
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
@@ -28,6 +29,19 @@ def test_an_empty_step_folder_is_said_to_be_missing_its_state(tmp_path):
         ckpt.restore_newest({}, said.append)
     ckpt.close()
     assert said == ["checkpoint step 3 cannot be read (its default/ folder is missing); trying an older one"]
+
+
+def test_a_state_that_cannot_be_built_is_the_runs_error_not_a_failed_write(tmp_path):
+    def out_of_memory():  # as building the canonical state on the devices can fail
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: out of memory allocating 4 GB")
+
+    ckpt = Checkpointer(tmp_path, CheckpointConfig())
+    # train names it as out of device memory; it was "cannot write checkpoints in ...", the disk blamed
+    with pytest.raises(jax.errors.JaxRuntimeError, match="RESOURCE_EXHAUSTED"):
+        ckpt.save(1, out_of_memory, force=True)
+    ckpt.save(2, lambda: {"w": jnp.zeros(4)}, force=True)  # and the checkpointer still saves
+    ckpt.close()
+    assert ckpt.latest_step() == 2
 
 
 # --------------------------------------------------------------------------- several processes
