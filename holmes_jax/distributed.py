@@ -295,6 +295,12 @@ def _mpi_coordinator(coordinator: str | None, example: str) -> str:
     return coordinator
 
 
+# Where the keyword arguments name everything themselves: JAX's detection would fill a local device
+# left unset from another launcher's variables (a by-hand start inside an srun step took its
+# SLURM_LOCALID: GPU 0 alone of the node's 8). JAX_LOCAL_DEVICE_IDS is still read.
+NO_DETECTION = {"cluster_detection_method": "deactivate"}
+
+
 def launch_method(env=None) -> tuple[str, dict]:
     """(method, keyword arguments for `jax.distributed.initialize`) from `env`; method 'single'
     means one process and no `jax.distributed` at all."""
@@ -319,7 +325,8 @@ def _launch_method(env) -> tuple[str, dict]:
             return "single", {}
         if coordinator is None:
             raise ConfigError(f"{NUM_PROCESSES} = {count} needs {COORDINATOR}=HOST:PORT (process 0's host)")
-        return "holmes", {"coordinator_address": coordinator, "num_processes": count, "process_id": index}
+        return "holmes", {"coordinator_address": coordinator, "num_processes": count, "process_id": index,
+                          **NO_DETECTION}
     # Open MPI before SLURM, as in JAX: mpirun's ranks inside an allocation carry SLURM's variables
     # too, of the allocation or of the step that started Open MPI's daemons (one task per node).
     if "OMPI_COMM_WORLD_SIZE" in env:
@@ -330,7 +337,7 @@ def _launch_method(env) -> tuple[str, dict]:
             _jax_port(env)
             return "ompi", {"cluster_detection_method": "ompi"}
         address = _mpi_coordinator(coordinator, "mpirun -x HOLMES_COORDINATOR=$(hostname):29500")
-        return "ompi", {"coordinator_address": address, **kwargs}
+        return "ompi", {"coordinator_address": address, **kwargs, **NO_DETECTION}
     pmi_size = _int(env, "PMI_SIZE", 1) if "PMI_SIZE" in env else 1
     tasks_name = slurm_tasks_name(env)  # SLURM_NTASKS itself is needed still: JAX's detection reads it
     slurm_tasks = _int(env, tasks_name, 1) if "SLURM_JOB_ID" in env and "SLURM_NTASKS" in env else 1
@@ -363,7 +370,7 @@ def _launch_method(env) -> tuple[str, dict]:
     if pmi_size > 1:
         kwargs = _mpi_ranks(env, "PMI", "MPI_LOCALRANKID")
         address = _mpi_coordinator(coordinator, "mpiexec -genv HOLMES_COORDINATOR $(hostname):29500")
-        return "pmi", {"coordinator_address": address, **kwargs}
+        return "pmi", {"coordinator_address": address, **kwargs, **NO_DETECTION}
     if coordinator is not None:
         raise ConfigError(f"{COORDINATOR} = {env[COORDINATOR]!r} is set but {NUM_PROCESSES} and {PROCESS_ID} are not; "
                           f"set all three (or unset {COORDINATOR} for one process)")

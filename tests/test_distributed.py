@@ -22,13 +22,15 @@ from helpers import REPO, killed_on_exit, launch_env, read_metrics
 
 # SLURM's count and index are passed on (process 0 checks its port; a timeout names the process)
 SLURM_5_OF_8 = {"num_processes": 8, "process_id": 5, "cluster_detection_method": "slurm"}
+# Arguments that name everything: JAX's own detection is off (it filled the local device from SLURM's)
+NO_DETECTION = {"cluster_detection_method": "deactivate"}
 
 
 @pytest.mark.parametrize("env, method, kwargs", [
     ({}, "single", {}),
     ({"HOLMES_NUM_PROCESSES": "1", "HOLMES_PROCESS_ID": "0"}, "single", {}),
     ({"HOLMES_COORDINATOR": "127.0.0.1:1234", "HOLMES_NUM_PROCESSES": "4", "HOLMES_PROCESS_ID": "3"}, "holmes",
-     {"coordinator_address": "127.0.0.1:1234", "num_processes": 4, "process_id": 3}),
+     {"coordinator_address": "127.0.0.1:1234", "num_processes": 4, "process_id": 3, **NO_DETECTION}),
     ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "1"}, "single", {}),  # a one-task job: no distributed runtime
     # the coordinator is the node list's first host, on JAX's port for the job (7 % 4096 + 61440)
     ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "8", "SLURM_STEP_NODELIST": "n[1-2]", "SLURM_PROCID": "5",
@@ -43,13 +45,13 @@ SLURM_5_OF_8 = {"num_processes": 8, "process_id": 5, "cluster_detection_method":
     ({"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "2", "OMPI_MCA_orte_hnp_uri": "1.0;tcp://10.0.0.1:1"},
      "ompi", {"cluster_detection_method": "ompi"}),
     ({"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "2", "HOLMES_COORDINATOR": "head:29500"}, "ompi",
-     {"coordinator_address": "head:29500", "num_processes": 4, "process_id": 2}),
+     {"coordinator_address": "head:29500", "num_processes": 4, "process_id": 2, **NO_DETECTION}),
     ({"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
       "HOLMES_COORDINATOR": "head:29500"}, "ompi",
-     {"coordinator_address": "head:29500", "num_processes": 4, "process_id": 3, "local_device_ids": [1]}),
+     {"coordinator_address": "head:29500", "num_processes": 4, "process_id": 3, "local_device_ids": [1], **NO_DETECTION}),
     # MPICH / Intel MPI (Hydra's PMI): JAX does not detect them, so without this every rank ran alone
     ({"PMI_SIZE": "4", "PMI_RANK": "3", "MPI_LOCALRANKID": "1", "HOLMES_COORDINATOR": "head:29500"}, "pmi",
-     {"coordinator_address": "head:29500", "num_processes": 4, "process_id": 3, "local_device_ids": [1]}),
+     {"coordinator_address": "head:29500", "num_processes": 4, "process_id": 3, "local_device_ids": [1], **NO_DETECTION}),
     ({"PMI_SIZE": "1", "PMI_RANK": "0"}, "single", {}),
     # zero-padded ranges and a single number in one bracket group
     ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "8", "SLURM_STEP_NODELIST": "node[001-004,010]", "SLURM_PROCID": "0",
@@ -63,7 +65,8 @@ SLURM_5_OF_8 = {"num_processes": 8, "process_id": 5, "cluster_detection_method":
     # Hydra's mpiexec inside a SLURM allocation (its proxies: one srun task per node) ...
     ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "2", "SLURM_STEP_NODELIST": "n[1-2]", "SLURM_PROCID": "1",
       "SLURM_LOCALID": "0", "PMI_SIZE": "16", "PMI_RANK": "9", "MPI_LOCALRANKID": "1", "HOLMES_COORDINATOR": "n1:29500"},
-     "pmi", {"coordinator_address": "n1:29500", "num_processes": 16, "process_id": 9, "local_device_ids": [1]}),
+     "pmi", {"coordinator_address": "n1:29500", "num_processes": 16, "process_id": 9, "local_device_ids": [1],
+             **NO_DETECTION}),
     # ... but srun's own PMI (--mpi=pmi2) counts SLURM's tasks: SLURM's detection, no coordinator needed
     ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "8", "SLURM_STEP_NODELIST": "n[1-2]", "SLURM_PROCID": "5",
       "SLURM_LOCALID": "1", "PMI_SIZE": "8", "PMI_RANK": "5"}, "slurm",
@@ -72,9 +75,10 @@ SLURM_5_OF_8 = {"num_processes": 8, "process_id": 5, "cluster_detection_method":
     # passed as local_device_ids overrode it
     ({"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_LOCAL_RANK": "0",
       "HOLMES_COORDINATOR": "head:29500", "JAX_LOCAL_DEVICE_IDS": "0,1,2,3"}, "ompi",
-     {"coordinator_address": "head:29500", "num_processes": 2, "process_id": 1}),
+     {"coordinator_address": "head:29500", "num_processes": 2, "process_id": 1, **NO_DETECTION}),
     ({"PMI_SIZE": "2", "PMI_RANK": "1", "MPI_LOCALRANKID": "0", "HOLMES_COORDINATOR": "head:29500",
-      "JAX_LOCAL_DEVICE_IDS": "0,1"}, "pmi", {"coordinator_address": "head:29500", "num_processes": 2, "process_id": 1}),
+      "JAX_LOCAL_DEVICE_IDS": "0,1"}, "pmi",
+     {"coordinator_address": "head:29500", "num_processes": 2, "process_id": 1, **NO_DETECTION}),
     # mpirun -np 1 inside a SLURM allocation of several tasks: its rank carries the batch step's
     # SLURM variables, which read as one task of four (an error line, or a wait for three more)
     ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4", "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
@@ -82,13 +86,37 @@ SLURM_5_OF_8 = {"num_processes": 8, "process_id": 5, "cluster_detection_method":
       "OMPI_MCA_orte_hnp_uri": "1.0;tcp://10.0.0.1:1"}, "single", {}),
     # an IPv6 address in brackets, as jaxlib reads it
     ({"HOLMES_COORDINATOR": "[::1]:29500", "HOLMES_NUM_PROCESSES": "2", "HOLMES_PROCESS_ID": "1"}, "holmes",
-     {"coordinator_address": "[::1]:29500", "num_processes": 2, "process_id": 1}),
+     {"coordinator_address": "[::1]:29500", "num_processes": 2, "process_id": 1, **NO_DETECTION}),
     # our launcher's variables win over a scheduler's
     ({"HOLMES_COORDINATOR": "h:1", "HOLMES_NUM_PROCESSES": "2", "HOLMES_PROCESS_ID": "1", "OMPI_COMM_WORLD_SIZE": "4"},
-     "holmes", {"coordinator_address": "h:1", "num_processes": 2, "process_id": 1}),
+     "holmes", {"coordinator_address": "h:1", "num_processes": 2, "process_id": 1, **NO_DETECTION}),
 ])
 def test_launch_method(env, method, kwargs):
     assert distributed.launch_method(env) == (method, kwargs)
+
+
+def test_a_start_by_hand_inside_an_srun_step_keeps_every_gpu_of_its_node():
+    # One process per node started by hand in a step of one srun task per node: JAX's detection
+    # took the task's SLURM_LOCALID as the one local device (jax_cuda_visible_devices '0': GPU 0 of 8)
+    script = """
+import os, socket, sys
+import jax
+from holmes_jax import distributed
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+env = dict(os.environ, HOLMES_COORDINATOR=f"127.0.0.1:{port}", HOLMES_NUM_PROCESSES="2", HOLMES_PROCESS_ID="1")
+method, kwargs = distributed.launch_method(env)
+kwargs.update(num_processes=1, process_id=0)  # alone, so that it starts without a peer
+jax.distributed.initialize(**kwargs, initialization_timeout=20)
+print(method, jax.config._read("jax_cuda_visible_devices"))
+jax.distributed.shutdown()
+"""
+    slurm = {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "2", "SLURM_STEP_NODELIST": "node[01-02]", "SLURM_PROCID": "1",
+             "SLURM_LOCALID": "0"}
+    out = subprocess.run([sys.executable, "-c", script], env={**os.environ, **slurm, "JAX_PLATFORMS": "cpu"},
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    assert out.split() == ["holmes", "all"]
 
 
 @pytest.mark.parametrize("env, message", [
