@@ -128,10 +128,16 @@ def _index(env, name: str, count_name: str, count: int) -> int:
 
 
 def _jax_port(env) -> None:
-    """JAX's detection (SLURM, Open MPI 4) takes its coordinator port from JAX_COORDINATOR_PORT."""
+    """JAX's detection (SLURM, Open MPI 4) takes its coordinator port from JAX_COORDINATOR_PORT
+    (empty: unset, as JAX reads it)."""
     port = env.get("JAX_COORDINATOR_PORT")
-    if port is not None and not (port.isdigit() and 0 < int(port) < 65536):
+    if port and not _port_number(port):
         raise ConfigError(f"JAX_COORDINATOR_PORT = {port!r} is not allowed; allowed: 1 .. 65535")
+
+
+def _port_number(text: str) -> bool:
+    # ASCII digits: str.isdigit() also takes '²' (int() then raised) and other scripts' digits
+    return re.fullmatch(r"[0-9]+", text) is not None and 0 < int(text) < 65536
 
 
 # A SLURM node list's first name, e.g. 'node[001-004],gpu7' or 'rack[1-2]-n[01-04]': text and
@@ -162,7 +168,7 @@ def _coordinator(env) -> str | None:
     if address is None:
         return None
     host, _, port = address.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536 or not _host_form(host):
+    if not host or not _port_number(port) or not _host_form(host):
         raise ConfigError(f"{COORDINATOR} = {address!r} is not allowed; allowed: HOST:PORT, e.g. 10.0.0.1:29500 "
                           "(an IPv6 address in brackets, e.g. [fd00::1]:29500)")
     return address

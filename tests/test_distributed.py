@@ -39,6 +39,9 @@ NO_DETECTION = {"cluster_detection_method": "deactivate"}
     ({"SLURM_JOB_ID": "4097", "SLURM_NTASKS": "8", "SLURM_STEP_NODELIST": "rack[1-2]-n[01-04],gpu7",
       "SLURM_PROCID": "5", "SLURM_LOCALID": "1", "JAX_COORDINATOR_PORT": "29500"}, "slurm",
      {"coordinator_address": "rack1-n01:29500", **SLURM_5_OF_8}),
+    # an empty port is unset, as JAX reads it (it was refused)
+    ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "8", "SLURM_STEP_NODELIST": "n[1-2]", "SLURM_PROCID": "5",
+      "SLURM_LOCALID": "1", "JAX_COORDINATOR_PORT": ""}, "slurm", {"coordinator_address": "n1:61447", **SLURM_5_OF_8}),
     ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "8", "SLURM_STEP_NODELIST": "n[1-2]", "SLURM_PROCID": "5",
       "SLURM_LOCALID": "1", "HOLMES_COORDINATOR": "head:1"}, "slurm",
      {"coordinator_address": "head:1", **SLURM_5_OF_8}),
@@ -163,6 +166,12 @@ jax.distributed.shutdown()
      "SLURM_STEP_NODELIST = '[1-4]'"),
     ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4", "SLURM_STEP_NODELIST": "n1", "SLURM_PROCID": "1", "SLURM_LOCALID": "1",
       "JAX_COORDINATOR_PORT": "99999"}, "JAX_COORDINATOR_PORT = '99999'"),
+    # a superscript two is a digit to str.isdigit(), not to int(): a traceback
+    ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4", "SLURM_STEP_NODELIST": "n1", "SLURM_PROCID": "1", "SLURM_LOCALID": "1",
+      "JAX_COORDINATOR_PORT": "\u00b2"}, "JAX_COORDINATOR_PORT = '\u00b2'"),
+    ({"HOLMES_COORDINATOR": "h:\u00b2", "HOLMES_NUM_PROCESSES": "2", "HOLMES_PROCESS_ID": "0"}, "HOST:PORT"),
+    ({"HOLMES_COORDINATOR": "h:\u0662\u0669\u0665\u0660\u0660", "HOLMES_NUM_PROCESSES": "2", "HOLMES_PROCESS_ID": "0"},
+     "HOST:PORT"),  # Arabic-Indic digits went on to jaxlib
     # JAX parses it with int() inside jax.distributed.initialize: a traceback
     ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4", "SLURM_STEP_NODELIST": "n1", "SLURM_PROCID": "1", "SLURM_LOCALID": "1",
       "JAX_LOCAL_DEVICE_IDS": "0-3"}, "JAX_LOCAL_DEVICE_IDS = '0-3' is not allowed; allowed: device numbers separated by "
