@@ -414,6 +414,10 @@ def test_apply_nccl_env_leaves_the_network_to_the_users_net_plugin():
     env = {"NCCL_NET_PLUGIN": "none"}  # no plugin: NCCL's own IB, as derived
     nic.apply_nccl_env(ROCE_DERIVED, env)
     assert env["NCCL_NET"] == "IB"
+    # IB disabled too: NCCL takes the plugin, else sockets (NCCL_NET=Socket bypassed the plugin)
+    env = {"NCCL_NET_PLUGIN": "libnccl-net-sharp.so", "NCCL_IB_DISABLE": "1"}
+    nic.apply_nccl_env(ROCE_DERIVED, env)
+    assert env == {"NCCL_NET_PLUGIN": "libnccl-net-sharp.so", "NCCL_IB_DISABLE": "1", "NCCL_SOCKET_IFNAME": "=eth0"}
 
 
 @pytest.mark.parametrize("disable, net", [("08", "IB"), ("0x0", "IB"), ("010", "Socket"), (" 1", "Socket")])

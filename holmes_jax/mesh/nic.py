@@ -271,6 +271,7 @@ def apply_nccl_env(derived: dict[str, str], env=None, conf=None) -> list[str]:
             raise ConfigError(f"{name} = {value!r}{where} is not allowed: NCCL would misread it; allowed: "
                               f"unset (holmes_jax derives it) or {allowed}")
     derived, why = dict(derived), {}
+    plugin = given.get("NCCL_NET_PLUGIN", ("", ""))[0].lower() not in ("", "none")
     disable, disable_from = given.get("NCCL_IB_DISABLE", ("", ""))
     if _nonzero(disable):
         net = given.get("NCCL_NET", ("", ""))[0]
@@ -278,12 +279,13 @@ def apply_nccl_env(derived: dict[str, str], env=None, conf=None) -> list[str]:
             raise ConfigError(f"NCCL_NET = {net!r} is not allowed with NCCL_IB_DISABLE = {disable!r}: NCCL would "
                               "find no network; allowed: unset one of them")
         if derived.get("NCCL_NET") == "IB":  # NCCL would find no network; sockets, as NCCL picks itself then
-            derived = {k: v for k, v in derived.items() if k == "NCCL_SOCKET_IFNAME"} | {"NCCL_NET": "Socket"}
-            why["NCCL_NET"] = f'derived, as NCCL_IB_DISABLE="{disable}" {disable_from}'
+            derived = {k: v for k, v in derived.items() if k == "NCCL_SOCKET_IFNAME"}
+            if not plugin:  # with one, NCCL tries the user's plugin first, then sockets
+                derived["NCCL_NET"] = "Socket"
+                why["NCCL_NET"] = f'derived, as NCCL_IB_DISABLE="{disable}" {disable_from}'
     if any(name in given for name in GID_SEARCH):
         derived.pop("NCCL_IB_GID_INDEX", None)
-    plugin = given.get("NCCL_NET_PLUGIN", ("", ""))[0]
-    if plugin.lower() not in ("", "none") and derived.get("NCCL_NET") == "IB":
+    if plugin and derived.get("NCCL_NET") == "IB":
         # NCCL_NET=IB would bypass the network plugin the user chose (e.g. the SHARP plugin's IBext)
         del derived["NCCL_NET"]
     lines = []
