@@ -90,17 +90,34 @@ def network_settings(local: nic.Nic, env=None, sysfs="/sys", proc="/proc") -> li
     has not; returns one line per setting, "(from env)" or "(derived)"."""
     env = os.environ if env is None else env
     lines = nic.apply_nccl_env(nic.nccl_env(local, sysfs, proc), env)
-    flags = env.get("XLA_FLAGS", "").split()
+    flags, source = _xla_flags(env)
     for flag in XLA_NETWORK_FLAGS:
         name = flag.partition("=")[0]
         given = [f for f in flags if f.partition("=")[0] == name]
         if given:
-            lines.append(f"XLA_FLAGS {given[-1]} (from env)")
+            lines.append(f"XLA_FLAGS {given[-1]} ({source})")
         else:
             flags.append(flag)
             lines.append(f"XLA_FLAGS {flag} (derived)")
     env["XLA_FLAGS"] = " ".join(flags)
     return lines
+
+
+def _xla_flags(env) -> tuple[list[str], str]:
+    """The flags XLA_FLAGS gives and where they come from. XLA reads a value whose first character
+    after blanks is not '-' as the name of a file of flags: that file's flags are read here, to
+    become XLA_FLAGS with ours (ours appended to the name, XLA died: "Could not open file")."""
+    value = env.get("XLA_FLAGS", "")
+    if not value.strip() or value.lstrip().startswith("-"):
+        return value.split(), "from env"
+    path = value.strip()
+    try:
+        with open(path) as f:
+            return f.read().split(), f"from {path}, which XLA_FLAGS names"
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"XLA_FLAGS = {value!r} is not allowed: XLA reads it as the name of a file of flags (it does "
+                          f"not start with '-'), and that file cannot be read ({getattr(e, 'strerror', None) or e}); "
+                          "allowed: flags, e.g. --xla_dump_to=/tmp/dump, or a readable file of them") from None
 
 
 def network_lines() -> list[str]:

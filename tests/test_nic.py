@@ -190,6 +190,23 @@ def test_network_settings_add_the_xla_flags_unless_the_user_chose_them(tmp_path)
                      "XLA_FLAGS --xla_gpu_enable_nccl_comm_splitting=true (from env)"]
 
 
+def test_network_settings_read_the_file_of_flags_xla_flags_names(tmp_path):
+    from holmes_jax import distributed
+
+    # XLA reads a value not starting with '-' as a file of flags: the derived flags were appended
+    # to the file's name, and XLA died at start-up ("Could not open file")
+    (tmp_path / "flags").write_text("--xla_dump_to=/tmp/d\n--xla_gpu_enable_nccl_comm_splitting=true\n")
+    env = {"XLA_FLAGS": f" {tmp_path / 'flags'}"}
+    lines = distributed.network_settings(nic.Nic("ethernet", 25.0), env, tmp_path / "sys", tmp_path / "proc")
+    assert env["XLA_FLAGS"].split() == ["--xla_dump_to=/tmp/d", "--xla_gpu_enable_nccl_comm_splitting=true",
+                                        "--xla_gpu_collective_permute_connected_components=true"]
+    assert f"XLA_FLAGS --xla_gpu_enable_nccl_comm_splitting=true (from {tmp_path / 'flags'}, which XLA_FLAGS names)" in lines
+    with pytest.raises(ConfigError, match=r"XLA_FLAGS = '.*missing' is not allowed: XLA reads it as the name of a "
+                                          r"file of flags .* cannot be read \(No such file or directory\)"):
+        distributed.network_settings(nic.Nic("ethernet", 25.0), {"XLA_FLAGS": str(tmp_path / "missing")},
+                                     tmp_path / "sys", tmp_path / "proc")
+
+
 def test_nccl_env_skips_a_default_route_without_an_interface(tmp_path):
     # an unreachable or blackhole default route has no device: /proc/net/route names it "*"
     sysfs, proc = tmp_path / "sys", tmp_path / "proc"
