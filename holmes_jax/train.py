@@ -409,8 +409,11 @@ def _stop_if_the_reader_left(signals: guard.Signals, unwritable: list):
 
 
 def evaluate(setup: Setup, eval_step, params, token_data: data.TokenData) -> float:
-    losses = [eval_step(params, setup.batch("val", i, token_data)) for i in range(setup.cfgs.train.eval_batches)]
-    return float(np.mean(jax.device_get(losses)))
+    # Each loss is read before the next batch goes out: with all of them in flight at once (150
+    # batches on 8 CPU devices), XLA's CPU runtime gave up on a rendezvous after 40 s and aborted.
+    batches = range(setup.cfgs.train.eval_batches)
+    losses = [float(eval_step(params, setup.batch("val", i, token_data))) for i in batches]
+    return float(np.mean(np.asarray(losses, np.float32)))
 
 
 def summarize(rows: Rows, predicted_step_s: float, say) -> dict:

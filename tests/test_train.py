@@ -5,6 +5,7 @@ import re
 import signal
 import sys
 import time
+from types import SimpleNamespace
 
 import jax
 import numpy as np
@@ -637,3 +638,27 @@ def test_a_signal_in_the_last_step_does_not_ask_for_a_rerun_that_has_nothing_to_
         train.run(small_configs(tmp_path), devices=jax.devices()[:1], quiet=True)
     assert str(stopped.value) == "stopped by SIGTERM after step 6; checkpoint saved at step 6, the run's last step"
     assert train.run(small_configs(tmp_path), devices=jax.devices()[:1], quiet=True) == {"steps": 6}  # nothing to do
+
+
+def test_validation_reads_each_loss_before_the_next_batch_goes_out():
+    # 150 or more batches in flight at once: XLA's CPU runtime aborted the run on a rendezvous
+    # timeout (exit 134), and the step's checkpoint, written after validation, was lost
+    events = []
+
+    class Loss:
+        def __init__(self, value):
+            self.value = value
+
+        def __float__(self):
+            events.append(("read", self.value))
+            return self.value
+
+    def eval_step(params, batch):
+        events.append(("run", batch))
+        return Loss(float(batch))
+
+    # what evaluate reads of a Setup: the batch count and the batches (here their numbers)
+    setup = SimpleNamespace(cfgs=SimpleNamespace(train=SimpleNamespace(eval_batches=3)),
+                            batch=lambda split, i, token_data: i)
+    assert train.evaluate(setup, eval_step, None, None) == 1.0
+    assert events == [("run", 0), ("read", 0.0), ("run", 1), ("read", 1.0), ("run", 2), ("read", 2.0)]
