@@ -222,6 +222,13 @@ class TrainConfig:
         for name in ("steps", "log_every", "eval_every", "eval_batches", "max_bad_steps"):
             check_positive(f"TrainConfig.{name}", getattr(self, name))
         check_positive("TrainConfig.stop_after", self.stop_after, allow_none=True)
+        # the step counter and the schedule's arithmetic are 32-bit: steps = 10**10 overflowed as the
+        # step compiled, a traceback after config.gin and plan.json were written
+        for name in ("steps", "stop_after", "warmup_steps"):
+            value = getattr(self, name)
+            if isinstance(value, int) and value >= 2**31:
+                raise ConfigError(f"TrainConfig.{name} = {value} is not allowed; allowed: below 2**31 = 2147483648 "
+                                  "(steps are counted in 32-bit integers)")
         # JAX's PRNG key takes a C long: 2**63 and up fail at initialisation with an OverflowError
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
             raise ConfigError(f"TrainConfig.seed = {self.seed!r} must be an integer in [0, 2**63)")

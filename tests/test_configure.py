@@ -125,6 +125,10 @@ def test_holmes_plan_runs_the_plan_command(monkeypatch, capsys):
     ("TrainConfig.beta1=1.0", "TrainConfig.beta1"),  # Adam's bias correction divides by 0: NaN from step 2
     ("TrainConfig.beta2=1.0", "TrainConfig.beta2"),
     ("TrainConfig.seed=18446744073709551616", "TrainConfig.seed"),  # an OverflowError at initialisation
+    # the step counter is 32-bit: an OverflowError as the step compiled, after config.gin was written
+    ("TrainConfig.steps=10000000000", "TrainConfig.steps"),
+    ("TrainConfig.stop_after=2147483648", "TrainConfig.stop_after"),
+    ("TrainConfig.warmup_steps=2147483648", "TrainConfig.warmup_steps"),
     ("DataConfig.source=5", "DataConfig.source"),
     ("DataConfig.source=''", "DataConfig.source"),  # the current folder, silently
     ("DataConfig.cache_dir=5", "DataConfig.cache_dir"),
