@@ -193,10 +193,15 @@ def _check_macros(bindings: list[str]) -> None:
 
 def _check_scopes() -> None:
     """gin keeps `scope/Class.field = v` for a class built inside that scope, and ours are built
-    outside any: such a binding, in a file or a flag, set nothing, silently."""
-    if found := re.search(r"^(\S+)/(\w+\.\w+) = ", gin.config_str(), flags=re.MULTILINE):
+    outside any: such a binding, in a file or a flag, set nothing, silently. So did `scope/name =
+    v` (a scoped macro), which the typo `TrainConfig/steps` for `TrainConfig.steps` makes."""
+    found = re.search(r"^(\S+)/(\S+) = ", gin.config_str(), flags=re.MULTILINE)
+    if found and "." in found[2]:
         raise ConfigError(f"gin: {found[1]}/{found[2]} sets nothing: the configs are built outside any gin "
                           f"scope; allowed: {found[2]}, without '{found[1]}/'")
+    if found:
+        raise ConfigError(f"gin: {found[1]}/{found[2]} sets nothing: it is a gin macro in scope {found[1]!r}; "
+                          f"a field is named Class.field, as in {found[1]}.{found[2]}")
 
 
 def _parsing_file(traceback) -> str | None:

@@ -338,6 +338,10 @@ def test_a_scoped_binding_is_refused_naming_the_field_it_meant(tmp_path):
     path.write_text("a/b/ModelConfig.hidden = 64\n")
     with pytest.raises(ConfigError, match=r"^gin: a/b/ModelConfig.hidden sets nothing"):
         configure.load_configs(["--gin_file", str(path)])
+    # a slash for the dot: a macro in scope TrainConfig, and the run went on with 300 steps
+    with pytest.raises(ConfigError, match=r"^gin: TrainConfig/steps sets nothing: it is a gin macro in scope "
+                                          r"'TrainConfig'; a field is named Class.field, as in TrainConfig.steps$"):
+        configure.load_configs(["--gin.TrainConfig/steps=2"])
 
 
 def test_a_gin_file_tokenize_or_utf8_cannot_read_names_the_file_and_line(tmp_path):
