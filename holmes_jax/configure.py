@@ -290,6 +290,9 @@ def load_configs(argv: list[str]) -> Configs:
     _check_scopes()
     for c in (cfgs.parallel, cfgs.data, cfgs.train, cfgs.checkpoint):
         c.validate()
+    # '~/runs/x' in a gin file (no shell expands it) made a folder named '~' in the working folder
+    train = dataclasses.replace(cfgs.train, workdir=os.path.expanduser(cfgs.train.workdir))
+    cfgs = dataclasses.replace(cfgs, train=train)
     model = cfgs.model
     if model.vocab_size is None and (declared := data.vocab_size(cfgs.data)):  # unset: follow the data's
         model = dataclasses.replace(model, vocab_size=data.padded_vocab(declared, math.lcm(128, cfgs.parallel.tp)))

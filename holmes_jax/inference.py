@@ -227,6 +227,7 @@ def _read_tokenizer_spec(meta: Path) -> str | None:
 
 def load(workdir: str | Path, step: int | None = None) -> Model:
     """The model of a run's newest checkpoint (or of `step`)."""
+    workdir = Path(workdir).expanduser()
     cfg, data = read_configs(workdir)
     params, step = restore_params(workdir, cfg, step)
     tokenizer, eot, token_file = run_tokens(workdir, data)

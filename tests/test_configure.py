@@ -438,3 +438,10 @@ def test_the_train_config_of_a_saved_config_reads_values_gin_wrapped_and_refuses
     found = configure.train_config_of(saved)
     assert found.workdir == workdir and found.lr_schedule == "wsd" and found.steps == TrainConfig().steps
     assert configure.train_config_of(saved.replace("TrainConfig.steps = 300", "TrainConfig.steps = %STEPS")) is None
+
+
+def test_a_workdir_under_the_home_folder_is_expanded(monkeypatch, tmp_path):
+    # a gin file's '~/runs/x' (no shell expands it) made a folder named '~' in the working folder
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfgs = configure.load_configs(["--gin.TrainConfig.workdir='~/runs/x'"])
+    assert cfgs.train.workdir == str(tmp_path / "runs" / "x")
