@@ -346,6 +346,9 @@ def test_a_dp_that_does_not_divide_the_devices_is_named():
     # a model shallower than that pp: its check of pp = 21 came first
     code, _, err = _cli("--topology", IB4_ROCE4, "--model", "125m", "--dp", "3")
     assert code == 2 and "first: dp = 3 is not allowed with tp = 1: dp * tp must divide the 64 devices" in err, err
+    # with pp given, the one dp that goes with it (it offered dp 1, 2, 4, ..., which pp 2 refused too)
+    code, _, err = _cli("--topology", IB4_ROCE4, "--model", "125m", "--dp", "3", "--pp", "2")
+    assert code == 2 and "allowed with pp = 2, tp = 1: dp = 32" in err and "allowed dp: 1, 2" not in err, err
 
 
 def test_a_topology_of_a_trillion_devices_is_refused_at_once(tmp_path):

@@ -546,8 +546,8 @@ def _candidates(topo: Topology, cfg: ModelConfig, par: ParallelConfig, free: set
     same_layers = len({layer.params for layer in workload.model_costs(cfg, 1, seq_len).layers}) == 1
     for tp, pp, dp in _layouts(topo, cfg, par, free) if layouts is None else layouts:
         try:
-            if dp is not None:  # before the model's check of the pp derived from it
-                placement.check_dp(topo.num_devices, tp, dp)
+            if dp is not None and "pp" in free:  # before the model's check of the pp derived from it
+                placement.check_dp(topo.num_devices, tp, dp)  # (a pp given: place names the one dp it allows)
             _check_model(cfg, tp, pp)
         except ConfigError as e:
             misfits.append(str(e))
