@@ -51,10 +51,12 @@ NO_DETECTION = {"cluster_detection_method": "deactivate"}
      {"coordinator_address": "head:29500", "num_processes": 4, "process_id": 2, **NO_DETECTION}),
     ({"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
       "HOLMES_COORDINATOR": "head:29500"}, "ompi",
-     {"coordinator_address": "head:29500", "num_processes": 4, "process_id": 3, "local_device_ids": [1], **NO_DETECTION}),
+     {"coordinator_address": "head:29500", "num_processes": 4, "process_id": 3, "local_device_ids": [1],
+      **NO_DETECTION}),
     # MPICH / Intel MPI (Hydra's PMI): JAX does not detect them, so without this every rank ran alone
     ({"PMI_SIZE": "4", "PMI_RANK": "3", "MPI_LOCALRANKID": "1", "HOLMES_COORDINATOR": "head:29500"}, "pmi",
-     {"coordinator_address": "head:29500", "num_processes": 4, "process_id": 3, "local_device_ids": [1], **NO_DETECTION}),
+     {"coordinator_address": "head:29500", "num_processes": 4, "process_id": 3, "local_device_ids": [1],
+      **NO_DETECTION}),
     ({"PMI_SIZE": "1", "PMI_RANK": "0"}, "single", {}),
     # zero-padded ranges and a single number in one bracket group
     ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "8", "SLURM_STEP_NODELIST": "node[001-004,010]", "SLURM_PROCID": "0",

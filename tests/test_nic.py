@@ -200,7 +200,8 @@ def test_network_settings_read_the_file_of_flags_xla_flags_names(tmp_path):
     lines = distributed.network_settings(nic.Nic("ethernet", 25.0), env, tmp_path / "sys", tmp_path / "proc")
     assert env["XLA_FLAGS"].split() == ["--xla_dump_to=/tmp/d", "--xla_gpu_enable_nccl_comm_splitting=true",
                                         "--xla_gpu_collective_permute_connected_components=true"]
-    assert f"XLA_FLAGS --xla_gpu_enable_nccl_comm_splitting=true (from {tmp_path / 'flags'}, which XLA_FLAGS names)" in lines
+    given = f"XLA_FLAGS --xla_gpu_enable_nccl_comm_splitting=true (from {tmp_path / 'flags'}, which XLA_FLAGS names)"
+    assert given in lines
     with pytest.raises(ConfigError, match=r"XLA_FLAGS = '.*missing' is not allowed: XLA reads it as the name of a "
                                           r"file of flags .* cannot be read \(No such file or directory\)"):
         distributed.network_settings(nic.Nic("ethernet", 25.0), {"XLA_FLAGS": str(tmp_path / "missing")},

@@ -165,9 +165,10 @@ def place(topology: Topology, tp: int, pp: int, dp: int | None = None, method: s
         if dp is None:
             allowed = (f"pp = {pp} is not allowed with tp = {tp}: {spans}; allowed pp (every cluster holding whole "
                        f"stages{_layers_limit(topology, tp, max_pp, ', ')}): {', '.join(map(str, fitting)) or 'none'}")
-        else:  # the search derived pp from the dp given (its pp offered alone could not go with that dp)
+        else:  # a dp given: the search derived the pp from it, so the dp is what to change
+            dps = ", ".join(str(n // (p * tp)) for p in fitting[::-1]) or "none"
             allowed = (f"dp = {dp} is not allowed with tp = {tp}: with pp = {pp}, {spans}; allowed dp (every "
-                       f"cluster holding whole stages): {', '.join(str(n // (p * tp)) for p in fitting[::-1]) or 'none'}")
+                       f"cluster holding whole stages): {dps}")
         raise ConfigError(f"{allowed}; or allow mixed stages (the planner's allow_mixed=True, --allow-mixed)")
 
     # Every stage syncs at once (after its last tick), so a node holding two stages' devices (a
