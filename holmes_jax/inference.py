@@ -34,12 +34,13 @@ from holmes_jax.models import gpt
 
 
 def read_configs(workdir: str | Path) -> tuple[ModelConfig, DataConfig]:
-    """The resolved model config and the data config a run was trained with."""
+    """The resolved model config (to run on this process's first device) and the data config a
+    run was trained with."""
     gin_file = Path(workdir) / "config.gin"
     if not gin_file.is_file():
         raise ConfigError(f"--workdir {str(workdir)!r} holds no config.gin: not the workdir of a holmes_jax run")
     cfgs = configure.load_configs(["--gin_file", str(gin_file)])
-    return cfgs.model, cfgs.data
+    return gpt.runnable_on(cfgs.model, jax.devices()[0]), cfgs.data
 
 
 def restore_params(workdir: str | Path, cfg: ModelConfig, step: int | None = None, device=None) -> tuple[dict, int]:

@@ -129,3 +129,14 @@ def test_models_of_one_config_share_the_compiled_forward():
     assert generate._last_logits._cache_size() == before
     assert out == _unpadded_choices(second, [65, 66], out)  # with its own parameters
     assert out != generate.generate(first, [65, 66], 3, greedy=True)
+
+
+def test_a_run_that_chose_cudnn_attention_on_a_gpu_runs_on_a_cpu(tmp_path):
+    # generate and holmes_jax.load failed on a CPU with "cuDNN is not detected" (a traceback)
+    (tmp_path / "config.gin").write_text("ModelConfig.attention = 'cudnn'\nModelConfig.compute_dtype = 'bfloat16'\n")
+    cfg, _ = inference.read_configs(tmp_path)
+    assert (cfg.attention, cfg.compute_dtype) == ("auto", "bfloat16")
+    m = inference.Model(cfg, gpt.GPT(cfg).init(0), None, 0)
+    assert np.isfinite(np.asarray(m.logits(np.array([[1, 2, 3]])))).all()
+    chosen = presets.resolve(ModelConfig(preset="tiny", attention="xla"))  # a choice that runs here stays
+    assert gpt.runnable_on(chosen, jax.devices()[0]) is chosen

@@ -8,6 +8,7 @@ on the stages that own them; a one-stage run calls `loss`.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -61,6 +62,14 @@ def check_attention(cfg: ModelConfig, device) -> None:
                           f"{cfg.compute_dtype!r}, head_dim {cfg.head_dim} on {device.platform}: cuDNN attention "
                           f"needs a CUDA GPU, bfloat16 and a head_dim that is a multiple of 8 up to 128; "
                           f"allowed: 'auto' or 'xla'")
+
+
+def runnable_on(cfg: ModelConfig, device) -> ModelConfig:
+    """`cfg` to run on `device`: a run that chose 'cudnn' on a GPU, loaded where cuDNN cannot run
+    (a CPU), gets 'auto', the same attention computed by XLA (it failed: "cuDNN is not detected")."""
+    if cfg.attention == "cudnn" and not _cudnn_runs(cfg, jnp.dtype(cfg.compute_dtype), device):
+        return dataclasses.replace(cfg, attention="auto")
+    return cfg
 
 
 def attention_implementation(cfg: ModelConfig, q: jax.Array) -> str:
