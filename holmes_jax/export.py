@@ -104,9 +104,14 @@ def _fields(hf: dict) -> dict:
                     norm_eps=hf.get("layer_norm_epsilon", 1e-5), tie_embeddings=hf.get("tie_word_embeddings", True))
     if hf.get("model_type") == "llama":
         rope = hf.get("rope_parameters") or {}
-        if hf.get("rope_scaling") or rope.get("rope_type", "default") != "default":
+        # transformers also reads the kind under its older key "type" (a linear scaling passed as plain)
+        if hf.get("rope_scaling") or rope.get("rope_type", rope.get("type", "default")) != "default":
             raise ConfigError(f"config.json rope scaling {hf.get('rope_scaling') or rope!r} is not supported: "
                               f"only plain rotary positions (rope_type 'default')")
+        partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+        if partial != 1:  # transformers then turns only that share of each head
+            raise ConfigError(f"config.json partial_rotary_factor = {partial!r} is not supported: only rotary "
+                              f"positions over whole heads (1.0)")
         if hf.get("hidden_act", "silu") != "silu":
             raise ConfigError(f"config.json hidden_act = {hf['hidden_act']!r}: only 'silu' (SwiGLU) is supported")
         if hf.get("attention_bias", False) != hf.get("mlp_bias", False):

@@ -231,6 +231,12 @@ DAMAGED_FOLDERS = {  # case: (what is written over the saved folder, what the er
     # was "config.json has no 'head_dim'"
     "heads that do not divide hidden": (lambda f, c, t: (f / "config.json").write_text(json.dumps(
         _drop(c, "head_dim") | {"num_attention_heads": 5})), "hidden_size = 64 is not a multiple of num_attention_heads = 5"),
+    # transformers reads these as a linear scaling and as rotary on half of each head: they were
+    # imported as plain rotary positions over whole heads
+    "rope scaling under the older key": (lambda f, c, t: (f / "config.json").write_text(json.dumps(
+        c | {"rope_parameters": {"type": "linear", "factor": 4.0, "rope_theta": 10000.0}})), "rope scaling .* is not supported"),
+    "partial rotary": (lambda f, c, t: (f / "config.json").write_text(json.dumps(c | {"partial_rotary_factor": 0.5})),
+                       "partial_rotary_factor = 0.5 is not supported"),
     "an index without weight_map": (lambda f, c, t: _index_only(f, {}), "has no weight_map"),
     "a weight_map of numbers": (lambda f, c, t: _index_only(f, {"weight_map": {"model.norm.weight": 1}}),
                                 "has no weight_map"),
