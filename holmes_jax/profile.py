@@ -296,8 +296,9 @@ def _noisier_than_apart(layouts, by_round: list[list[float]], medians: list[floa
     if spread[worst] <= apart:
         return None
     rounds_ms = ", ".join(f"{t * 1e3:.0f}" for t in by_round[worst])
-    return (f"profile: warning: the rounds of {list(layouts[worst])} differed by {spread[worst]:.0%} ({rounds_ms} ms), "
-            f"more than the two fastest layouts differ ({apart:.0%}): on this host their order is noise; "
+    # one decimal: whole percents said "differed by 2% ... more than ... (2%)"
+    return (f"profile: warning: the rounds of {list(layouts[worst])} differed by {spread[worst]:.1%} ({rounds_ms} ms), "
+            f"more than the two fastest layouts differ ({apart:.1%}): on this host their order is noise; "
             f"profile again at a quieter time")
 
 
@@ -432,6 +433,9 @@ def profile(setup, repeats: int = 5, splits: int = 0, say=print) -> Profile:
     if splits > 0:
         ranked = ranked_splits(setup, result, splits) if stages > 1 else []
         if len(ranked) > 1:
+            if len(ranked) < splits:  # it said "the 5 splits" and timed 3
+                parts[6] = (f"the model's own step at the {len(ranked)} splits ranked fastest (of {splits} asked: "
+                            f"this layout has no more one layer from auto's)")
             measuring(6)
             timed = profile_steps(setup, ranked, token_data, say=say)
             result = dataclasses.replace(result, split_probes=tuple(timed))
@@ -454,7 +458,7 @@ def main(argv: list[str]) -> int:
                              "compiles the whole model); planning's `auto` then takes the fastest of them "
                              "(default 0: none; else 2 or more)")
     args, gin_args = parser.parse_known_args(argv)
-    if not args.splits.isdigit() or int(args.splits) == 1:  # one timed split has nothing to be faster than
+    if not args.splits.isdecimal() or int(args.splits) == 1:  # isdigit() took '²', which int() refuses  # one timed split has nothing to be faster than
         parser.error(f"--splits {args.splits} is not allowed; allowed: 0 (none), or 2 or more (auto takes the "
                      f"fastest of them)")
     splits = int(args.splits)
@@ -498,7 +502,8 @@ def _out_problem(arg: str) -> str:
     out = Path(arg)
     if not arg or out.is_dir() or not out.parent.is_dir():
         return f"--out {arg!r} is not allowed; allowed: a file in an existing folder"
-    if not os.access(out.parent, os.W_OK):
+    # written in place where it is no plain file (/dev/null), so that needs writing, not its folder (/dev)
+    if not os.access(out if out.exists() and not out.is_file() else out.parent, os.W_OK):
         return f"--out {arg!r} is not allowed: its folder is not writable; allowed: a file in a folder you may write"
     if not _replaceable(out):  # a slip of the command line (--out my_run.gin) would lose that file
         return f"--out {arg!r} exists and is not a profile; remove it or choose another"

@@ -88,8 +88,8 @@ def test_step_probes_are_timed_in_interleaved_rounds(tmp_path, monkeypatch):
     assert said[-5:] == [
         "profile: round 1/2 [1, 1]: 1500 ms a step", "profile: round 1/2 [2, 2]: 4000 ms a step",
         "profile: round 2/2 [1, 1]: 6000 ms a step", "profile: round 2/2 [2, 2]: 5500 ms a step",
-        "profile: warning: the rounds of [1, 1] differed by 300% (1500, 6000 ms), more than the two fastest "
-        "layouts differ (80%): on this host their order is noise; profile again at a quieter time"]
+        "profile: warning: the rounds of [1, 1] differed by 300.0% (1500, 6000 ms), more than the two fastest "
+        "layouts differ (80.0%): on this host their order is noise; profile again at a quieter time"]
 
 
 @pytest.mark.parametrize("rounds, warned", [
@@ -325,7 +325,8 @@ def test_help_names_the_run_config_flags_and_every_flag_has_help(capsys):
         assert own or (i + 1 < len(options) and options[i + 1].startswith(" " * 6)), options[i]
 
 
-@pytest.mark.parametrize("count", ["1", "-2", "x"])  # 'x' was argparse's "invalid int value", no 'allowed'
+# 'x' was argparse's "invalid int value", no 'allowed'; '²' a digit to isdigit(), and int() raised
+@pytest.mark.parametrize("count", ["1", "-2", "x", "\u00b2"])
 def test_one_split_is_refused_before_profiling(tmp_path, monkeypatch, count):
     # planning's auto takes the fastest of two or more timed splits; one was timed, then noted as
     # "not of this layout"
@@ -361,6 +362,9 @@ def test_each_part_is_said_before_it_is_timed(tmp_path, monkeypatch):
         assert line.startswith(f"profile: {number}/{len(parts)} timing "), said
     assert "2 layer(s)" in said[0] and "1 and 2 layers a stage" in said[10] and "2 splits" in said[12]
     assert said[2].endswith("each stage's speed: skipped, a process holds several stages")  # one process here
+    said.clear()  # more splits asked than [2, 2] and the two one layer away: it said "the 5 splits"
+    profile.profile(setup, repeats=1, splits=5, say=said.append)
+    assert said[12].startswith("profile: 7/7 timing the model's own step at the 3 splits ranked fastest (of 5 asked")
 
 
 def _one_device_with_parts_faked(tmp_path, monkeypatch):
@@ -426,6 +430,12 @@ def test_an_unwritable_folder_is_refused_before_profiling(tmp_path, monkeypatch)
     monkeypatch.setattr(profile.os, "access", lambda path, mode: False)  # as a user without write permission sees it
     with pytest.raises(ConfigError, match="its folder is not writable"):  # was a PermissionError after profiling
         profile.main(["--out", str(tmp_path / "p.json")])
+
+
+def test_a_device_file_is_asked_whether_it_may_be_written_not_its_folder(monkeypatch):
+    # /dev/null was refused to any user but root: /dev is not theirs to write
+    monkeypatch.setattr(profile.os, "access", lambda path, mode: str(path) != "/dev")  # as a user sees it
+    assert profile._out_problem("/dev/null") == ""
 
 
 def test_a_profile_written_through_a_link_keeps_the_link(tmp_path, monkeypatch):
