@@ -153,7 +153,7 @@ def _step_of(line: bytes) -> int | None:
     """The step of the metrics row on `line`, or None when it is not one."""
     try:
         row = json.loads(line)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: brackets nested too deep (was a traceback)
         return None
     return row["step"] if isinstance(row, dict) and isinstance(row.get("step"), int) else None
 

@@ -194,7 +194,7 @@ UNIT_IN = 12.4 / 30.6  # inches a device width takes in the placement drawing
 
 def _cluster_title(c) -> str:
     return (f"{c.name}: {c.nic}, {c.nic_link.gbps:g} Gb/s per node\n"
-            f"{c.nodes} node{'s' * (c.nodes > 1)} x {c.devices_per_node} devices")
+            f"{c.nodes} node{'s' * (c.nodes > 1)} x {c.devices_per_node} device{'s' * (c.devices_per_node > 1)}")
 
 
 def _cluster_width(c) -> float:
@@ -346,7 +346,8 @@ def draw_report(rows: list[dict], predicted_step_s: float | None, path: str, tit
         time_ax.axhline(predicted_step_s * scale, color="C3", linestyle="--",
                         label=f"plan's prediction {predicted_step_s * scale:.4g} {unit}{of_run} "
                               f"(measured / predicted = {typical / predicted_step_s:.2f})")
-    time_ax.set_ylim(0, 1.1 * max(measured.max(), predicted_step_s or 0) * scale)
+    top = max(measured.max(), predicted_step_s or 0)
+    time_ax.set_ylim(0, 1.1 * top * scale if top > 0 else 1)  # all zero: matplotlib warned of 0 to 0
     time_ax.set_xlabel("step")
     time_ax.set_ylabel(f"step time ({unit})")
     time_ax.set_title("step time", loc="left")

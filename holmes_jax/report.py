@@ -19,17 +19,29 @@ def _row(line: str) -> dict | None:
     """The metrics row on `line`, or None when it is not one."""
     try:
         row = json.loads(line)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: brackets nested too deep
         return None
     if not isinstance(row, dict):
         return None
     for key in ("loss", "val_loss"):  # a skipped step's loss is written null (older runs wrote NaN)
         if key in row and row[key] is None:
             row[key] = math.nan
-    if (isinstance(row.get("step"), int) and all(isinstance(row.get(key), (int, float)) for key in NUMBERS)
-            and math.isfinite(row["step_time_s"])):  # a loss may be not finite; a step's time not
+    # what is drawn must be what it seems (a hand-edited "val_loss": "x" or "step": true was a
+    # traceback, or drawn as step 1); a loss may be not finite, a step's time not
+    if (_integer(row.get("step")) and all(_number(row.get(key)) for key in NUMBERS)
+            and math.isfinite(row["step_time_s"]) and row["step_time_s"] >= 0
+            and ("val_loss" not in row or _number(row["val_loss"]))
+            and ("resumed_from" not in row or _integer(row["resumed_from"]))):
         return row
     return None
+
+
+def _integer(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def read_rows(workdir: Path) -> list[dict]:
@@ -55,7 +67,8 @@ def read_rows(workdir: Path) -> list[dict]:
             continue  # a last row cut short (a crash, a full disk): the rows before it still draw
         if row is None:
             raise ConfigError(f"{path}:{number} is not a metrics row (one JSON object with an integer "
-                              f"'step' and the numbers {' and '.join(map(repr, NUMBERS))})")
+                              f"'step' and the numbers {' and '.join(map(repr, NUMBERS))}, a step time not "
+                              f"negative; where present, 'val_loss' a number and 'resumed_from' an integer)")
         rows[row["step"]] = row
     if not rows:
         raise ConfigError(f"{path} is empty: the run logged no step yet")

@@ -9,6 +9,7 @@ import os
 import struct
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import matplotlib.image
@@ -186,6 +187,12 @@ def test_a_skipped_steps_loss_is_null_in_metrics_jsonl_and_drawn_as_not_finite(t
     ({"metrics.jsonl": "{\"step\": 1, \"loss\": 1}\n"}, "metrics.jsonl:1 is not a metrics row"),  # no step_time_s
     ({"metrics.jsonl": b"\xff\xfe\n"}, "metrics.jsonl:1 is not a metrics row"),  # not UTF-8
     ({"metrics.jsonl": "{\"step\": 1, \"loss\": 1, \"step_time_s\": NaN}\n"}, "metrics.jsonl:1 is not a metrics row"),
+    # hand edits that were a traceback (a validation loss "x", a resume step "1", brackets nested
+    # 200,000 deep), drawn as step 1 (true) or as a negative step time
+    *[({"metrics.jsonl": line + "\n"}, "metrics.jsonl:1 is not a metrics row") for line in (
+        '{"step": 1, "loss": 1, "step_time_s": 0.1, "val_loss": "x"}',
+        '{"step": 1, "loss": 1, "step_time_s": 0.1, "resumed_from": "1"}', "[" * 200_000,
+        '{"step": true, "loss": 1, "step_time_s": 0.1}', '{"step": 1, "loss": 1, "step_time_s": -2}')],
     *[({"metrics.jsonl": "{\"step\": 1, \"loss\": 1, \"step_time_s\": 0.1}\n",
         "plan.json": json.dumps({"predicted": {"step_time_s": bad}})}, "plan.json is not a plan")
       for bad in (0, -1.0, float("nan"), float("inf"), "x")],
@@ -215,6 +222,16 @@ def test_a_plan_json_the_report_cannot_read_is_one_error_line(tmp_path, monkeypa
 def test_the_report_names_a_missing_workdir_not_its_default_out(tmp_path):
     code, _, err = _report(tmp_path / "absent")
     assert code == 2 and err.startswith("error: WORKDIR") and "holds no metrics.jsonl" in err, err
+
+
+def test_the_report_draws_step_times_of_zero_without_a_warning(tmp_path):
+    # matplotlib warned "Attempting to set identical low and high ylims" (a clock too coarse, a hand edit)
+    rows = [{"step": step, "loss": 3.0, "step_time_s": 0.0} for step in (1, 2)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        code, out, err = _report(tmp_path, "--out", tmp_path / "r.png")
+    assert code == 0 and "steps 1-2" in out, err
 
 
 def test_the_report_gives_steps_of_a_second_and_more_in_seconds(tmp_path):
@@ -267,6 +284,17 @@ def test_a_whole_last_row_without_its_newline_stays_on_resume(tmp_path):
     log.close()
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]
     assert [r["step"] for r in report.read_rows(tmp_path)] == [1, 2, 3]
+
+
+def test_a_resume_keeps_a_line_nested_too_deep_to_read_as_no_row(tmp_path):
+    # the resumed run's reading of the earlier rows raised a RecursionError (a traceback)
+    row = {"loss": 3.0, "step_time_s": 0.1, "tokens_per_s": 1.0, "tflops_per_device": 1.0}
+    earlier = json.dumps(dict(row, step=1)) + "\n" + "[" * 200_000 + "\n"
+    (tmp_path / "metrics.jsonl").write_text(earlier)
+    log = metrics.MetricsLog(tmp_path / "metrics.jsonl", total_steps=4, quiet=True, first=2)
+    log.write(dict(row, step=2))
+    log.close()
+    assert (tmp_path / "metrics.jsonl").read_text() == earlier + json.dumps(dict(row, step=2, resumed_from=1)) + "\n"
 
 
 def test_each_row_is_in_the_tensorboard_events_once_written(tmp_path):
