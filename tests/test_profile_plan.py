@@ -85,6 +85,20 @@ def test_a_slow_boundary_raises_the_step():
     assert "profile: measured stage-boundary links" in slow.notes
 
 
+def test_the_plan_shows_the_measured_links_its_times_come_from():
+    # the table, plan.json and the drawing gave the topology's link speeds beside times priced
+    # with the profile's measured ones (0.04 Gb/s drawn for a hop timed at 32.7 Gb/s)
+    bare, measured = _plan(_profile(data_links=(), stage_links=()), partition="uniform"), _plan(
+        _profile(data_links=(FAST, SLOW), stage_links=(SLOW,)), partition="uniform")
+    routes = measured.placement
+    assert [r.bytes_per_s for r in routes.data_routes] == [FAST.bytes_per_s, SLOW.bytes_per_s]
+    assert routes.boundary_routes[0].bytes_per_s == SLOW.bytes_per_s
+    assert [r.via for r in routes.data_routes] == [f"{r.via}, measured" for r in bare.placement.data_routes]
+    text = measured.explain()
+    assert f"{bare.placement.boundary_routes[0].via}, measured: {SLOW.gbps:.3g} Gb/s each" in text
+    assert measured.to_dict()["links"]["data"][1]["gbps_per_transfer"] == pytest.approx(SLOW.gbps)
+
+
 def test_an_unmeasured_boundary_keeps_the_topologys_link(tmp_path):
     path = tmp_path / "p.json"
     path.write_text(_profile(stage_links=(None,)).to_json())  # "stage_links": [null]; was an AttributeError

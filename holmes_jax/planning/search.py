@@ -281,7 +281,7 @@ def _with_profile(prof, cfg: ModelConfig, costs: workload.ModelCosts, micro_batc
         for s, l in enumerate(prof.data_links):
             if l is not None and dp > 1:
                 # The profile fits one fixed cost per all-reduce; the cost model counts 2(n - 1) hops.
-                dp_links[s] = Link(l.bytes_per_s, l.latency_s / (2 * (dp - 1)))
+                dp_links[s] = Link(l.bytes_per_s, l.latency_s / (2 * (dp - 1)), f"{dp_links[s].via}, measured")
                 used.append(s)
         if used:
             notes.append(f"profile: measured data-group links for stage(s) {', '.join(map(str, used))}")
@@ -290,7 +290,8 @@ def _with_profile(prof, cfg: ModelConfig, costs: workload.ModelCosts, micro_batc
                      f"topology figures used")
     if pp > 1 and len(prof.stage_links) == pp - 1:
         # null: not measured there, the topology's figure stays
-        boundaries = [b if l is None else Link(l.bytes_per_s, l.latency_s) for l, b in zip(prof.stage_links, boundaries)]
+        boundaries = [b if l is None else Link(l.bytes_per_s, l.latency_s, f"{b.via}, measured")
+                      for l, b in zip(prof.stage_links, boundaries)]
         if any(prof.stage_links):
             notes.append("profile: measured stage-boundary links")
     elif prof.stage_links:
@@ -461,7 +462,11 @@ def plan(topology, model, parallel: ParallelConfig | None = None, *, global_batc
         notes += (note,) if note else ()
         if timed is not None:
             prediction = partitions["auto"] = c.model.predict(timed)
-    return Plan(topo, cfg, c.placement, prediction.stage_layers,
+    # the links the prediction used, a profile's measured ones included (the table and the drawing
+    # showed the topology's figures beside times from the measured ones)
+    used = dataclasses.replace(c.placement, data_routes=tuple(stage.dp_link for stage in c.model.stages),
+                               boundary_routes=c.model.boundaries)
+    return Plan(topo, cfg, used, prediction.stage_layers,
                 "explicit" if par.stage_layers is not None else par.partition, c.model.schedule, c.model.microbatches,
                 global_batch, seq_len, c.model.zero1, par.grad_reduce_dtype, par.update_gather_dtype, prediction,
                 partitions, notes)
