@@ -132,6 +132,13 @@ def folder_files(folder: Path) -> list[Path]:
     return sorted(files)
 
 
+def _prepared(folder: Path) -> bool:
+    try:
+        return (folder / META_FILE).is_file() and (folder / TOKEN_FILE).is_file()
+    except OSError:  # a folder that cannot be read: folder_files names it, not a file in it
+        return False
+
+
 def _raise(error: OSError) -> None:
     raise error
 
@@ -148,10 +155,10 @@ def input_files(sources: list[str]) -> list[Path]:
         try:
             if path.is_file():
                 files.append(path)
-            elif (path / META_FILE).is_file() and (path / TOKEN_FILE).is_file():  # was "no files to read"
-                raise ConfigError(f"SRC {source!r} is a prepared folder (it holds {META_FILE} and {TOKEN_FILE}): "
-                                  "give the text it was prepared from, or train on it as DataConfig.source")
             elif path.is_dir():
+                if _prepared(path):  # was "no files to read": folder_files skips prepared folders
+                    raise ConfigError(f"SRC {source!r} is a prepared folder (it holds {META_FILE} and {TOKEN_FILE}): "
+                                      "give the text it was prepared from, or train on it as DataConfig.source")
                 files += folder_files(path)
             else:
                 raise ConfigError(f"SRC {source!r} is not a readable file or folder; "
