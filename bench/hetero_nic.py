@@ -109,17 +109,19 @@ def topology_toml(ib_mbit: float, roce_mbit: float, inter_mbit: float, efficienc
 
 @dataclasses.dataclass
 class Testbed:
-    """An emulated cluster and how its processes run: pinned to a core each, or CPU-capped."""
+    """An emulated cluster and how its processes run: pinned to a core each (rank r to cores[r]),
+    or not (no cores), and CPU-capped or not."""
 
     ec: emulate.EmulatedCluster
-    pin: bool
+    cores: tuple[int, ...]
     cpu: emulate.CpuLimits | None = None
 
 
 def run(bed: Testbed, module_args: list[str], timeout_s: float = RUN_TIMEOUT_S) -> int:
     cmd = [sys.executable, "-m", *module_args]
-    if bed.pin:  # one core per process: rank r on core r
-        cmd = ["sh", "-c", 'exec taskset -c "$HOLMES_PROCESS_ID" "$@"', "pin", *cmd]
+    if bed.cores:  # one core per process: rank r on the r-th of the cores listed
+        listed = ",".join(map(str, bed.cores))
+        cmd = ["sh", "-c", f'exec taskset -c "$(echo {listed} | cut -d, -f$((HOLMES_PROCESS_ID + 1)))" "$@"', "pin", *cmd]
     rc = bed.ec.run(cmd, devices_per_process=1, timeout_s=timeout_s, cpu=bed.cpu)
     if rc - 128 in cli.STOP_SIGNALS:  # Ctrl-C (or a TERM, HUP) passed on to the processes: we were stopped, not failed
         raise cli.Stopped(rc - 128, f"hetero_nic: stopped by {signal.Signals(rc - 128).name}")
@@ -240,9 +242,11 @@ def main(argv: list[str]) -> int:
 
     # A stop unwinds through the with-blocks below, so the namespaces are torn down: during a launch
     # as cli.Stopped (see `run`), between launches as cli.run's SIGTERM / SIGHUP or Ctrl-C.
-    cores = os.cpu_count() or 1
-    hosts = sum(c[2] for c in CLUSTERS)
-    pin = cores >= hosts
+    # the cores this process may use (a container's cpuset need not start at core 0, and taskset
+    # refuses a core outside it; os.cpu_count() counts the machine's)
+    usable = sorted(os.sched_getaffinity(0))
+    cores, hosts = len(usable), sum(c[2] for c in CLUSTERS)
+    pinned = tuple(usable[:hosts]) if cores >= hosts else ()
     share = min(1.0, cores / hosts)  # each process's cap: hosts behave as devices of a fixed speed
     try:
         with emulate.CpuLimits([share] * hosts):
@@ -251,7 +255,7 @@ def main(argv: list[str]) -> int:
         capped = False
         print(f"hetero_nic: no CPU caps ({e}): processes share the cores freely; (f) and (g) are left out", flush=True)
     print(f"hetero_nic: {hosts} emulated hosts (1 process, 1 CPU device each) on {cores} CPU cores: "
-          + ("each process pinned to its own core (taskset)" if pin else f"{hosts} processes share {cores} cores")
+          + ("each process pinned to its own core (taskset)" if pinned else f"{hosts} processes share {cores} cores")
           + (f", each capped at {share:.2f} CPUs (cgroup), so an idle stage's time does not speed up another"
              if capped else ""), flush=True)
     # in a child process: JAX's threads in this one would be forked with every testbed process
@@ -293,7 +297,7 @@ def main(argv: list[str]) -> int:
         # Heterogeneous testbed: bandwidths, profile, then (b), (c), (d), (e).
         with emulate.EmulatedCluster(CLUSTERS, {"infiniband": IB_MBIT, "roce": ROCE_MBIT}, INTER_MBIT) as ec, \
                 cpu_caps() as cpu:
-            bed = Testbed(ec, pin, cpu)
+            bed = Testbed(ec, pinned, cpu)
             ib0, ib1, roce0, roce1 = ec.hosts
             intra, inter = ec.bandwidth_mbit(ib0, ib1), ec.bandwidth_mbit(ib1, roce1)
             eff = {"intra": min(intra / IB_MBIT, 1.0), "inter": min(inter / INTER_MBIT, 1.0)}
@@ -322,7 +326,7 @@ def main(argv: list[str]) -> int:
             homo.write_text(topology_toml(IB_MBIT, IB_MBIT, IB_MBIT, {"intra": eff["intra"], "inter": eff["intra"]},
                                           tflops))
             with cpu_caps() as cpu:
-                bed = Testbed(ec, pin, cpu)
+                bed = Testbed(ec, pinned, cpu)
                 fast_profile = tmp / "profile-homogeneous.json"
                 if not measure_profile(bed, fast_profile, tmp / "profile-homogeneous-run", homo):
                     return 1
@@ -330,7 +334,7 @@ def main(argv: list[str]) -> int:
                     return 1
             if capped:
                 with cpu_caps(SLOW_SHARE) as cpu:
-                    bed = Testbed(ec, pin, cpu)
+                    bed = Testbed(ec, pinned, cpu)
                     slow_profile = tmp / "profile-slow.json"
                     if not measure_profile(bed, slow_profile, tmp / "profile-slow-run", homo, splits=AUTO_SPLITS_TIMED):
                         return 1

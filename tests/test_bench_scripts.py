@@ -95,6 +95,27 @@ class FakeCluster:
         return self.status
 
 
+def test_hetero_nic_pins_each_rank_to_a_core_this_process_may_use(tmp_path):
+    """Rank r was pinned to core r, which taskset refuses in a container whose cpuset holds
+    other cores: the launch failed, an hour's testbed run in."""
+    bench = load_bench("hetero_nic")
+    usable = sorted(os.sched_getaffinity(0))
+    cores = tuple(usable[(r + 1) % len(usable)] for r in range(4))  # not rank r on core r
+
+    (tmp_path / "affinity.py").write_text("import os\nprint(sorted(os.sched_getaffinity(0)))\n")
+
+    class RunsEachRank:
+        def run(self, cmd, **kwargs):  # as the cluster would, rank by rank: each prints its cores
+            for rank in range(4):
+                with open(tmp_path / f"rank{rank}", "w") as out:
+                    subprocess.run(cmd, env={**os.environ, "HOLMES_PROCESS_ID": str(rank), "PYTHONPATH": str(tmp_path)},
+                                   check=True, stdout=out)
+            return 0
+
+    assert bench.run(bench.Testbed(RunsEachRank(), cores=cores), ["affinity"]) == 0
+    assert [(tmp_path / f"rank{r}").read_text().strip() for r in range(4)] == [f"[{c}]" for c in cores]
+
+
 @pytest.mark.parametrize("status, signal_name", [(130, "SIGINT"), (143, "SIGTERM"), (129, "SIGHUP")])
 def test_hetero_nic_stopped_during_a_configuration_exits_with_the_signal_status(tmp_path, capsys, status, signal_name):
     """Ctrl-C during a configuration's launch came back as status 130, and the bench reported
@@ -106,11 +127,11 @@ def test_hetero_nic_stopped_during_a_configuration_exits_with_the_signal_status(
                            tmp_path / "profile.json")
 
     with pytest.raises(SystemExit) as stop:
-        cli.run(lambda argv: configuration(bench.Testbed(FakeCluster(status), pin=False)), [])
+        cli.run(lambda argv: configuration(bench.Testbed(FakeCluster(status), cores=())), [])
     assert stop.value.code == status
     assert capsys.readouterr().err.strip().splitlines() == [f"hetero_nic: stopped by {signal_name}"]
     # a launch that failed on its own is still a failure: no figures, and the line says so
-    assert configuration(bench.Testbed(FakeCluster(1), pin=False)) is None
+    assert configuration(bench.Testbed(FakeCluster(1), cores=())) is None
     assert capsys.readouterr().err.strip().splitlines() == ["hetero_nic: run (c) failed with status 1"]
 
 
