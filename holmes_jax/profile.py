@@ -458,7 +458,8 @@ def main(argv: list[str]) -> int:
                              "compiles the whole model); planning's `auto` then takes the fastest of them "
                              "(default 0: none; else 2 or more)")
     args, gin_args = parser.parse_known_args(argv)
-    if not args.splits.isdecimal() or int(args.splits) == 1:  # isdigit() took '²', which int() refuses  # one timed split has nothing to be faster than
+    # one timed split has nothing to be faster than; isdecimal: isdigit() took '²', which int() refuses
+    if not args.splits.isdecimal() or int(args.splits) == 1:
         parser.error(f"--splits {args.splits} is not allowed; allowed: 0 (none), or 2 or more (auto takes the "
                      f"fastest of them)")
     splits = int(args.splits)

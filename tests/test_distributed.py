@@ -512,6 +512,7 @@ def four_gpus(tmp_path, monkeypatch):
     ({"CUDA_VISIBLE_DEVICES": "GPU-8d2c4a1e-0000-0000-0000-000000000000"}, "", 1),
     ({"CUDA_VISIBLE_DEVICES": "1,7,2"}, "", 1),  # CUDA stops at a GPU the driver does not have
     ({"CUDA_VISIBLE_DEVICES": "NoDevFiles"}, "", 0),
+    ({"CUDA_VISIBLE_DEVICES": "0,\u00b2"}, "", 1),  # a digit to isdigit(), not to int(): was a traceback
     ({"CUDA_VISIBLE_DEVICES": ""}, "", 0),
     ({}, "cpu", None),  # JAX will not start CUDA
 ])

@@ -148,6 +148,7 @@ def test_build_mesh_from_a_plan_on_eight_cpu_devices():
     (["--tp", "zero"], ["argument --tp", "allowed: a positive integer"]),
     (["--partition", "best"], ["argument --partition: invalid choice"]),
     (["--stage-layers", "20,20"], ["stage_layers = [20, 20] is not allowed"]),
+    (["--stage-layers", "\u00b2,2"], ["argument --stage-layers", "positive layer counts"]),  # was a traceback
     # in the flags' words, not ParallelConfig's
     (["--stage-layers", "18,18", "--pp", "4"], ["--stage-layers 18,18 is not allowed with --pp 4; allowed: 4 layer "
                                                 "counts, one per stage (or leave --pp out)"]),

@@ -20,7 +20,7 @@ PICTURE_SUFFIXES = (".png", ".svg", ".pdf")
 
 def _layer_list(text: str) -> tuple[int, ...]:
     parts = text.split(",")
-    if not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+    if not all(p.strip().isdecimal() and int(p) > 0 for p in parts):  # isdigit took '²', which int() refuses
         raise argparse.ArgumentTypeError(f"{text!r} is not allowed; allowed: positive layer counts like 26,22")
     return tuple(int(p) for p in parts)
 
