@@ -282,7 +282,7 @@ def visible_gpus(env, platforms: str | None = None) -> int | None:
     count = 0
     for entry in shown.split(","):
         entry = entry.strip()
-        if not (entry.isdecimal() and int(entry) < driver or entry.startswith(("GPU-", "MIG-"))):  # not '²
+        if not (entry.isdecimal() and int(entry) < driver or entry.startswith(("GPU-", "MIG-"))):  # isdigit took '²'
             break
         count += 1
     return count
