@@ -184,6 +184,13 @@ def lock_workdir(workdir: Path):
     return lock
 
 
+# XLA's error, where jaxlib raises it as a ValueError: a collective failing as it is dispatched
+# (gloo's 'Connection reset by peer' in the stop vote, a peer killed) was a page of traceback
+XLA_ERROR = re.compile(r"(CANCELLED|UNKNOWN|INVALID_ARGUMENT|DEADLINE_EXCEEDED|NOT_FOUND|ALREADY_EXISTS|"
+                       r"PERMISSION_DENIED|RESOURCE_EXHAUSTED|FAILED_PRECONDITION|ABORTED|OUT_OF_RANGE|"
+                       r"UNIMPLEMENTED|INTERNAL|UNAVAILABLE|DATA_LOSS|UNAUTHENTICATED): ")
+
+
 def run(cfgs: Configs, devices=None, quiet: bool = False) -> dict:
     """Trains per `cfgs`; returns the summary. Everything is validated before the workdir is touched.
     With several processes, all of them step and checkpoint; process 0 alone prints and writes.
@@ -230,7 +237,9 @@ def run(cfgs: Configs, devices=None, quiet: bool = False) -> dict:
             raise
         except OSError as e:  # metrics.jsonl, config.gin; checkpoint writes report their own
             raise cli.RunError(f"cannot write {e.filename or workdir}: {e.strerror}") from None
-        except jax.errors.JaxRuntimeError as e:  # XLA's out-of-memory is a page of traceback: say what to change
+        except (jax.errors.JaxRuntimeError, ValueError) as e:  # XLA's out-of-memory: a page of traceback
+            if isinstance(e, ValueError) and not XLA_ERROR.match(str(e)):
+                raise
             if "RESOURCE_EXHAUSTED" not in str(e):
                 if jax.process_count() > 1:  # a peer that died: gloo's or NCCL's 'connection reset' under a traceback
                     raise cli.RunError(f"a step failed, most likely because another process of this job stopped or "

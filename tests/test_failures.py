@@ -412,6 +412,29 @@ def test_out_of_device_memory_is_one_run_error_and_keeps_the_checkpoints(tmp_pat
     assert _checkpoint_folders(tmp_path) == ["1", "2"]
 
 
+@pytest.mark.parametrize("error, named", [
+    # as jaxlib raised a gloo collective's failure in the stop vote, rank 1 killed: a page of traceback
+    (ValueError("UNKNOWN: Gloo all-reduce failed: [external/gloo/gloo/transport/tcp/pair.cc:538] Read error "
+                "[127.0.0.1]:31625: Connection reset by peer"), True),
+    (ValueError("not one of XLA's"), False),  # ours, or a library's: not a peer's failure
+])
+def test_an_xla_error_raised_as_a_value_error_is_named_as_xlas(tmp_path, monkeypatch, error, named):
+    steps = train.train_steps
+
+    def failing_at_step_2(compiled, setup, state, start, last, token_data):
+        for step, state, out in steps(compiled, setup, state, start, last, token_data):
+            if step == 2:
+                monkeypatch.setattr(jax, "process_count", lambda: 2)  # the handler's view: one of two processes
+                raise error
+            yield step, state, out
+    monkeypatch.setattr(train, "train_steps", failing_at_step_2)
+    expected = (cli.RunError, r"^a step failed, most likely because another process of this job stopped or its "
+                r"network failed \(see that process's output\): UNKNOWN: Gloo all-reduce failed") if named else (
+        ValueError, "^not one of XLA's$")
+    with pytest.raises(expected[0], match=expected[1]):
+        _run(tmp_path, "--gin.TrainConfig.steps=3", "--gin.CheckpointConfig.enabled=False")
+
+
 def test_no_readable_checkpoint_is_a_run_error(tmp_path):
     _run(tmp_path, "--gin.TrainConfig.steps=1")
     _damage_metadata(tmp_path / "checkpoints" / "1")
