@@ -59,7 +59,8 @@ COPY_CHUNK = 1 << 20  # bytes read at a time when copying text files into the ca
 # A prepared source's meta.json as a run keeps it in its workdir (its end-of-text id, for export and
 # generate, also where the data folder is not found from there).
 RUN_META_FILE = "data_meta.json"
-# The text cache's own files: a cache (bytes-FOLDER-VERSION.u8), its lock, a partial one (.tmp).
+# The text cache's own files, as _cached_bytes and _write_cache name them: a cache
+# (bytes-FOLDER-VERSION.u8), its lock (bytes-FOLDER.lock), a partial one (CACHE.UUID.tmp).
 CACHE_FILE = re.compile(r"bytes-[0-9a-f]{12}(-[0-9a-f]{16}\.u8(\.[0-9a-f]{32}\.tmp)?|\.lock)")
 # What `identity` hashes: this many evenly spaced blocks of this many ids, the first and last among them.
 SAMPLE_BLOCKS, SAMPLE_BLOCK = 16, 1 << 16

@@ -54,10 +54,15 @@ def _cudnn_runs(cfg: ModelConfig, dtype, device) -> bool:
     return cuda and dtype in (jnp.bfloat16, jnp.float16) and cfg.head_dim % 8 == 0 and cfg.head_dim <= 128
 
 
+def _cudnn_refused(cfg: ModelConfig, device) -> bool:
+    """Whether `cfg` asks for cuDNN's attention where it cannot run on `device`."""
+    return cfg.attention == "cudnn" and not _cudnn_runs(cfg, jnp.dtype(cfg.compute_dtype), device)
+
+
 def check_attention(cfg: ModelConfig, device) -> None:
     """ConfigError when `attention = 'cudnn'` asks for what cuDNN cannot run on `device` (else the
     step fails as it compiles, with a traceback)."""
-    if cfg.attention == "cudnn" and not _cudnn_runs(cfg, jnp.dtype(cfg.compute_dtype), device):
+    if _cudnn_refused(cfg, device):
         raise ConfigError(f"ModelConfig.attention = 'cudnn' is not allowed with ModelConfig.compute_dtype = "
                           f"{cfg.compute_dtype!r}, head_dim {cfg.head_dim} on {device.platform}: cuDNN attention "
                           f"needs a CUDA GPU, bfloat16 and a head_dim that is a multiple of 8 up to 128; "
@@ -67,9 +72,7 @@ def check_attention(cfg: ModelConfig, device) -> None:
 def runnable_on(cfg: ModelConfig, device) -> ModelConfig:
     """`cfg` to run on `device`: a run that chose 'cudnn' on a GPU, loaded where cuDNN cannot run
     (a CPU), gets 'auto', the same attention computed by XLA (it failed: "cuDNN is not detected")."""
-    if cfg.attention == "cudnn" and not _cudnn_runs(cfg, jnp.dtype(cfg.compute_dtype), device):
-        return dataclasses.replace(cfg, attention="auto")
-    return cfg
+    return dataclasses.replace(cfg, attention="auto") if _cudnn_refused(cfg, device) else cfg
 
 
 def attention_implementation(cfg: ModelConfig, q: jax.Array) -> str:
