@@ -216,8 +216,9 @@ def test_a_node_may_run_one_process_per_device():
     spread = [SimpleNamespace(process_index=p, id=2048 * p + k) for p, n in enumerate([1, 2, 1]) for k in range(n)]
     # (the message did not say that process 0 holds one of node 0's devices: "... node 0 has 2;")
     with pytest.raises(ConfigError, match=re.escape(
-            "process 1 has 2 devices but node 0 of topology 'ib2' has 2, 1 of them in process(es) 0; allowed: a "
-            "node's devices in one process or several, none spread over two nodes")):
+            "node 0 of topology 'ib2' has 2 devices but the infiniband processes that reach it in rank order hold "
+            "3: process 0 with 1, process 1 with 2; allowed: a node's devices in one process or several consecutive "
+            "ranks, none spread over two nodes (a NIC class's ranks in the topology's node order)")):
         real.device_array(np.arange(4), ib, spread, ["infiniband"] * 3)
 
 

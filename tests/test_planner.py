@@ -155,7 +155,8 @@ def test_processes_matched_to_nodes_of_their_nic_class():
     assert ids[0, 0].tolist() == [2048, 2049]
     with pytest.raises(ConfigError, match="NIC class 'infiniband' is reported by 1 process"):
         real.device_array(np.arange(8).reshape(2, 2, 2), t, devices, ["roce", "infiniband", "roce", "roce"])
-    with pytest.raises(ConfigError, match="process 1 has 3 devices but node"):
+    with pytest.raises(ConfigError, match="has 2 devices but the infiniband processes that reach it in rank order "
+                                          "hold 3: process 1 with 3;"):
         real.device_array(np.arange(8), t, _fake_devices([2, 3, 2, 1]), nics)
 
 
@@ -222,6 +223,24 @@ def test_local_topology_one_node_per_process():
         real.local_topology(_fake_devices([4, 2]), nic_class="roce")
     here = real.local_topology()  # the 8 CPU devices of this process, NIC detected
     assert (here.num_devices, here.clusters[0].nodes, here.clusters[0].nic in NIC_CLASSES) == (8, 1, True)
+
+
+def test_local_topology_on_gpus_makes_a_node_of_each_host():
+    """One process per GPU (srun --ntasks-per-node=8): the host is the node, so tensor groups may
+    span its processes; the launcher's CPU processes each stand in for a host."""
+    gpus = [SimpleNamespace(process_index=d.process_index, id=d.id, platform="gpu") for d in _fake_devices([1] * 8)]
+    def shape(hosts, devices=gpus):
+        (cluster,) = real.local_topology(devices, nic_class="infiniband", process_hosts=hosts).clusters
+        return cluster.nodes, cluster.devices_per_node
+    assert shape(["a"] * 8) == (1, 8)
+    assert shape(["a"] * 4 + ["b"] * 4) == (2, 4)
+    assert shape(["a", "b"] * 4) == (8, 1)  # cyclic ranks: a node of consecutive ranks would span hosts
+    assert shape(["a"] * 6 + ["b"] * 2) == (8, 1)  # hosts of unequal counts
+    assert shape(["a"] * 8, _fake_devices([1] * 8)) == (8, 1)  # CPU
+    topo = real.local_topology(gpus, nic_class="infiniband", process_hosts=["a"] * 4 + ["b"] * 4)
+    made = plan(topo, ModelConfig(preset="tiny"), ParallelConfig(tp=4, pp=1), global_batch=8, seq_len=64)
+    placed = real.device_array(made.grid, topo, gpus, process_hosts=["a"] * 4 + ["b"] * 4)
+    assert sorted(d.process_index for d in placed[0, 0]) == [0, 1, 2, 3]  # a tensor group is one host's GPUs
 
 
 def test_search_goes_past_the_microbatch_cap_where_only_small_micro_batches_fit():

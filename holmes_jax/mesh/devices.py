@@ -7,6 +7,7 @@ ordered by (process_index, id).
 from __future__ import annotations
 
 import collections
+import itertools
 import socket
 import sys
 
@@ -89,12 +90,11 @@ def _match_processes(topology: Topology, by_process: dict, process_nics, process
                 taken.append(next(queue))
                 mine += by_process[taken[-1]]
             if len(mine) != len(want):
-                *earlier, proc = taken  # processes before proc hold the node's first devices
-                held = (f", {len(mine) - len(by_process[proc])} of them in process(es) {', '.join(map(str, earlier))}"
-                        if earlier else "")
-                raise ConfigError(f"process {proc} has {len(by_process[proc])} devices but node {node} of topology "
-                                  f"{topology.name!r} has {len(want)}{held}; allowed: a node's devices in one process "
-                                  "or several, none spread over two nodes")
+                held = ", ".join(f"process {p} with {len(by_process[p])}" for p in taken)
+                raise ConfigError(f"node {node} of topology {topology.name!r} has {len(want)} devices but the "
+                                  f"{nic_class} processes that reach it in rank order hold {len(mine)}: {held}; "
+                                  "allowed: a node's devices in one process or several consecutive ranks, none "
+                                  "spread over two nodes (a NIC class's ranks in the topology's node order)")
             for index, device in zip(want, mine):
                 placed[index] = device
             if len(taken) > 1:
@@ -136,9 +136,17 @@ def build_mesh(plan_or_grid, topology: Topology | None = None, devices=None, pro
     return Mesh(device_array(grid, topology, devices, process_nics, process_hosts), AXES)
 
 
-def local_topology(devices=None, nic_class: str | None = None, device_tflops: float | None = None) -> Topology:
-    """An emulated topology of the devices present: one cluster "local", one node per process.
+def local_topology(devices=None, nic_class: str | None = None, device_tflops: float | None = None,
+                   process_hosts=None) -> Topology:
+    """An emulated topology of the devices present: one cluster "local" whose nodes are the hosts.
 
+    On GPUs a node is a host, whichever of its processes drives which GPU (srun --ntasks-per-node=8
+    and mpirun -npernode 8 start one process per GPU), so tensor groups may span them and the links
+    between them are the host's own. That needs the processes of a host to be consecutive ranks, as
+    many on each host; where they are not (srun --distribution=cyclic), one node per process. On CPU
+    a node is a process: each process of our launcher stands in for a host of the emulated cluster.
+    `process_hosts`: each process's host name, in process order; None: exchanged between processes
+    (on GPUs, with several processes).
     NIC class: `nic_class`, else what process 0 detects (so every process builds the same
     topology), which is "ethernet" on hosts without RDMA ports.
     """
@@ -146,8 +154,22 @@ def local_topology(devices=None, nic_class: str | None = None, device_tflops: fl
     sizes = {len(d) for d in by_process.values()}
     if len(sizes) != 1:
         raise ConfigError(f"processes have {sorted(sizes)} devices each; allowed: the same count on every process")
+    per_node = _processes_per_host(by_process, process_hosts)
     found = nic.Nic(nic_class, None) if nic_class else distributed.exchange_nics(nic.detect())[0]
     extra = {} if device_tflops is None else {"device_tflops": device_tflops}
-    cluster = Cluster("local", found.nic_class, nodes=len(by_process), devices_per_node=sizes.pop(),
+    cluster = Cluster("local", found.nic_class, nodes=len(by_process) // per_node, devices_per_node=sizes.pop() * per_node,
                       nic_gbps=found.gbps, **extra)
     return Topology((cluster,), name="local")
+
+
+def _processes_per_host(by_process: dict, process_hosts) -> int:
+    """How many consecutive processes make one node of the local topology (see local_topology)."""
+    first = next(iter(by_process.values()))[0]
+    if len(by_process) == 1 or getattr(first, "platform", "cpu") == "cpu":
+        return 1
+    if process_hosts is None:
+        process_hosts = distributed.every_process("hostname", socket.gethostname())
+    runs = [len(list(group)) for _, group in itertools.groupby(process_hosts)]
+    if len(runs) != len(set(process_hosts)) or len(set(runs)) != 1:  # a host's ranks apart, or unequal counts
+        return 1
+    return runs[0]
