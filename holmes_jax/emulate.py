@@ -84,8 +84,10 @@ def unavailable_reason() -> str | None:
 
 
 def _sh(*args: str, timeout_s: float = 30.0) -> str:
+    # A session of its own: a terminal's Ctrl-C (sent to our whole process group) reaches us alone,
+    # so an `ip netns del` of the teardown that it would have cut short runs to its end.
     try:
-        r = subprocess.run(args, capture_output=True, text=True, timeout=timeout_s)
+        r = subprocess.run(args, capture_output=True, text=True, timeout=timeout_s, start_new_session=True)
     except subprocess.TimeoutExpired:
         raise EmulationError(f"{' '.join(args)}: still running after {timeout_s:g} s; stopped") from None
     if r.returncode:
@@ -117,10 +119,6 @@ def _remove(names: Sequence[str]) -> None:
             except EmulationError as e:
                 errors.append(e)
         shutil.rmtree(NETNS_ETC / name, ignore_errors=True)
-    try:
-        NETNS_ETC.rmdir()  # only when empty: others' entries stay
-    except OSError:
-        pass
     if errors:
         raise errors[0]
 
@@ -274,6 +272,7 @@ class EmulatedCluster:
         self.clusters = [tuple(c) for c in clusters]
         self.prefix = f"{PREFIX}{os.getpid()}-{next(_counter)}-"
         self.switch = self.prefix + "sw"
+        self._made_netns_etc = False  # whether /etc/netns is ours to remove once empty
         self.hosts = [Host(f"{self.prefix}{name}-{j}", f"{name}-{j}", name, nic, f"{SUBNET}.{i + 1}.{j + 1}",
                            self.intra_mbit[nic])
                       for i, (name, nic, count) in enumerate(self.clusters) for j in range(count)]
@@ -326,17 +325,28 @@ class EmulatedCluster:
     def close(self) -> None:
         # A Ctrl-C or SIGTERM during the teardown (a second one, often) acts once it is done: cut
         # short, it left namespaces. Held by handler, not by signal mask: other threads (BLAS's) take it.
-        caught, previous = [], {}
+        caught, previous, failed = [], {}, None
         try:
             if threading.current_thread() is threading.main_thread():
                 for sig in cli.STOP_SIGNALS:
                     if signal.getsignal(sig) is not None:  # None: a handler not set from Python
                         previous[sig] = signal.signal(sig, lambda signum, frame: caught.append(signum))
-            _remove(self.leftovers())
+            try:
+                _remove(self.leftovers())
+            except EmulationError as e:
+                failed = e
+                raise
+            if self._made_netns_etc:
+                try:
+                    NETNS_ETC.rmdir()  # only when empty: others' entries stay
+                except OSError:
+                    pass
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
             if caught:
+                if failed:  # the signal raised next replaces the error: say it first
+                    print(f"error: the teardown left some of {self.prefix}*: {failed}", file=sys.stderr, flush=True)
                 signal.raise_signal(caught[0])  # now it stops us as it would have
 
     def leftovers(self) -> list[str]:
@@ -358,11 +368,15 @@ class EmulatedCluster:
             if len(self.clusters) > 1:  # one cluster's traffic never leaves its bridge
                 self._shape_uplink(f"up{i}")
         hosts_file = "127.0.0.1 localhost\n" + "".join(f"{h.address} {h.hostname}\n" for h in self.hosts)
+        self._made_netns_etc = not NETNS_ETC.exists()
         for k, h in enumerate(self.hosts):
             cluster = next(i for i, c in enumerate(self.clusters) if c[0] == h.cluster)
             _sh("ip", "netns", "add", h.netns)
-            (NETNS_ETC / h.netns).mkdir(parents=True, exist_ok=True)
-            (NETNS_ETC / h.netns / "hosts").write_text(hosts_file)
+            try:
+                (NETNS_ETC / h.netns).mkdir(parents=True, exist_ok=True)
+                (NETNS_ETC / h.netns / "hosts").write_text(hosts_file)
+            except OSError as e:
+                raise EmulationError(f"cannot write {NETNS_ETC / h.netns / 'hosts'}: {e.strerror or e}") from None
             _sh("ip", "-n", sw, "link", "add", f"h{k}", "type", "veth", "peer", "name", "eth0", "netns", h.netns)
             _sh("ip", "-n", sw, "link", "set", f"h{k}", "master", f"br{cluster}", "up")
             _sh("ip", "-n", h.netns, "addr", "add", f"{h.address}/16", "dev", "eth0")

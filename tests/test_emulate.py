@@ -5,6 +5,7 @@ import json
 import os
 import pathlib
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -336,6 +337,7 @@ def test_a_failing_tool_on_the_command_line_is_one_error_line(tmp_path, monkeypa
 def test_leftovers_of_a_crashed_run_that_had_our_pid_do_not_stop_the_build():
     # In a container pids repeat: a killed run's names can be exactly the ones we are about to make.
     ec = emulate.EmulatedCluster([("a", "roce", 1)])
+    had_netns_etc = emulate.NETNS_ETC.exists()
     subprocess.run(["ip", "netns", "add", ec.switch], check=True)
     (emulate.NETNS_ETC / ec.hosts[0].netns).mkdir(parents=True, exist_ok=True)
     try:
@@ -344,6 +346,64 @@ def test_leftovers_of_a_crashed_run_that_had_our_pid_do_not_stop_the_build():
         assert ec.leftovers() == []
     finally:
         emulate._remove(ec.leftovers())
+        _remove_netns_etc_unless(had_netns_etc)
+
+
+def _remove_netns_etc_unless(existed: bool) -> None:
+    if not existed:
+        try:
+            emulate.NETNS_ETC.rmdir()
+        except OSError:  # another run's entries in it
+            pass
+
+
+@needs_root
+def test_an_etc_netns_that_was_there_before_stays():
+    # (an empty one was removed: an administrator's or a configuration manager's folder)
+    existed = emulate.NETNS_ETC.exists()
+    emulate.NETNS_ETC.mkdir(exist_ok=True)
+    try:
+        with emulate.EmulatedCluster([("a", "roce", 1)]) as ec:
+            assert (emulate.NETNS_ETC / ec.hosts[0].netns / "hosts").is_file()
+        assert emulate.NETNS_ETC.is_dir() and ec.leftovers() == []
+    finally:
+        _remove_netns_etc_unless(existed)
+
+
+@needs_root
+def test_an_etc_netns_that_cannot_be_written_is_an_emulation_error(tmp_path, monkeypatch):
+    monkeypatch.setattr(emulate, "NETNS_ETC", tmp_path / "netns")
+    (tmp_path / "netns").write_text("")  # a file where the folder goes, as a read-only /etc refuses it
+    ec = emulate.EmulatedCluster([("a", "roce", 1)])
+    with pytest.raises(emulate.EmulationError, match=f"cannot write {tmp_path}/netns/{ec.hosts[0].netns}/hosts: "):
+        ec.__enter__()
+    assert ec.leftovers() == []
+
+
+@needs_root
+def test_a_ctrl_c_at_the_terminal_during_the_teardown_leaves_nothing(tmp_path):
+    """A terminal's Ctrl-C goes to the whole process group: the `ip netns del` it reached died and
+    its namespace stayed, and the emulator said only 'interrupted'."""
+    armed = tmp_path / "armed"
+    fake = tmp_path / "ip"  # an ip that sends Ctrl-C to the emulator's group as it deletes the first one
+    fake.write_text(f"""#!/bin/bash
+if [ "$1 $2" = "netns del" ] && rm {armed} 2>/dev/null; then
+    kill -INT -- -$(ps -o pgid= -p $PPID | tr -d ' '); sleep 1
+fi
+exec {shutil.which("ip")} "$@"
+""")
+    fake.chmod(0o755)
+    env = dict(os.environ, PATH=f"{tmp_path}:{os.environ['PATH']}", PYTHONPATH=str(pathlib.Path(emulate.__file__).parents[1]))
+    p = subprocess.Popen([sys.executable, "-m", "holmes_jax.emulate", "--clusters", "a:roce:2", "--", "touch", str(armed)],
+                         env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    prefix = f"{emulate.PREFIX}{p.pid}-"
+    try:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 130 and not armed.exists(), err
+        assert [n for n in emulate.namespaces() if n.startswith(prefix)] == [], err
+    finally:
+        p.kill()
+        emulate._remove([n for n in emulate.namespaces() if n.startswith(prefix)])
 
 
 def _cpu_limits_or_skip(cores):
