@@ -74,11 +74,19 @@ class StopVote:
 
 
 class BadSteps:
-    """Counts steps in a row whose update was skipped (non-finite loss or gradient norm)."""
+    """Counts steps in a row whose update was skipped (non-finite loss or gradient norm). A resume
+    goes on with the count its checkpoint was saved with (`record`): a run stopped in a diverging
+    stretch (a stop saves even a skipped step) ends at the same step as one left alone."""
 
-    def __init__(self, limit: int, say):
+    def __init__(self, limit: int, say, record: dict | None = None):
         self.limit, self.say = limit, say
-        self.in_a_row, self.first = 0, None
+        saved = (record or {}).get("bad_steps")
+        valid = (isinstance(saved, list) and len(saved) == 2 and all(type(n) is int and n > 0 for n in saved))
+        self.in_a_row, self.first = saved if valid else (0, None)
+
+    def record(self) -> dict:
+        """The count, for a checkpoint's record."""
+        return {"bad_steps": [self.in_a_row, self.first]} if self.in_a_row else {}
 
     def add(self, step: int, out: dict) -> None:
         if not out["skipped"]:

@@ -12,6 +12,7 @@ import array
 import contextlib
 import dataclasses
 import fcntl
+import json
 import math
 import os
 import re
@@ -292,6 +293,12 @@ def _learning_rate_moved(trained_settings: str, tcfg, start: int) -> str | None:
             f"had {old:.3g}")
 
 
+def _saved_record(ckpt: Checkpointer, step: int) -> dict:
+    """Checkpoint `step`'s record as process 0 reads it: what every process acts on alike."""
+    text = json.dumps(ckpt.record(step)) if jax.process_index() == 0 else ""
+    return json.loads(distributed.every_process("checkpoint record", text)[0])
+
+
 def _resume_and_train(cfgs: Configs, setup: Setup, token_data, workdir: Path, ckpt: Checkpointer | None, say,
                       quiet: bool) -> dict:
     lead, tcfg = jax.process_index() == 0, cfgs.train
@@ -311,9 +318,10 @@ def _resume_and_train(cfgs: Configs, setup: Setup, token_data, workdir: Path, ck
     # that trained the checkpoint it restores. The workdir's config.gin describes the latest run,
     # which may have died before its first save.
     record = {"config": run_config(cfgs, setup), "data_identity": token_data.identity}
+    restored_record = _saved_record(ckpt, start) if resumed else {}
     if lead:  # only now: a checkpoint that does not fit must not leave this run's config behind
         settings, saved = record["config"], workdir / "config.gin"
-        trained_settings, trained_on = _trained_run(ckpt.record(start), workdir) if resumed else (None, None)
+        trained_settings, trained_on = _trained_run(restored_record, workdir) if resumed else (None, None)
         if trained_settings and (changed := configure.changed_settings(trained_settings, settings)):
             # Legitimate (a longer run, a new learning rate), but new data or seq_len means other
             # batches than an uninterrupted run's: say which.
@@ -349,11 +357,11 @@ def _resume_and_train(cfgs: Configs, setup: Setup, token_data, workdir: Path, ck
 
     log = metrics.MetricsLog(workdir / "metrics.jsonl", tcfg.steps, quiet, first=start + 1, stop=last) if lead else None
     logger = StepLogger(setup, make_eval_step(setup), token_data, log, peak, start)
-    bad = guard.BadSteps(tcfg.max_bad_steps, say)
+    bad = guard.BadSteps(tcfg.max_bad_steps, say, restored_record)
 
     def save(step: int, state: dict, force: bool) -> None:
         t0 = time.perf_counter()
-        ckpt and ckpt.save(step, lambda: setup.canonical(state), force=force, record=record)
+        ckpt and ckpt.save(step, lambda: setup.canonical(state), force=force, record={**record, **bad.record()})
         logger.exclude(time.perf_counter() - t0)
 
     # a row on validation steps too: the validation loss is written in a row

@@ -144,6 +144,27 @@ def test_bad_steps_stop_at_the_limit_and_reset_on_a_good_step():
     with pytest.raises(cli.RunError, match=r"2 steps in a row \(steps 3-4\).*newest checkpoint is step 2"):
         bad.check(4, 2)
     assert [s.split(":")[0] for s in said] == ["step 1", "step 3", "step 4"]
+    assert bad.record() == {"bad_steps": [2, 3]}
+    resumed = guard.BadSteps(3, said.append, {"config": "...", **bad.record()})
+    resumed.add(5, nan)
+    with pytest.raises(cli.RunError, match=r"3 steps in a row \(steps 3-5\)"):
+        resumed.check(5, 4)
+    for record in ({}, {"bad_steps": [2]}, {"bad_steps": ["2", 3]}, {"bad_steps": [True, 3]}, {"bad_steps": None}):
+        assert guard.BadSteps(3, said.append, record).record() == {}, record  # another version's, or hand-edited
+
+
+def test_a_run_stopped_in_a_stretch_of_skipped_steps_goes_on_counting_it_after_the_resume(tmp_path, monkeypatch):
+    """The resume counted from 1 again: a run stopped more often than every max_bad_steps steps never
+    ended on the limit, and the error named the wrong steps."""
+    diverging = ("--gin.TrainConfig.learning_rate=1e6", "--gin.TrainConfig.max_bad_steps=3",
+                 "--gin.TrainConfig.steps=12")
+    with pytest.raises(cli.RunError, match="3 steps in a row") as straight:
+        _run(tmp_path / "straight", *diverging)
+    first, last = map(int, re.search(r"\(steps (\d+)-(\d+)\)", str(straight.value)).groups())
+    with pytest.raises(cli.Stopped, match=f"after step {first + 1}"):
+        _run(tmp_path / "stopped", *diverging, fault=f"signal:TERM:step:{first + 1}", monkeypatch=monkeypatch)
+    with pytest.raises(cli.RunError, match=rf"3 steps in a row \(steps {first}-{last}\)"):
+        _run(tmp_path / "stopped", *diverging)
 
 
 def test_max_bad_steps_must_be_positive(tmp_path):
