@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import errno
 import os
 import shutil
@@ -23,6 +24,20 @@ from pathlib import Path
 from typing import Callable, Iterator, NoReturn
 
 from holmes_jax.config import ConfigError
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+_libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None  # loaded before any fork
+
+
+def term_when_parent_dies(parent: int) -> None:
+    """Has Linux send this process SIGTERM (a run saves and exits) when its parent `parent` dies,
+    however it dies; elsewhere nothing. Safe in a `preexec_fn`."""
+    if _libc is None:
+        return
+    _libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(128 + signal.SIGTERM)
 
 
 class RunError(Exception):

@@ -483,6 +483,10 @@ def initialize(cpu_devices_per_process: int | None = None) -> ProcessInfo:
     global _info
     if _info is not None:
         return _info
+    if "HOLMES_LAUNCH_ID" in os.environ:
+        # holmes_jax.launch's ranks get SIGTERM when it dies; a rank that a wrapper script started is
+        # the shell's child, so it asks the same of the shell, which dies with the launcher.
+        cli.term_when_parent_dies(os.getppid())
     method, kwargs = launch_method()
     if method != "single":
         check_local_gpus(method)  # one line before start-up, not jaxlib's failure when its backend starts

@@ -9,13 +9,15 @@ Output is streamed line by line as "[rank i] ...". When one process fails the ot
 or SIGHUP to the launcher is passed on to all (a training process saves a checkpoint and exits),
 then SIGKILL after the grace period; the status is 128 + the signal. If the launcher itself is
 killed (even SIGKILL), its processes get SIGTERM from the kernel (Linux parent-death signal), so
-none runs on orphaned. Status 0 only when all succeed.
+none runs on orphaned: the processes it starts, and a holmes_jax process (train, profile) that a
+wrapper script of theirs started, once the script's shell has gone. Status 0 only when all succeed.
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
+import errno
+import functools
 import os
 import re
 import signal
@@ -33,9 +35,7 @@ from holmes_jax.planning.topology import NIC_CLASSES
 
 TIMED_OUT = 124  # the status `timeout(1)` uses
 GRACE_S = 30.0  # after a stop signal, before SIGKILL: time for a checkpoint to be written
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
 LAUNCH_ID = "HOLMES_LAUNCH_ID"  # marks one launch's processes, to find those that left their group
-_libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -96,10 +96,16 @@ def check_arguments(cmd, n, devices_per_process, port, nic_classes, grace_s, tim
 
 
 def _say(text: str, stream, lock: threading.Lock) -> None:
+    # Whatever becomes of our output (`| head` exited, a full disk, a terminal gone: an OSError or,
+    # under cli.run, OutputFailed) the job runs on: a pump that raised would stop reading its pipe,
+    # and the rank writing to it would block for ever.
     with lock:
         try:
-            print(text, file=stream, flush=True)
-        except OSError:  # our output is gone (`| head` exited): the job runs on
+            try:
+                print(text, file=stream, flush=True)
+            except UnicodeEncodeError:  # an output encoding without some character (latin-1)
+                print(text.encode("ascii", "backslashreplace").decode("ascii"), file=stream, flush=True)
+        except Exception:
             pass
 
 
@@ -127,26 +133,53 @@ def _pump(pipe, prefix: str, stream, lock: threading.Lock) -> None:
     pipe.close()
 
 
-def _die_with(parent: int) -> Callable[[], None] | None:
-    """A `preexec_fn`: the child gets SIGTERM (it saves and exits) when `parent` dies, however."""
-    if _libc is None:
-        return None
-
-    def set_parent_death_signal():
-        _libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-        if os.getppid() != parent:  # the parent died before prctl took effect
-            os._exit(128 + signal.SIGTERM)
-
-    return set_parent_death_signal
-
-
-def _running(p: subprocess.Popen) -> bool:
-    """Whether anything in `p`'s process group still runs: `p`, or what it started. A wrapper
-    script's python outlives the shell that a SIGTERM ends at once, and must get its grace period
-    and its SIGKILL too."""
-    p.poll()  # reaps `p` once it has exited, so only the processes left count
+def _exit_code(p: subprocess.Popen) -> int | None:
+    """`p`'s return code (Popen's: -s when signal s killed it) once it has exited, else None.
+    Left unreaped until the job is over: while it is a zombie its pid, which names its process
+    group, cannot be given to another process, which a stop signal to the group would reach."""
+    if p.returncode is not None:
+        return p.returncode
     try:
-        os.killpg(p.pid, 0)
+        info = os.waitid(os.P_PID, p.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:  # reaped already
+        return p.poll()
+    if info is None:
+        return None
+    return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+
+
+def _processes() -> list[tuple[int, int, bool]] | None:
+    """(pid, process group, alive: not a zombie) of every process /proc shows; None without /proc."""
+    try:
+        pids = [pid for pid in os.listdir("/proc") if pid.isdigit()]
+    except OSError:
+        return None
+    found = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                state, _parent, group = f.read().rpartition(b")")[2].split()[:3]  # after the name, which may hold ')'
+        except (OSError, ValueError):  # gone
+            continue
+        found.append((int(pid), int(group), state != b"Z"))
+    return found
+
+
+def _running_groups(groups: set[int]) -> set[int]:
+    """Those of `groups` (the ranks' process groups) in which something still runs: the rank, or
+    what it started (a wrapper script's python outlives the shell that a SIGTERM ends at once, and
+    must get its grace period and its SIGKILL too). Zombies do not count: the ranks are reaped only
+    at the end, and where we are a container's PID 1 or a subreaper, a wrapper's exited python is
+    ours to reap."""
+    found = _processes()
+    if found is None:  # a group whose members are all zombies counts here
+        return {group for group in groups if _group_exists(group)}
+    return {group for _pid, group, alive in found if alive and group in groups}
+
+
+def _group_exists(group: int) -> bool:
+    try:
+        os.killpg(group, 0)
     except ProcessLookupError:
         return False
     return True
@@ -160,36 +193,38 @@ def _marked(pid: int | str, mark: bytes) -> bool:
         return False
 
 
-def _strays(mark: bytes) -> list[int]:
-    """Processes whose environment holds `mark`: what the ranks started, also what left their
-    process group (`setsid`, a daemon), which a signal to the group misses."""
-    try:
-        pids = [pid for pid in os.listdir("/proc") if pid.isdigit()]
-    except OSError:
-        return []
-    return [int(pid) for pid in pids if _marked(pid, mark)]
-
-
 def _stop(procs: list[subprocess.Popen], first: int, grace_s: float, mark: bytes = b"") -> None:
-    """Signals each process group still running, and each process marked with `mark`, with
-    `first`, then SIGKILL after `grace_s`."""
+    """Signals each rank's process group still running, and each other process marked with `mark`
+    (what the ranks started that left their group: `setsid`, a daemon), with `first`, then SIGKILL
+    after `grace_s`. Each process gets each signal once. Then reaps the ranks."""
+    groups = {p.pid for p in procs}
     for sig in (first, signal.SIGKILL):
-        for p in procs:
-            if _running(p):
-                try:
-                    os.killpg(p.pid, sig)  # its own session: reaches whatever it started too
-                except ProcessLookupError:
-                    pass
-        strays = _strays(mark) if mark else []
+        for group in _running_groups(groups):
+            try:
+                os.killpg(group, sig)  # its own session: reaches whatever it started too
+            except ProcessLookupError:
+                pass
+        strays = [pid for pid, group, alive in _processes() or [] if alive and group not in groups and mark
+                  and _marked(pid, mark)]
         for pid in strays:
             try:
                 os.kill(pid, sig)
             except ProcessLookupError:
                 pass
         deadline = time.monotonic() + grace_s
-        while ((any(_running(p) for p in procs) or any(_marked(pid, mark) for pid in strays))
+        while ((_running_groups(groups) or any(_marked(pid, mark) for pid in strays))
                and time.monotonic() < deadline):
             time.sleep(0.05)
+    for p in procs:
+        p.poll()
+
+
+def first_failure(codes: Sequence[int | None]) -> tuple[int, int] | None:
+    """(rank, return code) of the rank to blame among those found failed (a Popen return code, or
+    None: running). Of several found at once, the first killed by a signal (the OOM killer?): the
+    others' errors are often what its end caused (a connection reset); else the lowest rank."""
+    failed = sorted((code >= 0, rank, code) for rank, code in enumerate(codes) if code not in (None, 0))
+    return failed[0][1:] if failed else None
 
 
 def _status(code: int) -> int:
@@ -241,8 +276,12 @@ def launch(cmd: Sequence[str], n: int, devices_per_process: int | None = None, p
             try:
                 procs.append(subprocess.Popen(argv, env=penv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                               stderr=subprocess.PIPE, start_new_session=True,
-                                              preexec_fn=_die_with(os.getpid())))
+                                              preexec_fn=functools.partial(cli.term_when_parent_dies,
+                                                                           os.getpid())))
             except OSError as e:
+                if e.errno in (errno.EMFILE, errno.ENFILE, errno.EAGAIN, errno.ENOMEM):  # our limits, not the command
+                    raise ConfigError(f"-n {n}: cannot start process {rank}: {e.strerror}; allowed: as many "
+                                      "processes as this host's limits take (ulimit -n, ulimit -u)") from None
                 raise ConfigError(f"cannot run {argv[0]!r}: {e.strerror}") from None
         for rank, p in enumerate(procs):
             for pipe, stream in ((p.stdout, out), (p.stderr, err)):
@@ -250,8 +289,8 @@ def launch(cmd: Sequence[str], n: int, devices_per_process: int | None = None, p
                 t.start()
                 pumps.append(t)
         while code is None:
-            codes = [p.poll() for p in procs]
-            failed = next(((r, c) for r, c in enumerate(codes) if c not in (None, 0)), None)
+            codes = [_exit_code(p) for p in procs]
+            failed = first_failure(codes)
             if stops:
                 first_signal, code = stops[0], 128 + stops[0]
                 _say(f"launch: {signal.Signals(first_signal).name} passed on to all; SIGKILL after {grace_s:g} s",

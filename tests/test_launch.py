@@ -276,6 +276,113 @@ def test_output_read_no_further_neither_hangs_nor_fails():
         assert "Traceback" not in p.stderr.read()
 
 
+@pytest.mark.parametrize("how", ["a full disk", "a latin-1 output"])
+def test_output_that_cannot_be_written_does_not_stop_the_ranks_output_being_read(how, tmp_path):
+    # A failed write (under cli.run an OutputFailed, not an OSError) or a character the output's
+    # encoding lacks ended the thread reading the rank's pipe: the rank blocked on it for ever.
+    script = (r"import sys; sys.stdout.buffer.write(b'bad \xff \xe2\x82\xac\n'); sys.stdout.flush(); "
+              "[print('line', i, 'x' * 100) for i in range(20000)]")
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    if how == "a latin-1 output":
+        env["PYTHONIOENCODING"] = "latin-1"
+    target = "/dev/full" if how == "a full disk" else tmp_path / "out"
+    with open(target, "w") as out:
+        r = subprocess.run([sys.executable, "-m", "holmes_jax.launch", "-n", "1", "--", sys.executable, "-c", script],
+                           stdout=out, stderr=subprocess.PIPE, text=True, timeout=60, cwd=REPO, env=env)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    if how == "a latin-1 output":
+        lines = (tmp_path / "out").read_text(encoding="latin-1").splitlines()
+        assert lines[0] == r"[rank 0] bad \ufffd \u20ac" and len(lines) == 20001
+
+
+def test_a_stop_signal_reaches_each_rank_once():
+    # The rank's group got it, then the rank again as a process carrying the launch's mark: a
+    # script's Ctrl-C handler (saving something) was cut short by the second one.
+    script = ("import signal, time\ngot = []\ndef saving(signum, frame):\n    got.append(signum)\n"
+              "    time.sleep(0.5)\nsignal.signal(signal.SIGINT, saving)\nprint('ready', flush=True)\n"
+              "while not got: time.sleep(0.01)\ntime.sleep(1)\nprint('signals', len(got), flush=True)")
+    with killed_on_exit(subprocess.Popen(
+            [sys.executable, "-m", "holmes_jax.launch", "-n", "1", "--", sys.executable, "-c", script],
+            cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True)) as p:
+        assert p.stdout.readline() == "[rank 0] ready\n"
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=30)
+    assert out == "[rank 0] signals 1\n" and p.returncode == 128 + signal.SIGINT, err
+
+
+def test_a_rank_that_ended_keeps_its_pid_until_the_job_is_over(tmp_path):
+    # Reaped at once, its pid (which names its process group) could go to another process, whose
+    # group the stop's signals then reached.
+    go = tmp_path / "go"
+    script = ("import os, sys, time\nif os.environ['HOLMES_PROCESS_ID'] == '1':\n    print(os.getpid(), flush=True)\n"
+              "    sys.exit(0)\nfor _ in range(300):\n    if os.path.exists(os.environ['GO']): break\n"
+              "    time.sleep(0.1)")
+    with killed_on_exit(subprocess.Popen(
+            [sys.executable, "-m", "holmes_jax.launch", "-n", "2", "--env", f"GO={go}", "--", sys.executable, "-c",
+             script], cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=subprocess.PIPE, text=True)) as p:
+        pid = int(p.stdout.readline().split()[-1])
+        time.sleep(0.5)
+        state, parent = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[:2]
+        assert (state, int(parent)) == ("Z", p.pid)  # ended, not reaped: the pid is still the rank's
+        go.touch()
+        assert p.wait(timeout=30) == 0
+    assert not Path(f"/proc/{pid}").exists() or Path(f"/proc/{pid}/stat").read_text().split()[3] != str(p.pid)
+
+
+SUBREAPER = """
+import ctypes, sys
+ctypes.CDLL(None).prctl(36, 1)  # PR_SET_CHILD_SUBREAPER: orphans come to us, as to a container's PID 1
+from holmes_jax import cli, launch
+cli.run(launch.main, sys.argv[1:])
+"""
+
+
+def test_a_launcher_that_orphans_come_to_stops_without_waiting_out_the_grace_period():
+    # A wrapper script's python, ended by the SIGTERM with its shell, became our zombie: counted as
+    # running, the stop waited the grace period out twice (60 s by default).
+    script = "import os, time; print(os.getpid(), flush=True); time.sleep(300)"
+    with killed_on_exit(subprocess.Popen(
+            [sys.executable, "-c", SUBREAPER, "-n", "1", "--grace", "20", "--", "sh", "-c", '"$0" -c "$1"; exit $?',
+             sys.executable, script], cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)) as p:
+        p.stdout.readline()
+        t = time.monotonic()
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=60) == 128 + signal.SIGTERM
+    assert time.monotonic() - t < 15
+
+
+def test_a_holmes_jax_process_under_a_wrapper_script_ends_with_a_killed_launcher():
+    # The kernel's parent-death signal reached the launcher's child, the shell; its python, which
+    # the launcher's stop would have reached through the group, trained on as an orphan.
+    script = ("import os, time; from holmes_jax import distributed; distributed.initialize(); "
+              "print(os.getpid(), flush=True); time.sleep(300)")
+    with killed_on_exit(subprocess.Popen(
+            [sys.executable, "-m", "holmes_jax.launch", "-n", "1", "--", "sh", "-c", '"$0" -c "$1"; exit $?',
+             sys.executable, script], cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)) as p:
+        pid = int(p.stdout.readline().split()[-1])
+        p.kill()
+        p.wait(timeout=30)
+    _assert_ends_soon(pid, "the wrapper's python")
+
+
+def test_of_ranks_found_failed_at_once_one_killed_by_a_signal_is_blamed():
+    assert launch.first_failure([1, -9, None]) == (1, -9)  # rank 0's error is likely what the kill caused
+    assert launch.first_failure([None, 3, 1]) == (1, 3)
+    assert launch.first_failure([0, None]) is None
+
+
+def test_more_processes_than_the_hosts_limits_take_is_said_of_n():
+    import resource
+    r = subprocess.run([sys.executable, "-m", "holmes_jax.launch", "-n", "40", "--", "true"], capture_output=True,
+                       text=True, timeout=60, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)),
+                       preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (48, 48)))
+    assert r.returncode == 2 and r.stderr.startswith("error: -n 40: cannot start process "), r.stderr
+    assert "Too many open files" in r.stderr
+
+
 def test_timeout_stops_everything(capsys):
     t = time.monotonic()
     assert launch.launch([sys.executable, "-c", "import time; time.sleep(300)"], 2, timeout_s=1, grace_s=1) == launch.TIMED_OUT
