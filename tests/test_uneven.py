@@ -157,8 +157,11 @@ def test_stages_gather_before_the_ticks_reduce_before_they_meet_and_sum_only_sha
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("pp, layers, schedule", [(2, (3, 1), "1f1b"), (4, (1, 2, 1, 2), "gpipe")])
-def test_losses_match_one_stage_and_padding_never_moves(tmp_path, pp, layers, schedule):
+# (tp 2, dp 1, three stage sizes: the step did not compile, XLA's SPMD partitioner refusing the
+# PartitionId that lax.axis_index("stage") lowered to)
+@pytest.mark.parametrize("pp, layers, schedule, tp", [(2, (3, 1), "1f1b", 1), (4, (1, 2, 1, 2), "gpipe", 1),
+                                                      (4, (3, 2, 1, 1), "gpipe", 2)])
+def test_losses_match_one_stage_and_padding_never_moves(tmp_path, pp, layers, schedule, tp):
     common = [f"--gin.ModelConfig.num_layers={sum(layers)}", "--gin.ParallelConfig.microbatches=2",
               f"--gin.ParallelConfig.schedule={schedule}"]
 
@@ -174,12 +177,15 @@ def test_losses_match_one_stage_and_padding_never_moves(tmp_path, pp, layers, sc
         return losses, first, jax.device_get(state), setup
 
     ref, _, _, _ = run()
-    got, first, last, setup = run(f"--gin.ParallelConfig.pp={pp}", f"--gin.ParallelConfig.stage_layers={layers}")
-    np.testing.assert_allclose(got, ref, atol=1e-5, rtol=0)
+    got, first, last, setup = run(f"--gin.ParallelConfig.pp={pp}", f"--gin.ParallelConfig.stage_layers={layers}",
+                                  f"--gin.ParallelConfig.tp={tp}")
+    # tp splits the matmuls' sums, which XLA then adds in another order: relative float32 noise
+    np.testing.assert_allclose(got, ref, atol=1e-5, rtol=0 if tp == 1 else 2e-5)
     padding = ~setup.pipeline.real_layers
     assert padding.any()
     for (path, before), after in zip(jax.tree_util.tree_leaves_with_path(first), jax.tree.leaves(last)):
-        if "blocks" in jax.tree_util.keystr(path):  # parameters and both Adam moments
+        # parameters and both Adam moments (with dp 1 nothing is pending: placeholders, not staged)
+        if "blocks" in jax.tree_util.keystr(path) and after.shape[:2] == padding.shape:
             assert not after[padding].any(), jax.tree_util.keystr(path)
             assert not np.array_equal(after[~padding], before[~padding]), jax.tree_util.keystr(path)
 

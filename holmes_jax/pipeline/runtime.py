@@ -201,9 +201,15 @@ class Pipeline:
         cuts = sorted({0, *self.stage_layers})
         return tuple(itertools.pairwise(cuts))
 
-    def stage_n_layers(self):
-        """This stage's real layer count inside the shard_map (None when every stage has as many)."""
-        return None if len(self.slot_groups) == 1 else jnp.asarray(self.stage_layers)[lax.axis_index("stage")]
+    def stage_ids(self):
+        """Each stage's index, a shard_map input split over `stage` (P("stage")) that a stage reads
+        as `ids[0]`. Not `lax.axis_index`: where `tensor` is left automatic, XLA's SPMD partitioner
+        refused the PartitionId that lowers to in some layouts (tp 2, dp 1, three stage sizes)."""
+        return jnp.arange(self.stages, dtype=jnp.int32)
+
+    def stage_n_layers(self, stage):
+        """Stage `stage`'s real layer count inside the shard_map (None when every stage has as many)."""
+        return None if len(self.slot_groups) == 1 else jnp.asarray(self.stage_layers)[stage]
 
     # ------------------------------------------------------------------ layouts
 
@@ -290,12 +296,12 @@ class Pipeline:
             return moved[0] if len(moved) == 1 else moved[0] + moved[1]  # each stage receives from one of them
         return self._split_over_tensor(send, x)
 
-    def _transfers(self, x_out, g_out, x_moves, g_moves, idle):
+    def _transfers(self, x_out, g_out, x_moves, g_moves, idle, is_first):
         """(what arrives from the stage above, from the stage below) at the end of a tick:
         activations down where `x_moves`, gradients up where `g_moves`, `idle` for neither.
-        With two stages a tick that moves both swaps them in one ppermute (stage 0 sends
-        activations, stage 1 gradients), so the two directions share the link's time instead of
-        taking turns; each stage reads the one it is sent."""
+        With two stages a tick that moves both swaps them in one ppermute (stage 0, `is_first`,
+        sends activations, stage 1 gradients), so the two directions share the link's time
+        instead of taking turns; each stage reads the one it is sent."""
         down = lambda: self._transfer(x_out, down=True)  # noqa: E731
         up = lambda: self._transfer(g_out, down=False)  # noqa: E731
         if self.stages != 2:
@@ -303,7 +309,7 @@ class Pipeline:
 
         def swap():
             sent = self._split_over_tensor(lambda x: lax.ppermute(x, "stage", [(0, 1), (1, 0)]),
-                                           jnp.where(lax.axis_index("stage") == 0, x_out, g_out))
+                                           jnp.where(is_first, x_out, g_out))
             return sent, sent
 
         return lax.switch(x_moves.astype(jnp.int32) + 2 * g_moves.astype(jnp.int32),
@@ -355,19 +361,19 @@ class Pipeline:
             functools.partial(self._stage_program, block_dims=scatter_dims["blocks"], shared_dims=shared_dims,
                               tensor_specs=tensor_specs),
             mesh=self.mesh, axis_names={"stage", "data"},
-            in_specs=(block_specs, P(), P(None, "data")),
+            in_specs=(P("stage"), block_specs, P(), P(None, "data")),
             out_specs=(P(), manual["blocks"], shared_out), check_vma=False,
         )
-        loss, block_grads, shared_grads = fn(params["blocks"], shared, batch)
+        loss, block_grads, shared_grads = fn(self.stage_ids(), params["blocks"], shared, batch)
         return loss, {"embed": shared_grads["embed"], "blocks": block_grads, "head": shared_grads["head"]}
 
-    def _stage_program(self, blocks, shared, batch, block_dims, shared_dims, tensor_specs):
+    def _stage_program(self, stage_ids, blocks, shared, batch, block_dims, shared_dims, tensor_specs):
         model, table, p = self.model, self.table, self.stages
-        s = lax.axis_index("stage")
+        s = stage_ids[0]
         blocks = jax.tree.map(lambda x: x[0], blocks)
         # Static where the layout allows, so XLA sees straight-line code: no padding to skip when
         # stages are even (one stage takes the plain vjp of the whole model instead, in `tick`).
-        n_layers = self.stage_n_layers()
+        n_layers = self.stage_n_layers(s)
         is_first, is_last = s == 0, s == p - 1
         m, micro_batch, seq = batch.shape[0], batch.shape[1], batch.shape[2] - 1
         scale = 1.0 / (m * lax.axis_size("data"))  # each microbatch's share of the global mean
@@ -416,7 +422,7 @@ class Pipeline:
             # Where a stage had no forward or backward, x_out and g_out hold a stale stash entry
             # (slot -1) or zeros; no stage stores them (the arrival tables say when a transfer
             # carries a microbatch).
-            x_in, g_in = self._transfers(x_out, g_out, x_moves, g_moves, act)
+            x_in, g_in = self._transfers(x_out, g_out, x_moves, g_moves, act, is_first)
             return (stash, res, gstash, x_in, g_in, grads, loss_sum), None
 
         zeros = jax.tree.map(jnp.zeros_like, (blocks, shared))

@@ -76,8 +76,8 @@ def make_update(pipeline: Pipeline, tx: optax.GradientTransformation, max_norm: 
     param_specs, pending_specs, opt_specs, grad_specs = _manual_specs(state_specs, grad_specs)
     dims = data_split_dims(grad_specs)
 
-    def body(params, opt_state, grads, loss):
-        n_layers = pipeline.stage_n_layers()
+    def body(stage_ids, params, opt_state, grads, loss):
+        n_layers = pipeline.stage_n_layers(stage_ids[0])
         stages, replicas, rank = lax.axis_size("stage"), lax.axis_size("data"), lax.axis_index("data")
         shared = lambda tree: {k: tree[k] for k in _SHARED}  # noqa: E731
 
@@ -148,9 +148,10 @@ def make_update(pipeline: Pipeline, tx: optax.GradientTransformation, max_norm: 
         state = _with_moments(state, jax.tree.structure(shared(params)), lambda m: dict(m, blocks=next(it)))
         return dict(new_shared, blocks=new_blocks), dict(shared_pending, blocks=blocks_pending), state, norm, applied
 
-    return jax.shard_map(body, mesh=pipeline.mesh, axis_names={"stage", "data"},
-                         in_specs=(param_specs, opt_specs, grad_specs, P()),
-                         out_specs=(param_specs, pending_specs, opt_specs, P(), P()), check_vma=False)
+    update = jax.shard_map(body, mesh=pipeline.mesh, axis_names={"stage", "data"},
+                           in_specs=(P("stage"), param_specs, opt_specs, grad_specs, P()),
+                           out_specs=(param_specs, pending_specs, opt_specs, P(), P()), check_vma=False)
+    return lambda *args: update(pipeline.stage_ids(), *args)
 
 
 def make_settle(pipeline: Pipeline, state_specs: dict, grad_specs: dict):
@@ -171,7 +172,7 @@ def make_settle(pipeline: Pipeline, state_specs: dict, grad_specs: dict):
             return gather(p, u)
         return on_tensor_ranks(gather, (t, t), t)(p, u)
 
-    def body(params, pending):
+    def body(stage_ids, params, pending):
         new = {k: jax.tree.map(lambda p, u, d, t: add(p, u, d, t) if d >= 0 else p, params[k], pending[k], dims[k],
                                tensor_specs[k], is_leaf=lambda x: isinstance(x, P))
                for k in _SHARED}
@@ -179,14 +180,15 @@ def make_settle(pipeline: Pipeline, state_specs: dict, grad_specs: dict):
         block_tensor = _leaves(tensor_specs["blocks"], dims["blocks"], split=True)
         blocks = _leaves(params["blocks"], dims["blocks"], split=True)
         settled = pipeline.update_by_slot_group(
-            pipeline.stage_n_layers(), blocks, _leaves(pending["blocks"], dims["blocks"], split=True),
+            pipeline.stage_n_layers(stage_ids[0]), blocks, _leaves(pending["blocks"], dims["blocks"], split=True),
             lambda held, updates: [add(p, u, d, t) for p, u, d, t in zip(held, updates, block_dims, block_tensor)],
             axis=1)
         whole = _leaves(params["blocks"], dims["blocks"], split=False)
         return dict(new, blocks=_joined(dims["blocks"], settled, whole))
 
-    return jax.shard_map(body, mesh=pipeline.mesh, axis_names={"stage", "data"},
-                         in_specs=(param_specs, pending_specs), out_specs=param_specs, check_vma=False)
+    settle = jax.shard_map(body, mesh=pipeline.mesh, axis_names={"stage", "data"},
+                           in_specs=(P("stage"), param_specs, pending_specs), out_specs=param_specs, check_vma=False)
+    return lambda *args: settle(pipeline.stage_ids(), *args)
 
 
 def _is_like(like):
