@@ -365,7 +365,9 @@ def test_a_full_disk_under_the_tensorboard_events_is_an_os_error_and_nothing_els
 @pytest.mark.parametrize("kind, peak", [("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H100 PCIe", 756.0),
                                         ("NVIDIA H100 NVL", 835.0), ("NVIDIA H200", 989.0), ("NVIDIA H200 NVL", 835.0),
                                         ("NVIDIA H800 PCIe", 756.0), ("NVIDIA A100-SXM4-80GB", 312.0),
-                                        ("NVIDIA GH200 480GB", 989.0), ("NVIDIA A800-SXM4-80GB", 312.0), ("cpu", None)])
+                                        ("NVIDIA GH200 480GB", 989.0), ("NVIDIA A800-SXM4-80GB", 312.0),
+                                        ("NVIDIA B200", 2250.0), ("NVIDIA GB200", 2500.0), ("NVIDIA L40S", 362.0),
+                                        ("NVIDIA L4", 121.0), ("cpu", None)])
 def test_each_device_kind_gets_its_own_dense_bf16_peak(kind, peak):
     assert metrics.device_peak_tflops(kind) == peak
 
