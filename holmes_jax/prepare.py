@@ -10,7 +10,7 @@ tokenizer keeps them).
 
 Tokenizers (T):
 - `bytes`: one token per byte (0-255) and end-of-text 256, so a vocabulary of 257.
-- `bpe:N`: a byte-level BPE of N tokens trained on the inputs (end-of-text is id 0).
+- `bpe:N`: a byte-level BPE of at most N tokens trained on the inputs (end-of-text is id 0).
 - a path to a Hugging Face `tokenizer.json`: its end-of-text token is the first of
   <|endoftext|>, <|end_of_text|>, </s>, <eos> it holds; without one, <|endoftext|> is added.
   A truncation or padding setting it holds is dropped: every document is tokenized whole.
