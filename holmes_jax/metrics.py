@@ -21,18 +21,20 @@ from holmes_jax import cli
 logging.getLogger("tensorboardX.x2num").setLevel(logging.ERROR)
 
 
-# Dense bf16 peak TFLOP/s of one device, by the start of `device.device_kind` (lower case), from
-# NVIDIA's datasheets (half their "with sparsity" figures). The PCIe and NVL cards peak lower than
-# the SXM ones of the same name, and "l40s" starts like "l4": matched first.
+# Dense bf16 peak TFLOP/s of one device, by the first words of `device.device_kind` (lower case),
+# from NVIDIA's datasheets (half their "with sparsity" figures). The PCIe and NVL cards peak lower
+# than the SXM ones of the same name: matched first.
 _PEAK_TFLOPS = {"nvidia h100 pcie": 756.0, "nvidia h800 pcie": 756.0, "nvidia h100 nvl": 835.0,
                 "nvidia h200 nvl": 835.0, "nvidia a100": 312.0, "nvidia h100": 989.0, "nvidia h200": 989.0,
                 "nvidia h800": 989.0, "nvidia gh200": 989.0, "nvidia a800": 312.0, "nvidia b200": 2250.0,
-                "nvidia gb200": 2500.0, "nvidia l40s": 362.0, "nvidia l4": 121.0}
+                "nvidia gb200": 2500.0, "nvidia l40s": 362.0, "nvidia l40": 181.0, "nvidia l4": 121.0}
 
 
 def device_peak_tflops(device_kind: str) -> float | None:
     kind = device_kind.lower()
-    return next((v for k, v in _PEAK_TFLOPS.items() if kind.startswith(k)), None)
+    # whole words: "nvidia l4" is not the start of an "NVIDIA L40", nor "nvidia a10" of an A100
+    return next((v for k, v in _PEAK_TFLOPS.items()
+                 if kind.startswith(k) and not kind[len(k):len(k) + 1].isalnum()), None)
 
 
 def measure_matmul_peak_tflops(devices, size: int = 512, repeats: int = 5) -> float:

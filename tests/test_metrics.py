@@ -367,7 +367,8 @@ def test_a_full_disk_under_the_tensorboard_events_is_an_os_error_and_nothing_els
                                         ("NVIDIA H800 PCIe", 756.0), ("NVIDIA A100-SXM4-80GB", 312.0),
                                         ("NVIDIA GH200 480GB", 989.0), ("NVIDIA A800-SXM4-80GB", 312.0),
                                         ("NVIDIA B200", 2250.0), ("NVIDIA GB200", 2500.0), ("NVIDIA L40S", 362.0),
-                                        ("NVIDIA L4", 121.0), ("cpu", None)])
+                                        ("NVIDIA L40", 181.0), ("NVIDIA L4", 121.0), ("NVIDIA L4X", None),
+                                        ("NVIDIA A10", None), ("cpu", None)])
 def test_each_device_kind_gets_its_own_dense_bf16_peak(kind, peak):
     assert metrics.device_peak_tflops(kind) == peak
 
