@@ -162,15 +162,21 @@ def _noting_failures(handler: ocp.StandardCheckpointHandler, failures: list) -> 
     return handler
 
 
+def check_directory(directory: str | Path) -> None:
+    """`ConfigError` where checkpoints could not be read back from `directory`: orbax finds each
+    process's part of a save by a glob under the step's folder, and with '[1]' in the path it found
+    none and committed a step without its arrays."""
+    directory = Path(directory).absolute()
+    if glob.escape(str(directory)) != str(directory):
+        raise ConfigError(f"TrainConfig.workdir = {str(directory.parent)!r} cannot hold checkpoints: "
+                          "orbax reads '[', '*' and '?' in their path as a pattern, and a checkpoint saved "
+                          "there could not be read back; allowed: a workdir whose path has none of them")
+
+
 class Checkpointer:
     def __init__(self, directory: str | Path, cfg: CheckpointConfig):
         self.cfg, self.directory = cfg, Path(directory).absolute()
-        if glob.escape(str(self.directory)) != str(self.directory):
-            # orbax finds each process's part of a save by a glob under the step's folder: with
-            # '[1]' in the path it found none and committed a step without its arrays, unreadable
-            raise ConfigError(f"TrainConfig.workdir = {str(self.directory.parent)!r} cannot hold checkpoints: "
-                              "orbax reads '[', '*' and '?' in their path as a pattern, and a checkpoint saved "
-                              "there could not be read back; allowed: a workdir whose path has none of them")
+        check_directory(self.directory)
         try:  # now, not at the first save `cfg.every` steps in
             self.directory.mkdir(parents=True, exist_ok=True)
             tempfile.TemporaryFile(dir=self.directory).close()

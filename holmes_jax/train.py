@@ -27,7 +27,7 @@ import jax
 import numpy as np
 import optax
 
-from holmes_jax import cli, configure, data, distributed, export, guard, metrics
+from holmes_jax import checkpoint, cli, configure, data, distributed, export, guard, metrics
 from holmes_jax.build import Setup, build, make_eval_step, make_train_step, peak_tflops
 from holmes_jax.checkpoint import Checkpointer
 from holmes_jax.config import ConfigError
@@ -201,6 +201,8 @@ def run(cfgs: Configs, devices=None, quiet: bool = False) -> dict:
     say = (lambda *a: None) if quiet or not lead else (lambda *a: print(*a, flush=True))
     guard.injected_fault()  # a malformed HOLMES_FAULT is bad input: found before anything runs
     checkpoints = Path(cfgs.train.workdir) / "checkpoints"
+    if cfgs.checkpoint.enabled:
+        checkpoint.check_directory(checkpoints)
     if (saved := saved_steps(checkpoints)) and not cfgs.checkpoint.enabled:
         # Such a run starts from step 1: it replaced the checkpointed run's metrics.jsonl rows and
         # config.gin, and a later run with checkpoints resumed that run beside this one's rows.

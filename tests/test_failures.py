@@ -502,7 +502,7 @@ def test_a_workdir_whose_path_orbax_reads_as_a_pattern_is_bad_input_before_any_s
     # next run found none it could read
     with pytest.raises(ConfigError, match=r"TrainConfig.workdir = .* cannot hold checkpoints: orbax reads"):
         _run(tmp_path / name, "--gin.TrainConfig.steps=1")
-    assert not (tmp_path / name / "metrics.jsonl").exists()
+    assert not (tmp_path / name).exists()  # bad input: the workdir untouched (its folder and .lock were made)
 
 
 def test_a_failed_metrics_write_is_a_run_error(tmp_path):
