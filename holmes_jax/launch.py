@@ -137,8 +137,8 @@ def _exit_code(p: subprocess.Popen) -> int | None:
     """`p`'s return code (Popen's: -s when signal s killed it) once it has exited, else None.
     Left unreaped until the job is over: while it is a zombie its pid, which names its process
     group, cannot be given to another process, which a stop signal to the group would reach."""
-    if p.returncode is not None:
-        return p.returncode
+    if p.returncode is not None or not hasattr(os, "waitid"):  # (macOS before Python 3.13)
+        return p.poll()
     try:
         info = os.waitid(os.P_PID, p.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
     except ChildProcessError:  # reaped already
@@ -204,8 +204,8 @@ def _stop(procs: list[subprocess.Popen], first: int, grace_s: float, mark: bytes
                 os.killpg(group, sig)  # its own session: reaches whatever it started too
             except ProcessLookupError:
                 pass
-        strays = [pid for pid, group, alive in _processes() or [] if alive and group not in groups and mark
-                  and _marked(pid, mark)]
+        strays = [pid for pid, group, alive in _processes() or [] if alive and group not in groups
+                  and _marked(pid, mark)] if mark else []
         for pid in strays:
             try:
                 os.kill(pid, sig)

@@ -157,8 +157,8 @@ def local_topology(devices=None, nic_class: str | None = None, device_tflops: fl
     per_node = _processes_per_host(by_process, process_hosts)
     found = nic.Nic(nic_class, None) if nic_class else distributed.exchange_nics(nic.detect())[0]
     extra = {} if device_tflops is None else {"device_tflops": device_tflops}
-    cluster = Cluster("local", found.nic_class, nodes=len(by_process) // per_node, devices_per_node=sizes.pop() * per_node,
-                      nic_gbps=found.gbps, **extra)
+    cluster = Cluster("local", found.nic_class, nodes=len(by_process) // per_node,
+                      devices_per_node=sizes.pop() * per_node, nic_gbps=found.gbps, **extra)
     return Topology((cluster,), name="local")
 
 
