@@ -47,6 +47,7 @@ import re
 import socket
 import sys
 import threading
+import time
 
 import jax
 
@@ -504,6 +505,10 @@ def initialize(cpu_devices_per_process: int | None = None) -> ProcessInfo:
             # A backend already started in this single process (e.g. a test runner's): keep it.
     if method != "single":
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        # JAX's preemption service takes SIGTERM over in C++ for its own sync point, which we do not
+        # use (guard.StopVote stops all processes alike): a SIGTERM before the training loop (a
+        # scheduler's, while a resumed run compiled) was noted there and the run trained on.
+        jax.config.update("jax_enable_preemption_service", False)
         if not jax.distributed.is_initialized():
             # Process 0 starts the coordinator; jaxlib answers a port in use with a traceback, or
             # at times a segmentation fault, so look first.
@@ -548,7 +553,21 @@ def every_process(name: str, text: str, timeout_s: float = INIT_TIMEOUT_S) -> li
     _exchanges[name] += 1
     prefix = f"holmes_jax/{name}/{_exchanges[name]}"  # a key is set once: each call has its own
     client.key_value_set(f"{prefix}/{jax.process_index()}", text)
-    return [client.blocking_key_value_get(f"{prefix}/{i}", int(timeout_s * 1000)) for i in range(jax.process_count())]
+    deadline = time.monotonic() + timeout_s
+    return [_wait_for(client, f"{prefix}/{i}", deadline) for i in range(jax.process_count())]
+
+
+def _wait_for(client, key: str, deadline: float) -> str:
+    """`key`'s value once set, waited for a second at a time until `deadline`: a stop signal's
+    handler runs between the waits (inside one, only at its end: a process whose peer had stopped
+    waited out the whole timeout before it stopped too)."""
+    while True:
+        wait_ms = max(1, int(min(deadline - time.monotonic(), 1.0) * 1000))
+        try:
+            return client.blocking_key_value_get(key, wait_ms)
+        except jax.errors.JaxRuntimeError as e:
+            if "DEADLINE_EXCEEDED" not in str(e) or time.monotonic() >= deadline:
+                raise
 
 
 def check_same_settings(settings: str) -> None:

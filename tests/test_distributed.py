@@ -569,3 +569,39 @@ def test_initialize_checks_the_local_gpu_before_anything_starts(four_gpus, monke
         monkeypatch.setenv(name, value)
     with pytest.raises(ConfigError, match="^OMPI_COMM_WORLD_LOCAL_RANK = '5': this process would use GPU 5"):
         distributed.initialize(1)
+
+
+def test_an_exchange_waits_a_second_at_a_time_until_its_deadline(monkeypatch):
+    """One wait of the whole timeout ran no signal handler until it ended: a process whose peer had
+    stopped (a SIGTERM to both) waited out INIT_TIMEOUT_S before it stopped too."""
+    import jax
+
+    waits = []
+
+    class Client:
+        def blocking_key_value_get(self, key, timeout_ms):
+            waits.append(timeout_ms)
+            if len(waits) < 3:
+                raise jax.errors.JaxRuntimeError(f"DEADLINE_EXCEEDED: GetKeyValue() timed out with key: {key}")
+            return "the value"
+
+    assert distributed._wait_for(Client(), "k", time.monotonic() + 60) == "the value"
+    assert len(waits) == 3 and max(waits) <= 1000
+
+    class Never:  # waits as long as it is asked to, for a key never set
+        def blocking_key_value_get(self, key, timeout_ms):
+            waits.append(timeout_ms)
+            time.sleep(timeout_ms / 1000)
+            raise jax.errors.JaxRuntimeError(f"DEADLINE_EXCEEDED: GetKeyValue() timed out with key: {key}")
+
+    waits.clear()
+    with pytest.raises(jax.errors.JaxRuntimeError, match="DEADLINE_EXCEEDED"):  # at the deadline: as before
+        distributed._wait_for(Never(), "k", time.monotonic() + 2.5)
+    assert waits[:2] == [1000, 1000] and len(waits) == 3 and 400 <= waits[2] <= 500
+
+    class Broken:
+        def blocking_key_value_get(self, key, timeout_ms):
+            raise jax.errors.JaxRuntimeError("UNAVAILABLE: the coordination service is gone")
+
+    with pytest.raises(jax.errors.JaxRuntimeError, match="UNAVAILABLE"):  # not waited on
+        distributed._wait_for(Broken(), "k", time.monotonic() + 60)

@@ -617,6 +617,22 @@ def test_a_signal_to_the_launcher_makes_two_workers_save_and_exit(tmp_path, sig)
     assert all(_gone(w, 5) for w in workers)
 
 
+@pytest.mark.slow
+def test_a_sigterm_before_the_training_loop_stops_a_multi_process_run_at_once(tmp_path):
+    # JAX's preemption service took SIGTERM over in C++ (for its own sync point, which we do not
+    # use): a SIGTERM while the ranks compiled was only noted, and the run trained on to SIGKILL
+    with killed_on_exit(_launch_two_ranks(tmp_path)) as p:
+        for line in p.stdout:
+            if "partitions on this layout" in line:  # rank 0 planned: it compiles next
+                break
+        t = time.monotonic()
+        p.send_signal(signal.SIGTERM)
+        out, err = p.communicate(timeout=120)
+    assert p.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert "[rank 0] stopped by SIGTERM" in err.splitlines(), err[-3000:]
+    assert "] step " not in out and time.monotonic() - t < 50  # no step, and not stopped by the grace's SIGKILL
+
+
 def _rank(pid: int) -> int:
     """The HOLMES_PROCESS_ID the launcher gave process `pid`."""
     env = dict(item.split(b"=", 1) for item in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in item)
