@@ -597,7 +597,7 @@ def test_an_exchange_waits_a_second_at_a_time_until_its_deadline(monkeypatch):
     waits.clear()
     with pytest.raises(jax.errors.JaxRuntimeError, match="DEADLINE_EXCEEDED"):  # at the deadline: as before
         distributed._wait_for(Never(), "k", time.monotonic() + 2.5)
-    assert waits[:2] == [1000, 1000] and len(waits) == 3 and 400 <= waits[2] <= 500
+    assert waits[:2] == [1000, 1000] and max(waits) <= 1000 and 2000 < sum(waits) <= 2500  # (a loaded host: a 4th)
 
     class Broken:
         def blocking_key_value_get(self, key, timeout_ms):
