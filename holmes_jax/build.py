@@ -15,7 +15,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from holmes_jax import data, distributed, export, metrics, planning
 from holmes_jax.config import ConfigError
 from holmes_jax.configure import Configs
-from holmes_jax.mesh.devices import build_mesh, local_topology, ordered_devices
+from holmes_jax.mesh.devices import build_mesh, host_names, local_topology, ordered_devices
 from holmes_jax.models import gpt
 from holmes_jax.optimizer import make_optimizer
 from holmes_jax.pipeline.runtime import Pipeline, map_blocks
@@ -45,15 +45,16 @@ def _measured_peak(devices: tuple) -> float:
     return float(np.median([float(text) for text in distributed.every_process("peak", repr(peak))]))
 
 
-def make_plan(cfgs: Configs, devices) -> Plan:
-    """The Plan for this run: the topology file's, or one emulated from the devices present."""
+def make_plan(cfgs: Configs, devices, process_hosts=None) -> Plan:
+    """The Plan for this run: the topology file's, or one emulated from the devices present (on
+    `process_hosts`: each process's host name, see mesh.devices.host_names)."""
     par = cfgs.parallel
     if par.profile:
         _check_profile_device(par.profile, sorted({d.device_kind for d in devices}))
     if par.topology:
         topo = planning.load_topology(par.topology)
     else:
-        topo = local_topology(devices, device_tflops=peak_tflops(devices)[0])
+        topo = local_topology(devices, device_tflops=peak_tflops(devices)[0], process_hosts=process_hosts)
     return planning.plan(topo, cfgs.model, par, global_batch=cfgs.data.global_batch, seq_len=cfgs.data.seq_len)
 
 
@@ -209,8 +210,9 @@ def _abstract(make, shardings) -> dict:
 def build(cfgs: Configs, devices=None) -> Setup:
     devices = ordered_devices(devices)
     gpt.check_attention(cfgs.model, devices[0])
-    the_plan = make_plan(cfgs, devices)
-    mesh = build_mesh(the_plan, devices=devices)
+    hosts = host_names()  # exchanged once: the emulated topology and the mesh's placement read them
+    the_plan = make_plan(cfgs, devices, hosts)
+    mesh = build_mesh(the_plan, devices=devices, process_hosts=hosts)
     par = cfgs.parallel
     model = gpt.GPT(cfgs.model)
     pipeline = Pipeline(model, mesh, the_plan.stage_layers, the_plan.microbatches, the_plan.schedule,

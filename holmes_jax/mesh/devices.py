@@ -110,10 +110,10 @@ def _warn_nodes_across_hosts(topology: Topology, shared: dict, processes: list, 
     and the plan's intra-node links (tensor and data groups inside a node) are then network hops.
     Not an error: some container setups give each GPU's process a host name of its own on one machine."""
     if process_hosts is None:
-        if jax.process_count() == 1:  # processes made up in one (tests): no hosts to compare
-            return
         # Every process gets here with the same topology and devices, so all of them exchange.
-        process_hosts = distributed.every_process("hostname", socket.gethostname())
+        process_hosts = host_names()
+        if process_hosts is None:  # processes made up in one (tests): no hosts to compare
+            return
     host_of = dict(zip(processes, process_hosts))
     spread = {node: procs for node, procs in shared.items() if len({host_of[p] for p in procs}) > 1}
     if not spread or jax.process_index() != 0:
@@ -127,6 +127,14 @@ def _warn_nodes_across_hosts(topology: Topology, shared: dict, processes: list, 
     print(f"warning: the processes of node {node} of topology {topology.name!r} are on different hosts ({where})"
           f"{others}, but the plan counts on intra-node links between them; start consecutive ranks on one host "
           "(srun's default --distribution=block, mpirun --map-by slot)", file=sys.stderr, flush=True)
+
+
+def host_names() -> list[str] | None:
+    """Each process's host name, in process order, exchanged between the processes (every process
+    calls it); None with one process."""
+    if jax.process_count() == 1:
+        return None
+    return distributed.every_process("hostname", socket.gethostname())
 
 
 def build_mesh(plan_or_grid, topology: Topology | None = None, devices=None, process_nics=None, process_hosts=None):
@@ -168,7 +176,9 @@ def _processes_per_host(by_process: dict, process_hosts) -> int:
     if len(by_process) == 1 or getattr(first, "platform", "cpu") == "cpu":
         return 1
     if process_hosts is None:
-        process_hosts = distributed.every_process("hostname", socket.gethostname())
+        process_hosts = host_names()
+        if process_hosts is None:  # processes made up in one (tests): a node each
+            return 1
     runs = [len(list(group)) for _, group in itertools.groupby(process_hosts)]
     if len(runs) != len(set(process_hosts)) or len(set(runs)) != 1:  # a host's ranks apart, or unequal counts
         return 1
