@@ -310,6 +310,13 @@ def plan_from_step(rows: list[dict]) -> int | None:
     return resumes[-1] + 1 if resumes else None
 
 
+def plan_run_rows(rows: list[dict]) -> list[dict]:
+    """The rows of the run that plan.json belongs to (see plan_from_step): its measured step time is
+    what the plan predicted; an earlier run's may have had another layout."""
+    first = plan_from_step(rows)
+    return rows if first is None else [r for r in rows if r["step"] >= first]
+
+
 def typical_step_s(rows: list[dict]) -> float:
     """The median step time of metrics rows, where there are others without the run's first row
     and a resumed run's first (`metrics.RESUMED_FROM`, not imported: it would load TensorBoard's
@@ -336,13 +343,13 @@ def draw_report(rows: list[dict], predicted_step_s: float | None, path: str, tit
     loss_ax.set_ylabel("loss (nats per token)")
     loss_ax.set_title("loss", loc="left")
 
-    measured, typical = np.array([r["step_time_s"] for r in rows]), typical_step_s(rows)
+    measured, typical = np.array([r["step_time_s"] for r in rows]), typical_step_s(plan_run_rows(rows))
     scale, unit = time_unit(typical)  # the unit `report` prints the median in
+    of_run = "" if (first := plan_from_step(rows)) is None else f", the run from step {first}'s"
     time_ax.plot(steps, measured * scale, marker=".", label="measured (mean over each logged window)")
     time_ax.axhline(typical * scale, color="C0", linewidth=0.8, linestyle=":",
-                    label=f"measured median {typical * scale:.4g} {unit}")
+                    label=f"measured median {typical * scale:.4g} {unit}{of_run}")
     if predicted_step_s is not None:
-        of_run = "" if (first := plan_from_step(rows)) is None else f", the run from step {first}'s"
         time_ax.axhline(predicted_step_s * scale, color="C3", linestyle="--",
                         label=f"plan's prediction {predicted_step_s * scale:.4g} {unit}{of_run} "
                               f"(measured / predicted = {typical / predicted_step_s:.2f})")

@@ -106,13 +106,13 @@ def main(argv: list[str]) -> int:
         raise ConfigError(f"--out {str(out)!r} is not allowed; allowed: a file ending in "
                           f"{', '.join(PICTURE_SUFFIXES)} in an existing folder")
     pictures.draw_report(rows, predicted, str(out), title=str(workdir))
-    measured = pictures.typical_step_s(rows)
+    measured, first = pictures.typical_step_s(pictures.plan_run_rows(rows)), pictures.plan_from_step(rows)
     scale, unit = pictures.time_unit(measured)
     print(f"wrote {out}: steps {rows[0]['step']}-{rows[-1]['step']}, loss {rows[0]['loss']:.4g} -> "
-          f"{rows[-1]['loss']:.4g}; step time {measured * scale:.4g} {unit} (median)"
+          f"{rows[-1]['loss']:.4g}; step time {measured * scale:.4g} {unit} "
+          + ("(median)" if first is None else f"(median of the run from step {first})")
           + (f", predicted {predicted * scale:.4g} {unit}" if predicted is not None else ", no plan.json to compare")
-          + ("" if predicted is None or (first := pictures.plan_from_step(rows)) is None
-             else f" (by the plan of the run from step {first})"))
+          + ("" if predicted is None or first is None else " (by its plan)"))
     return 0
 
 

@@ -403,7 +403,22 @@ def test_the_reports_median_step_time_leaves_out_a_resumed_runs_first_step(tmp_p
     assert [r.get("resumed_from") for r in read_metrics(tmp_path)] == [None, None, 2, None]
     assert "resumed_from" not in read_scalars(tmp_path / "tensorboard")  # a marker, not a number to draw
     code, out, err = _report(tmp_path, "--out", tmp_path / "r.png")
-    assert code == 0 and "step time 200 ms (median)" in out, out + err  # of steps 2 and 4
+    assert code == 0 and "step time 300 ms (median of the run from step 3)" in out, out + err  # its step 4
     (tmp_path / "plan.json").write_text(json.dumps({"predicted": {"step_time_s": 0.25}}))
     code, out, err = _report(tmp_path, "--out", tmp_path / "r.png")  # plan.json is the resumed run's own
-    assert code == 0 and out.rstrip().endswith("predicted 250 ms (by the plan of the run from step 3)"), out + err
+    assert code == 0 and out.rstrip().endswith("predicted 250 ms (by its plan)"), out + err
+
+
+def test_the_report_compares_the_plan_with_its_own_runs_step_time(tmp_path):
+    # A run resumed on another layout writes its own plan.json; its prediction was compared with the
+    # median over both runs (here 1 s: 2.00 x the plan, where the run it predicted took 500 ms).
+    row = {"loss": 3.0, "tokens_per_s": 1.0, "tflops_per_device": 1.0}
+    for first, seconds in ((1, 1.0), (6, 0.5)):  # steps 1-5 on one layout, resumed to step 8 on another
+        log = metrics.MetricsLog(tmp_path / "metrics.jsonl", total_steps=8, quiet=True, first=first)
+        for step in range(first, first + (5 if first == 1 else 3)):
+            log.write(dict(row, step=step, step_time_s=seconds))
+        log.close()
+    (tmp_path / "plan.json").write_text(json.dumps({"predicted": {"step_time_s": 0.5}}))
+    code, out, err = _report(tmp_path, "--out", tmp_path / "r.png")
+    assert code == 0 and "step time 500 ms (median of the run from step 6), predicted 500 ms (by its plan)" in out, \
+        out + err
