@@ -30,10 +30,12 @@ ALL_PAIRS_LIMIT = 12  # up to this many stages, hill-climbing tries moving a lay
 DOUBLE_MOVES_LIMIT = 4096  # hill-climbing tries pairs of moves when single ones are stuck, if this few
 
 
-def check_stages(num_layers: int, stages: int) -> None:
+def check_stages(num_layers: int, stages: int, allowed: Sequence[int] | None = None) -> None:
+    """`allowed`: the pp values the devices take, up to the layers (the error lists them); None: any."""
     if stages > num_layers:
+        offered = f"pp <= {num_layers}" if allowed is None else f"pp {', '.join(map(str, allowed))}"
         raise ConfigError(f"pp = {stages} is not allowed: every pipeline stage needs a layer and the model has "
-                          f"{num_layers}; allowed: pp <= {num_layers}")
+                          f"{num_layers}; allowed: {offered}")
 
 
 def ratio_split(num_layers: int, ratios: Sequence[float]) -> tuple[int, ...]:

@@ -53,7 +53,7 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _dividing_pp(topology: Topology, tp: int, max_pp: int | None = None) -> list[int]:
+def dividing_pp(topology: Topology, tp: int, max_pp: int | None = None) -> list[int]:
     """pp values with pp * tp dividing the devices, up to `max_pp` (None: no limit)."""
     return [pp for pp in divisors(topology.num_devices // tp) if max_pp is None or pp <= max_pp]
 
@@ -61,7 +61,7 @@ def _dividing_pp(topology: Topology, tp: int, max_pp: int | None = None) -> list
 def _fitting_pp(topology: Topology, tp: int, max_pp: int | None = None) -> list[int]:
     """pp values for which every cluster holds whole stages of tp-wide tensor groups, up to `max_pp`."""
     n = topology.num_devices
-    return [pp for pp in _dividing_pp(topology, tp, max_pp)
+    return [pp for pp in dividing_pp(topology, tp, max_pp)
             if all(c.num_devices % (n // pp) == 0 for c in topology.clusters)]
 
 
@@ -141,7 +141,7 @@ def place(topology: Topology, tp: int, pp: int, dp: int | None = None, method: s
     if n % (pp * tp):
         if dp is not None:  # the search derives pp from a given dp: name the dp
             check_dp(n, tp, dp)
-        allowed = _dividing_pp(topology, tp, max_pp)
+        allowed = dividing_pp(topology, tp, max_pp)
         # say which of them fit the clusters: the others are refused next as mixed stages
         fitting = _fitting_pp(topology, tp, max_pp) if method == "holmes" and not allow_mixed else allowed
         raise ConfigError(f"pp = {pp} is not allowed with tp = {tp}: pp * tp must divide the {n} devices; "
