@@ -298,9 +298,10 @@ def _learning_rate_moved(trained_settings: str, tcfg, start: int) -> str | None:
 def _saved_record(ckpt: Checkpointer, step: int) -> dict:
     """Checkpoint `step`'s record as process 0 reads it: whole on process 0, the only one that
     compares runs; elsewhere only the bad-step count, which every process acts on alike."""
-    record = ckpt.record(step) if jax.process_index() == 0 else {}
+    lead = jax.process_index() == 0
+    record = ckpt.record(step) if lead else {}
     bad_steps = distributed.every_process("bad-step count", json.dumps(record.get("bad_steps")))[0]
-    return record if record else {"bad_steps": json.loads(bad_steps)}
+    return record if lead else {"bad_steps": json.loads(bad_steps)}
 
 
 def _resume_and_train(cfgs: Configs, setup: Setup, token_data, workdir: Path, ckpt: Checkpointer | None, say,
