@@ -89,28 +89,26 @@ def _gin_value(name: str, text: str) -> str:
 
 
 @contextlib.contextmanager
-def _search_beside(gin_file: str):
-    """gin looks `include 'x.gin'` up in the current folder, then in the folders of its search path:
-    with only `gin_file`'s folder there while it is parsed, it includes the files beside it. gin's
-    own `add_config_file_search_path` adds a folder for the rest of the process: with two
-    --gin_files from two folders, each one's `include 'base.gin'` read the first folder's."""
-    search_path = gin.config._LOCATION_PREFIXES  # gin has no public way to take a folder off
+def _open_gin_file(path: str):
+    """A gin file's text, for gin to parse, with
+    - its `include 'x.gin'` looked up beside it, and only there: gin looks an include up in each
+      folder of its search path, whose first is the current folder (a same-named file there won
+      over the one beside), and whose folders `add_config_file_search_path` adds for the rest of
+      the process (two --gin_files from two folders read the first one's 'base.gin' both);
+    - the byte-order mark Windows editors write at its start dropped: read with plain `open`,
+      gin's tokenizer refused the file's first line ('Unexpected token')."""
+    search_path = gin.config._LOCATION_PREFIXES  # gin has no public way to set it
     saved = list(search_path)
-    search_path[:] = ["", str(Path(gin_file).resolve().parent)]
+    search_path[:] = [str(Path(path).resolve().parent)]
     try:
-        yield
+        with open(path, encoding="utf-8-sig") as f:
+            yield f
     finally:
         search_path[:] = saved
 
 
-def _open_gin_file(path: str):
-    """A gin file's text without the byte-order mark Windows editors write at its start: read
-    with plain `open`, gin's tokenizer refused the file's first line ('Unexpected token')."""
-    return open(path, encoding="utf-8-sig")
-
-
 @contextlib.contextmanager
-def _byte_order_marks_dropped():
+def _gin_reads_our_way():
     """gin opens each file, an include too, with the first of its readers whose check passes, and
     its first is plain `open` (a file on disk): `_open_gin_file` stands in for it while we parse."""
     readers = gin.config._FILE_READERS  # gin has no public way to replace a reader
@@ -266,8 +264,8 @@ def load_configs(argv: list[str]) -> Configs:
             raise ConfigError(f"--gin_file {f!r}: " + ("a folder, not a gin file" if Path(f).is_dir() else "no such file"))
     gin.clear_config()
     try:
-        for f in base + files:  # gin.parse_config_files_and_bindings, each file with its own folder searched
-            with _search_beside(f), _byte_order_marks_dropped():
+        with _gin_reads_our_way():  # gin.parse_config_files_and_bindings, each file's includes beside it
+            for f in base + files:
                 gin.parse_config_file(f)
         gin.parse_config(bindings)
         gin.finalize()
@@ -373,7 +371,7 @@ def fields_help(width: int | None = None) -> str:
     where there is room, else under it."""
     width = width or shutil.get_terminal_size().columns
     gin.clear_config()
-    with _byte_order_marks_dropped():
+    with _gin_reads_our_way():
         gin.parse_config_file(str(_default_gin()))
     based = {cls.__name__: cls() for cls in CLASSES}
     gin.clear_config()

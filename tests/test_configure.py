@@ -407,6 +407,22 @@ def test_each_gin_files_include_is_the_file_beside_it_not_one_beside_another(tmp
     assert (cfgs.train.seed, cfgs.train.steps) == (1, 9)
 
 
+def test_an_include_is_the_file_beside_its_includer_wherever_the_run_starts(tmp_path, monkeypatch):
+    # gin looked in the current folder first: started in first/, second/run.gin read first/base.gin;
+    # and a file included from a subfolder could not include the files beside it
+    for name, line in (("first", "TrainConfig.seed = 1"), ("second", "TrainConfig.seed = 2")):
+        (tmp_path / name / "sub").mkdir(parents=True)
+        (tmp_path / name / "base.gin").write_text(line + "\n")
+        (tmp_path / name / "run.gin").write_text("include 'base.gin'\ninclude 'sub/nested.gin'\n")
+        (tmp_path / name / "sub" / "nested.gin").write_text("include 'steps.gin'\n")
+        (tmp_path / name / "sub" / "steps.gin").write_text(f"TrainConfig.steps = {len(name)}\n")
+    (tmp_path / "first" / "steps.gin").write_text("TrainConfig.steps = 99\n")  # not beside nested.gin
+    monkeypatch.chdir(tmp_path / "first")
+    cfgs = configure.load_configs(["--gin_file", "../second/run.gin"])
+    assert (cfgs.train.seed, cfgs.train.steps) == (2, 6)
+    assert configure.load_configs(["--gin_file", "run.gin"]).train.steps == 5
+
+
 def test_a_gin_file_saved_with_a_byte_order_mark_sets_its_values(tmp_path):
     # Windows editors start a UTF-8 file with a byte-order mark: gin refused its first line
     # ('Unexpected token'), and read the mark of an included file the same way
