@@ -74,6 +74,9 @@ def _gin_value(name: str, text: str) -> str:
     try:
         value = ast.literal_eval(text)
     except (ValueError, SyntaxError):
+        if text[:1] in ("'", '"') or text[-1:] in ("'", '"'):  # a quote not closed: a typo, not a name
+            raise ConfigError(f"--gin.{name}={text}: a quote is not closed; allowed: a Python literal, as in "
+                              f"--gin.{name}=\"'runs/x'\" (the shell drops the outer quotes), or a bare word") from None
         return repr(text)
     except TypeError as e:  # a literal that builds no value, as {[1]: 2} (a list as a key)
         raise ConfigError(f"--gin.{name}={text}: not a value ({e}); allowed: a Python literal, "

@@ -232,6 +232,14 @@ def test_a_binding_that_builds_no_value_is_one_error_line_naming_it(capsys):
     assert e.value.code == 2 and err.startswith("error: --gin.TrainConfig.steps={[1]: 2}: ") and err.count("\n") == 1
 
 
+@pytest.mark.parametrize("value", ["'/tmp/x", "/tmp/x'", '"runs/x', "'"])
+def test_a_bare_word_with_a_quote_left_open_is_refused(value):
+    # taken as the word itself: the run wrote into a folder named "'" under the current folder
+    with pytest.raises(ConfigError, match=r"a quote is not closed"):
+        configure.load_configs([f"--gin.TrainConfig.workdir={value}"])
+    assert configure.load_configs(["--gin.TrainConfig.workdir=runs/bob's"]).train.workdir == "runs/bob's"
+
+
 def test_a_gin_file_includes_the_files_beside_it_from_any_folder(tmp_path, monkeypatch, caplog):
     folder = tmp_path / "configs"
     folder.mkdir()
