@@ -151,6 +151,8 @@ def is_binary(head: bytes) -> bool:
 def input_files(sources: list[str]) -> list[Path]:
     files = []
     for source in sources:
+        if not source.strip():  # Path('') is the current folder: an unset $CORPUS made it the corpus
+            raise ConfigError(f"SRC {source!r} is not allowed; allowed: text files, folders or .jsonl files")
         path = Path(source).expanduser()
         try:
             if path.is_file():

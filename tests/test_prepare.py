@@ -431,6 +431,16 @@ BAD_INPUTS = {  # case: (arguments after `prepare`, {d} the test's folder; what 
 }
 
 
+@pytest.mark.parametrize("source", ["", " "])
+def test_an_empty_src_is_refused_not_read_as_the_current_folder(tmp_path, monkeypatch, source):
+    # `prepare "$CORPUS"` with CORPUS unset prepared whatever folder the command ran in
+    (tmp_path / "notes.txt").write_text("not meant for the corpus " * 20)
+    monkeypatch.chdir(tmp_path)
+    code, out, err = _cli("prepare", source, "--out", str(tmp_path / "out"))
+    assert (code, out) == (2, "") and err == f"error: SRC {source!r} is not allowed; allowed: text files, folders or .jsonl files\n"
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("case", BAD_INPUTS)
 def test_bad_input_is_one_error_line_and_leaves_nothing_behind(tmp_path, case):
     (tmp_path / "empty").mkdir()
