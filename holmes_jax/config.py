@@ -31,6 +31,9 @@ def check_choice(name: str, value: Any, allowed: tuple) -> None:
         raise ConfigError(f"{name} = {value!r} is not allowed; choose one of {', '.join(map(repr, allowed))}")
 
 
+FLOAT32_TINY, FLOAT32_MAX = 2.0**-126, (2 - 2**-23) * 2.0**127  # its smallest normal and largest numbers
+
+
 def is_number(value: Any) -> bool:
     """A finite int or float: True and False are not numbers here, and inf or nan (gin reads 1e999
     as inf) would make every step's loss nan."""
@@ -236,10 +239,11 @@ class TrainConfig:
             raise ConfigError(f"TrainConfig.warmup_steps = {self.warmup_steps!r} must be a non-negative integer")
         if not isinstance(self.workdir, str) or not self.workdir:
             raise ConfigError(f"TrainConfig.workdir = {self.workdir!r} must be a non-empty path")
-        for name in ("learning_rate", "grad_clip"):
+        for name in ("learning_rate", "grad_clip"):  # used in float32: 1e-46 was 0, 1e39 inf there
             value = getattr(self, name)
-            if not is_number(value) or value <= 0:
-                raise ConfigError(f"TrainConfig.{name} = {value!r} must be a finite positive number")
+            if not is_number(value) or not FLOAT32_TINY <= value <= FLOAT32_MAX:
+                raise ConfigError(f"TrainConfig.{name} = {value!r} must be a finite positive number in float32's "
+                                  f"range, {FLOAT32_TINY:.4g} to {FLOAT32_MAX:.4g}")
         check_choice("TrainConfig.lr_schedule", self.lr_schedule, LR_SCHEDULES)
         if not is_number(self.decay_fraction) or not 0 < self.decay_fraction <= 1:
             raise ConfigError(f"TrainConfig.decay_fraction = {self.decay_fraction!r} must be a number in (0, 1]")

@@ -207,6 +207,15 @@ def test_a_bare_word_in_a_gin_file_names_the_file_line_and_the_fix(tmp_path):
     assert "ast." not in message  # gin's own text held the repr of an ast node
 
 
+@pytest.mark.parametrize("field", ["learning_rate", "grad_clip"])
+@pytest.mark.parametrize("value", [1e-46, 1e39])
+def test_a_rate_past_float32s_range_is_refused(field, value):
+    # the step computes in float32: a learning rate of 1e-46 trained at 0, 1e39 skipped every step
+    with pytest.raises(ConfigError, match=rf"^TrainConfig.{field} = {re.escape(repr(value))} must be .* in float32's range"):
+        TrainConfig(**{field: value}).validate()
+    TrainConfig(**{field: 1e-30}).validate()
+
+
 def test_a_gin_file_with_inf_or_nan_is_refused_naming_the_field(tmp_path):
     path = tmp_path / "run.gin"
     path.write_text("TrainConfig.learning_rate = 1e999\n")  # a file's number is gin's own: inf
