@@ -515,7 +515,8 @@ _SIZE_UNITS = {"": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}  # tr
 def shard_size(text: str) -> int:
     """An argparse `type` for --max-shard-size: bytes, or a number with a unit ('5GB', '1.5GB')."""
     found = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([KMGT]B)?", text.strip(), re.ASCII | re.IGNORECASE)
-    size = round(float(found[1]) * _SIZE_UNITS[(found[2] or "").upper()]) if found else 0
+    size = float(found[1]) * _SIZE_UNITS[(found[2] or "").upper()] if found else 0
+    size = round(size) if math.isfinite(size) else 0  # 400 digits are inf as a float: no size at all
     if size < 1 or (found and not found[2] and "." in found[1]):
         raise argparse.ArgumentTypeError(f"{text!r} is not allowed; allowed: a number of bytes or a size with "
                                          f"a unit KB, MB, GB or TB (powers of 1000), e.g. 5GB")
