@@ -297,7 +297,43 @@ def load_configs(argv: list[str]) -> Configs:
     model = cfgs.model
     if model.vocab_size is None and (declared := data.vocab_size(cfgs.data)):  # unset: follow the data's
         model = dataclasses.replace(model, vocab_size=data.padded_vocab(declared, math.lcm(128, cfgs.parallel.tp)))
-    return dataclasses.replace(cfgs, model=presets.resolve(model))
+    model = presets.resolve(model)
+    _check_preset_fields(base + files, bindings, model.preset)
+    return dataclasses.replace(cfgs, model=model)
+
+
+def _literal(text: str | None):
+    try:
+        return ast.literal_eval(text) if text is not None else None
+    except (ValueError, SyntaxError, TypeError):
+        return None
+
+
+def _check_preset_fields(files: list[str], bindings: list[str], preset: str) -> None:
+    """A preset named over a gin file that sets another preset and writes out its fields (a run's
+    config.gin does) left them as they were: a model of the old preset's shape under the new one's
+    name. Refused, naming them; a field the file sets to other than its preset's own value is an
+    override, and stays."""
+    sources = [(f"--gin_file {f}", _bindings(Path(f).read_text(encoding="utf-8-sig"))) for f in files]
+    sources.append(("a --gin flag", _bindings("\n".join(bindings))))
+    named = [i for i, (_, bound) in enumerate(sources) if "ModelConfig.preset" in bound]
+    if not named or _literal(sources[named[-1]][1]["ModelConfig.preset"]) != preset:
+        return  # a preset set by an include or a macro: not followed here
+    new = presets.preset_values(preset)  # not ModelConfig(preset=...): gin would fill in the bound fields
+    for i in named[:-1]:
+        where, bound = sources[i]
+        old_name = _literal(bound["ModelConfig.preset"])
+        if old_name == preset or old_name not in presets.PRESETS:
+            continue
+        old = presets.preset_values(old_name)
+        stale = [name for name in old if f"ModelConfig.{name}" in bound
+                 and not any(f"ModelConfig.{name}" in later for _, later in sources[i + 1:])
+                 and _literal(bound[f"ModelConfig.{name}"]) == old[name] != new.get(name)]
+        if stale:
+            raise ConfigError(f"ModelConfig.preset = {preset!r} ({sources[named[-1]][0]}) is set over {where}, which "
+                              f"writes out the fields of preset {old_name!r}: {', '.join(stale)} would keep their "
+                              f"{old_name!r} values, a model of its shape named {preset!r}; allowed: a gin file that "
+                              f"leaves them out (a run's config.gin writes them all), or each of them set as well")
 
 
 def operative_config(cfgs: Configs) -> str:

@@ -249,6 +249,29 @@ def test_a_bare_word_with_a_quote_left_open_is_refused(value):
     assert configure.load_configs(["--gin.TrainConfig.workdir=runs/bob's"]).train.workdir == "runs/bob's"
 
 
+def test_a_preset_named_over_a_runs_config_gin_is_refused_where_it_would_keep_the_old_shape(tmp_path):
+    # the run's config.gin writes out every field of its preset: a new preset on top of it changed
+    # only the name, and trained 'tiny' (learned positions, gelu) as 'llama-tiny'
+    saved = tmp_path / "config.gin"
+    saved.write_text(configure.operative_config(configure.load_configs([])))
+    with pytest.raises(ConfigError) as e:
+        configure.load_configs(["--gin_file", str(saved), "--gin.ModelConfig.preset=llama-tiny"])
+    assert str(e.value).startswith(f"ModelConfig.preset = 'llama-tiny' (a --gin flag) is set over --gin_file {saved}, "
+                                   "which writes out the fields of preset 'tiny': ffn_hidden, positions, norm, mlp, "
+                                   "tie_embeddings, num_kv_heads would keep their 'tiny' values"), e.value
+    flags = ["--gin.ModelConfig.preset=llama-tiny", "--gin.ModelConfig.ffn_hidden=384", "--gin.ModelConfig.positions=rotary",
+             "--gin.ModelConfig.norm=rmsnorm", "--gin.ModelConfig.mlp=swiglu", "--gin.ModelConfig.tie_embeddings=False",
+             "--gin.ModelConfig.num_kv_heads=2"]
+    assert configure.load_configs(["--gin_file", str(saved)] + flags).model == presets.resolve(
+        ModelConfig(preset="llama-tiny", vocab_size=256))
+    # a field set to other than its preset's value is an override; one set without a preset too
+    (tmp_path / "deeper.gin").write_text("ModelConfig.preset = 'tiny'\nModelConfig.num_layers = 2\n")
+    (tmp_path / "layers.gin").write_text("ModelConfig.num_layers = 4\n")
+    for name in ("deeper.gin", "layers.gin"):
+        model = configure.load_configs(["--gin_file", str(tmp_path / name), "--gin.ModelConfig.preset=125m"]).model
+        assert (model.hidden, model.num_layers) == (768, 2 if name == "deeper.gin" else 4)
+
+
 def test_a_gin_file_includes_the_files_beside_it_from_any_folder(tmp_path, monkeypatch, caplog):
     folder = tmp_path / "configs"
     folder.mkdir()

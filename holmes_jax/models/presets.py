@@ -50,6 +50,13 @@ PRESETS: dict[str, dict] = {
 _DEFAULTS = dict(bias=False, norm_eps=1e-5, rope_base=10000.0)
 
 
+def preset_values(name: str) -> dict:
+    """The fields preset `name` gives a config that sets none of them (see `resolve`)."""
+    values = {**_DEFAULTS, **PRESETS[name]}
+    values.setdefault("num_kv_heads", values["num_heads"])
+    return values
+
+
 def resolve(cfg: ModelConfig) -> ModelConfig:
     """Fills the `None` fields of `cfg` from its preset and validates the result."""
     if not isinstance(cfg.preset, str) or cfg.preset not in PRESETS:  # a list would not even hash
