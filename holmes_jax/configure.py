@@ -261,10 +261,12 @@ def load_configs(argv: list[str]) -> Configs:
     (the model resolved from its preset)."""
     files, bindings = parse_args(argv)
     base = [] if None in files else [str(_default_gin())]
-    files = [f for f in files if f is not None]
+    # '~' too: bash leaves `--gin_file=~/x.gin` as it is
+    files = [os.path.expanduser(f) for f in files if f is not None]
     for f in files:
         if not Path(f).is_file():
-            raise ConfigError(f"--gin_file {f!r}: " + ("a folder, not a gin file" if Path(f).is_dir() else "no such file"))
+            why = "a folder, not a gin file" if Path(f).is_dir() else "not a file" if Path(f).exists() else "no such file"
+            raise ConfigError(f"--gin_file {f!r}: {why}")
     gin.clear_config()
     try:
         with _gin_reads_our_way():  # gin.parse_config_files_and_bindings, each file's includes beside it

@@ -18,6 +18,7 @@ import pytest
 from holmes_jax import cli, configure
 from holmes_jax.config import ConfigError, DataConfig, ModelConfig, ParallelConfig, TrainConfig
 from holmes_jax.models import presets
+from holmes_jax.planning import load_topology
 from helpers import REPO
 
 
@@ -195,6 +196,18 @@ def test_a_gin_file_that_is_missing_or_a_folder_is_named_as_such(tmp_path):
         configure.load_configs(["--gin_file", str(tmp_path / "nope.gin")])
     with pytest.raises(ConfigError, match=r"^--gin_file '.*': a folder, not a gin file$"):
         configure.load_configs(["--gin_file", str(tmp_path)])
+    with pytest.raises(ConfigError, match=r"^--gin_file '/dev/null': not a file$"):  # was "no such file"
+        configure.load_configs(["--gin_file", "/dev/null"])
+
+
+def test_paths_a_shell_leaves_with_a_tilde_start_in_the_home_folder(tmp_path, monkeypatch):
+    # bash expands no '~' after '=' (--gin_file=~/x.gin) nor in a gin file: both were "no such file"
+    monkeypatch.setenv("HOME", str(tmp_path))
+    topology = (REPO / "configs" / "topologies" / "cpu_2x4.toml").read_text()
+    (tmp_path / "t.toml").write_text(topology)
+    (tmp_path / "run.gin").write_text("ParallelConfig.topology = '~/t.toml'\nTrainConfig.seed = 5\n")
+    cfgs = configure.load_configs(["--gin_file=~/run.gin"])
+    assert cfgs.train.seed == 5 and load_topology(cfgs.parallel.topology).num_devices == 8
 
 
 def test_a_bare_word_in_a_gin_file_names_the_file_line_and_the_fix(tmp_path):

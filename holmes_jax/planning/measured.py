@@ -105,7 +105,7 @@ class Profile:
         (ParallelConfig.profile, or plan's `profile`: the plan CLI's --profile), and the file."""
         where = f"{setting} {str(path)!r}"
         try:
-            raw = json.loads(Path(path).read_text())
+            raw = json.loads(Path(path).expanduser().read_text())  # from a gin file, which no shell expands
         except (OSError, ValueError, RecursionError) as e:  # RecursionError: brackets nested too deep
             raise ConfigError(f"{where}: not a readable holmes_jax profile ({e})") from None
         if not isinstance(raw, dict):

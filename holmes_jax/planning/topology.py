@@ -272,7 +272,7 @@ def from_dict(data: dict, name: str = "topology") -> Topology:
 
 def load(path) -> Topology:
     """Reads a topology TOML file; any problem is a ConfigError naming the file and the field."""
-    path = Path(path)
+    path = Path(path).expanduser()  # from a gin file, which no shell expands
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))  # TOML is UTF-8 whatever the locale says
     except OSError as e:
