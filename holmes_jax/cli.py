@@ -208,6 +208,13 @@ def run(main: Callable[[list[str]], int | None], argv: list[str] | None = None) 
     raise SystemExit(code or 0)
 
 
+def path(text: str) -> str:
+    """An argparse `type` for a file or folder: '' (an unset shell variable) would be the current folder."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"{text!r} is not allowed; allowed: a path")
+    return text
+
+
 def non_negative_int(text: str) -> int:
     """An argparse `type` for integer flags that may be 0."""
     if not text.isdecimal():

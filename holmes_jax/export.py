@@ -526,7 +526,7 @@ def shard_size(text: str) -> int:
 def main(argv: list[str]) -> int:
     p = cli.Parser(prog="python -m holmes_jax.export",
                    description="Write a run's checkpoint as a Hugging Face folder (GPT2LMHeadModel or LlamaForCausalLM).")
-    p.add_argument("--workdir", required=True, help="the run's TrainConfig.workdir")
+    p.add_argument("--workdir", required=True, type=cli.path, help="the run's TrainConfig.workdir")
     p.add_argument("--out", required=True, help="the folder to write")
     p.add_argument("--step", type=cli.non_negative_int, help="the checkpoint's step (default: the newest)")
     p.add_argument("--max-shard-size", type=shard_size, default=MAX_SHARD_SIZE,

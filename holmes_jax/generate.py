@@ -218,7 +218,7 @@ def _positive_float(text: str) -> float:
 def main(argv: list[str]) -> int:
     p = cli.Parser(prog="python -m holmes_jax.generate",
                    description="Continue a prompt with a run's newest checkpoint.")
-    p.add_argument("--workdir", required=True, help="the run's TrainConfig.workdir")
+    p.add_argument("--workdir", required=True, type=cli.path, help="the run's TrainConfig.workdir")
     p.add_argument("--prompt", required=True,
                    help="the text to continue ('': a new document, where the run's data marks their ends)")
     p.add_argument("--max-tokens", type=cli.positive_int, default=64,

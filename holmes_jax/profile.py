@@ -449,7 +449,7 @@ def main(argv: list[str]) -> int:
                         formatter_class=argparse.RawDescriptionHelpFormatter,
                         epilog="The run to profile is configured as train's is (python -m holmes_jax.train --help):\n"
                                "--gin_file FILE, --gin.NAME=VALUE, --no_default_gin.")
-    parser.add_argument("--out", required=True,
+    parser.add_argument("--out", required=True, type=cli.path,
                         help="where to write the profile JSON (an earlier profile there is replaced)")
     parser.add_argument("--repeats", type=cli.positive_int, default=5,  # 0 would write a profile of NaNs
                         help="timed repeats of each measurement, the median kept (default 5)")

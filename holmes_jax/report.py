@@ -96,8 +96,8 @@ def predicted_step_s(workdir: Path) -> float | None:
 
 def main(argv: list[str]) -> int:
     p = cli.Parser(prog="python -m holmes_jax.report", description=__doc__)
-    p.add_argument("workdir", help="a run's TrainConfig.workdir")
-    p.add_argument("--out", help="the picture (.png, .svg or .pdf); default WORKDIR/report.png")
+    p.add_argument("workdir", type=cli.path, help="a run's TrainConfig.workdir")
+    p.add_argument("--out", type=cli.path, help="the picture (.png, .svg or .pdf); default WORKDIR/report.png")
     args = p.parse_args(argv)
     workdir = Path(args.workdir)
     rows, predicted = read_rows(workdir), predicted_step_s(workdir)  # first: a wrong WORKDIR is named as such

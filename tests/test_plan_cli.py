@@ -435,3 +435,27 @@ def test_given_microbatches_that_split_some_replicas_name_what_stopped_those_lay
     code, _, err = _cli("--topology", IB4_ROCE4, "--model", "7.5b", "--microbatches", "7", "--global-batch", "720720")
     assert code == 2 and "global_batch = 720720 is not allowed" not in err
     assert re.search(r"first: tp = \d+, pp = \d+, microbatches = 7, schedule \w+ do not fit in device memory", err)
+
+
+@pytest.mark.parametrize("command, args", [
+    ("plan", ["--topology", "", "--model", "tiny"]),
+    ("plan", ["--topology", IB4_ROCE4, "--model", "tiny", "--profile", ""]),
+    ("plan", ["--topology", IB4_ROCE4, "--model", "tiny", "--draw", ""]),
+    ("report", [""]),
+    ("report", ["runs/x", "--out", " "]),
+    ("export", ["--workdir", "", "--out", "hf"]),
+    ("generate", ["--workdir", "", "--prompt", "x"]),
+    ("profile", ["--out", ""]),
+])
+def test_an_empty_path_is_one_error_line_not_the_current_folder(command, args, tmp_path, monkeypatch):
+    # '' (an unset shell variable) was the current folder: `report ""` drew whatever run was there
+    from holmes_jax import export, generate, profile, report
+
+    mains = {"plan": main, "report": report.main, "export": export.main, "generate": generate.main,
+             "profile": profile.main}
+    monkeypatch.chdir(tmp_path)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as e:
+        cli.run(mains[command], args)
+    assert e.value.code == 2 and err.getvalue().startswith("error: argument ") and err.getvalue().count("\n") == 1
+    assert "is not allowed; allowed: a path" in err.getvalue() and not list(tmp_path.iterdir())

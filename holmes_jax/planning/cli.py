@@ -30,7 +30,7 @@ def _parser() -> argparse.ArgumentParser:
                 description="Plan a mesh (stage, data, tensor), layers per stage and a schedule for a model on a "
                             "topology; print the plan and its predicted step time. Sizes left out are chosen by "
                             "the cost model.")
-    p.add_argument("--topology", required=True, help="topology TOML file (see configs/topologies)")
+    p.add_argument("--topology", required=True, type=cli.path, help="topology TOML file (see configs/topologies)")
     p.add_argument("--model", required=True, help=f"preset: {', '.join(presets.PRESETS)}")
     for name in ("tp", "pp", "dp", "microbatches"):
         p.add_argument(f"--{name}", type=cli.positive_int, help="default: chosen by the cost model")
@@ -48,11 +48,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--remat", nargs="?", const="full", default="none", choices=REMAT,
                    help="what each block's backward recomputes: none (default), full (--remat alone), dots")
     p.add_argument("--allow-mixed", action="store_true", help="let a stage span clusters instead of refusing")
-    p.add_argument("--profile", help="measured profile JSON (python -m holmes_jax.profile) for layer "
+    p.add_argument("--profile", type=cli.path, help="measured profile JSON (python -m holmes_jax.profile) for layer "
                                      "times and link figures instead of the topology's defaults")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--draw", metavar="FILE.png", help="also draw the plan: the step's timeline per stage and the "
-                                                      "placement on the clusters (.png, .svg or .pdf)")
+    p.add_argument("--draw", type=cli.path, metavar="FILE.png",
+                   help="also draw the plan: the step's timeline per stage and the placement on the clusters "
+                        "(.png, .svg or .pdf)")
     return p
 
 
