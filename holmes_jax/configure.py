@@ -168,6 +168,9 @@ def _allowed_names(message: str) -> str:
         names, typed = by_class.get(found.group(1)), found.group(2)
     elif found := re.search(r"No configurable matching '([\w.]+)'", message):
         names, typed = list(by_class), found.group(1)
+    elif found := re.search(r"No bindings specified for '(\w+)/gin.macro'", message):
+        return (f": %{found.group(1)} is used, and no gin file nor --gin flag sets it; allowed: {found.group(1)} = "
+                f"VALUE in a gin file, or --gin.{found.group(1)}=VALUE")
     else:
         return ""
     if not names:
