@@ -70,7 +70,8 @@ FULL_SEARCH = 3  # screened layouts that get the full partition search
 # Microbatch counts the search tries: from pp (fewer leave most of the pipeline idle and save no
 # memory) to 32 per stage (past that the bubble is under 3% while each microbatch adds fixed
 # latencies), at most 512 (keeps the schedule simulation quick). A layout that fits memory with none of
-# these tries more, up to 512: smaller micro batches are then what makes it fit.
+# these, or whose time-balanced split does not, tries more, up to 512: smaller micro batches are then
+# what makes it (or its faster split) fit.
 MAX_MICROBATCHES_PER_STAGE, MAX_MICROBATCHES = 32, 512
 # Past these the search takes minutes or all memory (it prices every layer on every stage, and
 # walks every tick of the schedule); far above real models (about 100 layers) and runs.
@@ -575,12 +576,14 @@ def _candidates(topo: Topology, cfg: ModelConfig, par: ParallelConfig, free: set
         options = _microbatch_options(par, free, global_batch, replicas, pp)
         weights = _stage_ratios(topo, pl, ratios)
         even = partition.uniform(cfg.num_layers, pp)
-        # Past the microbatch cap only where nothing under it fits memory: smaller micro batches
-        # then are what makes the layout fit at all.
+        # Past the microbatch cap only where nothing under it fits memory, or only a slower split
+        # than the time-balanced one: smaller micro batches then are what makes the layout (or its
+        # faster split) fit. More memory gave a slower plan: the even split at 64 microbatches,
+        # where 128 fitted the balanced split.
         more = _more_microbatches(global_batch // replicas, options) if "microbatches" in free else []
-        fitted, overflowed = len(found), len(infinite)
+        fitted, overflowed, squeezed = len(found), len(infinite), False
         for group in (options, more):
-            if len(found) > fitted or len(infinite) > overflowed:  # some fit memory
+            if (len(found) > fitted or len(infinite) > overflowed) and not squeezed:  # some fit memory
                 break
             for m, schedule in itertools.product(group, schedules):
                 model, notes = _cost_model(cfg, pl, global_batch, seq_len, m, schedule, par, prof, topo)
@@ -592,8 +595,8 @@ def _candidates(topo: Topology, cfg: ModelConfig, par: ParallelConfig, free: set
                     split = even
                 else:
                     split = partition.time_balanced(model)
-                    if not model.stage_terms([split])["fits"][0]:
-                        # more layers on a fast stage can be over memory where the even split is not
+                    squeezed = not model.stage_terms([split])["fits"][0]
+                    if squeezed:  # more layers on a fast stage can be over memory where the even split is not
                         split = even
                 bound = float(model.lower_bounds([split])[0])
                 if not np.isfinite(bound):
