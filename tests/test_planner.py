@@ -390,6 +390,23 @@ def _two_clusters(memory_gb=80.0):
                      Cluster("roce", "roce", nodes=2, devices_per_node=8, device_memory_gb=memory_gb)))
 
 
+def test_errors_on_given_sizes_offer_only_sizes_that_are_allowed():
+    """dp was refused and offered in one line where tp does not divide the devices; with pp and dp
+    both given, the dp offered (2) was another pp's, and dp = 2 sent the user back to dp = 3."""
+    three = {"cluster": [{"name": "a", "nic": "roce", "nodes": 3, "devices_per_node": 1}]}
+    with pytest.raises(ConfigError, match=r"^dp = 1 is not allowed with tp = 2: dp \* tp must divide the 3 devices; "
+                                          r"allowed dp: none \(tp = 2 does not divide them\)$"):
+        plan(three, "tiny", ParallelConfig(tp=2, dp=1), auto=["pp"])
+    two = {"cluster": [{"name": "a", "nic": "infiniband", "nodes": 1, "devices_per_node": 4},
+                       {"name": "b", "nic": "roce", "nodes": 2, "devices_per_node": 1}]}
+    with pytest.raises(ConfigError, match=r"^pp = 2 is not allowed with tp = 1: stage 1 would span clusters 'a', 'b'.*"
+                                          r"allowed pp \(every cluster holding whole stages.*\): 3;"):
+        plan(two, "tiny", ParallelConfig(tp=1, pp=2, dp=3))
+    with pytest.raises(ConfigError, match=r"allowed with pp = 3, tp = 1: dp = 2$"):
+        plan(two, "tiny", ParallelConfig(tp=1, pp=3, dp=3))
+    assert plan(two, "tiny", ParallelConfig(tp=1, pp=3, dp=2)).mesh == {"stage": 3, "data": 2, "tensor": 1}
+
+
 def test_where_only_stages_spanning_clusters_fit_the_error_says_allow_mixed_would_find_one():
     two_layers = ModelConfig(preset="tiny", num_layers=2)  # too few layers for pp 3
     with pytest.raises(ConfigError) as e:

@@ -118,14 +118,16 @@ def _names(clusters: list, shown: int = 4) -> str:
 def check_dp(devices: int, tp: int, dp: int) -> None:
     """A ConfigError naming dp where dp * tp does not divide the devices (no pp then fills them)."""
     if devices % (dp * tp):
+        allowed = [d for d in divisors(devices) if devices % (d * tp) == 0]  # none where tp does not divide them
         raise ConfigError(f"dp = {dp} is not allowed with tp = {tp}: dp * tp must divide the {devices} devices; "
-                          f"allowed dp: {', '.join(map(str, divisors(devices // tp)))}")
+                          f"allowed dp: {', '.join(map(str, allowed)) or f'none (tp = {tp} does not divide them)'}")
 
 
 def place(topology: Topology, tp: int, pp: int, dp: int | None = None, method: str = "holmes",
-          allow_mixed: bool = False, max_pp: int | None = None) -> Placement:
+          allow_mixed: bool = False, max_pp: int | None = None, pp_given: bool = False) -> Placement:
     """The (pp, dp, tp) device grid; ConfigError when the sizes do not fit the topology.
-    `max_pp` (the model's layers): the largest pp an error may offer (None: no limit)."""
+    `max_pp` (the model's layers): the largest pp an error may offer (None: no limit). `pp_given`:
+    pp was the user's, not derived from dp; an error then names pp, not dp."""
     if method not in PLACEMENTS:
         raise ConfigError(f"placement = {method!r} is not allowed; choose one of {', '.join(map(repr, PLACEMENTS))}")
     for name, value in (("tp", tp), ("pp", pp), ("dp", dp)):
@@ -162,7 +164,7 @@ def place(topology: Topology, tp: int, pp: int, dp: int | None = None, method: s
     if method == "holmes" and mixed and not allow_mixed:
         s, fitting = mixed[0], _fitting_pp(topology, tp, max_pp)
         spans = f"stage {s} would span clusters {_names(clusters[s])}, so its data groups would sync across clusters"
-        if dp is None:
+        if dp is None or pp_given:
             allowed = (f"pp = {pp} is not allowed with tp = {tp}: {spans}; allowed pp (every cluster holding whole "
                        f"stages{_layers_limit(topology, tp, max_pp, ', ')}): {', '.join(map(str, fitting)) or 'none'}")
         else:  # a dp given: the search derived the pp from it, so the dp is what to change

@@ -560,7 +560,8 @@ def _candidates(topo: Topology, cfg: ModelConfig, par: ParallelConfig, free: set
             misfits.append(str(e))
             continue
         try:
-            pl = placement.place(topo, tp, pp, dp, par.placement, allow_mixed, max_pp=cfg.num_layers)
+            pl = placement.place(topo, tp, pp, dp, par.placement, allow_mixed, max_pp=cfg.num_layers,
+                                 pp_given="pp" not in free)
         except ConfigError as e:
             misfits.append(str(e))
             if _refused_as_mixed(topo, tp, pp, dp, par, allow_mixed, cfg.num_layers):
