@@ -416,8 +416,8 @@ def test_a_batch_that_no_dp_divides_names_the_smallest_dp():
     args = ("--topology", str(TOPOLOGIES / "ib8.toml"), "--model", "tiny")
     code, _, err = _cli(*args, "--global-batch", "3")
     assert code == 2 and err.count("\n") == 1
-    assert ("global_batch = 3 is not allowed: every data replica needs the same samples, and no dp tried divides it "
-            "(dp = 4, 8, 16, 32, 64); allowed: a multiple of one of them (the smallest: 4)") in err
+    assert ("global_batch = 3 is not allowed: every data replica needs the same samples, and dp = 4, 8, 16, 32, 64 "
+            "do not divide it; allowed: a multiple of 4, 8, 16, 32, 64 (the smallest: 4)") in err
     assert _cli(*args, "--global-batch", "4")[0] == 0
 
 

@@ -407,6 +407,17 @@ def test_errors_on_given_sizes_offer_only_sizes_that_are_allowed():
     assert plan(two, "tiny", ParallelConfig(tp=1, pp=3, dp=2)).mesh == {"stage": 3, "data": 2, "tensor": 1}
 
 
+def test_a_batch_error_with_given_microbatches_offers_batches_they_split():
+    # it offered 3 for global_batch 2 and 2 for 3, each refused in turn: 4 microbatches split neither
+    six = {"cluster": [{"name": "a", "nic": "infiniband", "nodes": 3, "devices_per_node": 2}]}
+    given = ParallelConfig(tp=1, microbatches=4)
+    with pytest.raises(ConfigError, match=r"global_batch = 3 is not allowed: every data replica needs the same samples, "
+                                          r"split into 4 microbatches, and dp = 2, 6 do not divide it; allowed: a "
+                                          r"multiple of 8, 24 \(the smallest: 8\)$"):
+        plan(six, "tiny", given, auto=["pp", "dp", "schedule"], global_batch=3)
+    assert plan(six, "tiny", given, auto=["pp", "dp", "schedule"], global_batch=8).mesh["data"] == 2
+
+
 def test_where_only_stages_spanning_clusters_fit_the_error_says_allow_mixed_would_find_one():
     two_layers = ModelConfig(preset="tiny", num_layers=2)  # too few layers for pp 3
     with pytest.raises(ConfigError) as e:

@@ -633,7 +633,7 @@ def _candidates(topo: Topology, cfg: ModelConfig, par: ParallelConfig, free: set
         if "microbatches" in free and len(found) == fitted and len(infinite) == overflowed:
             beyond += _past_the_cap(cfg, pl, global_batch, seq_len, schedules, par, prof, topo)
     if undivided:
-        errors.append(_undivided_batch(global_batch, undivided))
+        errors.append(_undivided_batch(global_batch, undivided, 1 if "microbatches" in free else par.microbatches))
     if unsplit:
         errors.append(_unsplit_microbatches(par.microbatches, global_batch, unsplit))
     # What stopped the layouts that divide the batch first (an infinite step: in memory, so its
@@ -657,16 +657,19 @@ def _refused_as_mixed(topo: Topology, tp: int, pp: int, dp: int | None, par: Par
     return True
 
 
-def _undivided_batch(global_batch: int, undivided: set[int]) -> str:
+def _undivided_batch(global_batch: int, undivided: set[int], microbatches: int = 1) -> str:
     """The error for a global batch that no tried layout's dp divides, naming every such dp (the
-    first layout's is often the largest, a needlessly large batch to suggest)."""
+    first layout's is often the largest, a needlessly large batch to suggest). `microbatches`: a
+    given count, which each replica's samples must split into too: the batches offered do."""
+    split = f", split into {microbatches} microbatches" if microbatches > 1 else ""
     if len(undivided) == 1:
         (dp,) = undivided
         return (f"global_batch = {global_batch} is not allowed with dp = {dp}: every data replica needs the same "
-                f"samples; allowed: a multiple of {dp}")
-    return (f"global_batch = {global_batch} is not allowed: every data replica needs the same samples, and no dp "
-            f"tried divides it (dp = {', '.join(map(str, sorted(undivided)))}); allowed: a multiple of one of them "
-            f"(the smallest: {min(undivided)})")
+                f"samples{split}; allowed: a multiple of {dp * microbatches}")
+    units = [dp * microbatches for dp in sorted(undivided)]
+    return (f"global_batch = {global_batch} is not allowed: every data replica needs the same samples{split}, and "
+            f"dp = {', '.join(map(str, sorted(undivided)))} do not divide it; allowed: a multiple of "
+            f"{', '.join(map(str, units))} (the smallest: {units[0]})")
 
 
 def _unsplit_microbatches(microbatches: int, global_batch: int, unsplit: Mapping[int, int]) -> str:
