@@ -405,6 +405,11 @@ def test_errors_on_given_sizes_offer_only_sizes_that_are_allowed():
     with pytest.raises(ConfigError, match=r"allowed with pp = 3, tp = 1: dp = 2$"):
         plan(two, "tiny", ParallelConfig(tp=1, pp=3, dp=3))
     assert plan(two, "tiny", ParallelConfig(tp=1, pp=3, dp=2)).mesh == {"stage": 3, "data": 2, "tensor": 1}
+    # pp past the layers: only the pp that keep every cluster's stages whole (1 and 2 span 'a' and 'b')
+    with pytest.raises(ConfigError, match=r"the model has 4; allowed: pp 3$"):
+        plan(two, "tiny", ParallelConfig(tp=1, pp=5))
+    with pytest.raises(ConfigError, match=r"the model has 4; allowed: pp 1, 2, 3$"):
+        plan(two, "tiny", ParallelConfig(tp=1, pp=5), allow_mixed=True)
 
 
 def test_a_batch_error_with_given_microbatches_offers_batches_they_split():

@@ -33,7 +33,8 @@ DOUBLE_MOVES_LIMIT = 4096  # hill-climbing tries pairs of moves when single ones
 def check_stages(num_layers: int, stages: int, allowed: Sequence[int] | None = None) -> None:
     """`allowed`: the pp values the devices take, up to the layers (the error lists them); None: any."""
     if stages > num_layers:
-        offered = f"pp <= {num_layers}" if allowed is None else f"pp {', '.join(map(str, allowed))}"
+        offered = (f"pp <= {num_layers}" if allowed is None else
+                   f"pp {', '.join(map(str, allowed))}" if allowed else "none with these devices")
         raise ConfigError(f"pp = {stages} is not allowed: every pipeline stage needs a layer and the model has "
                           f"{num_layers}; allowed: {offered}")
 

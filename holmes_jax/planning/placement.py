@@ -58,7 +58,7 @@ def dividing_pp(topology: Topology, tp: int, max_pp: int | None = None) -> list[
     return [pp for pp in divisors(topology.num_devices // tp) if max_pp is None or pp <= max_pp]
 
 
-def _fitting_pp(topology: Topology, tp: int, max_pp: int | None = None) -> list[int]:
+def fitting_pp(topology: Topology, tp: int, max_pp: int | None = None) -> list[int]:
     """pp values for which every cluster holds whole stages of tp-wide tensor groups, up to `max_pp`."""
     n = topology.num_devices
     return [pp for pp in dividing_pp(topology, tp, max_pp)
@@ -145,7 +145,7 @@ def place(topology: Topology, tp: int, pp: int, dp: int | None = None, method: s
             check_dp(n, tp, dp)
         allowed = dividing_pp(topology, tp, max_pp)
         # say which of them fit the clusters: the others are refused next as mixed stages
-        fitting = _fitting_pp(topology, tp, max_pp) if method == "holmes" and not allow_mixed else allowed
+        fitting = fitting_pp(topology, tp, max_pp) if method == "holmes" and not allow_mixed else allowed
         raise ConfigError(f"pp = {pp} is not allowed with tp = {tp}: pp * tp must divide the {n} devices; "
                           f"allowed pp{_layers_limit(topology, tp, max_pp)}: {', '.join(map(str, allowed)) or 'none'}"
                           + ("" if fitting == allowed else
@@ -162,7 +162,7 @@ def place(topology: Topology, tp: int, pp: int, dp: int | None = None, method: s
     clusters = [[topology.clusters[c] for c in np.unique(topology.device_cluster[grid[s]])] for s in range(pp)]
     mixed = tuple(s for s in range(pp) if len(clusters[s]) > 1)
     if method == "holmes" and mixed and not allow_mixed:
-        s, fitting = mixed[0], _fitting_pp(topology, tp, max_pp)
+        s, fitting = mixed[0], fitting_pp(topology, tp, max_pp)
         spans = f"stage {s} would span clusters {_names(clusters[s])}, so its data groups would sync across clusters"
         if dp is None or pp_given:
             allowed = (f"pp = {pp} is not allowed with tp = {tp}: {spans}; allowed pp (every cluster holding whole "

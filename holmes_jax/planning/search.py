@@ -348,12 +348,14 @@ def _layouts(topology: Topology, cfg: ModelConfig, par: ParallelConfig, free: se
             yield from ((tp, pp, None) for pp in placement.divisors(max(n // tp, 1)) if pp <= cfg.num_layers)
 
 
-def _check_model(cfg: ModelConfig, topo: Topology, tp: int, pp: int) -> None:
+def _check_model(cfg: ModelConfig, topo: Topology, tp: int, pp: int, mixed_ok: bool) -> None:
+    """`mixed_ok`: stages may span clusters (else a pp offered must keep them whole)."""
     if cfg.num_heads % tp or cfg.num_kv_heads % tp or cfg.ffn_hidden % tp:
         raise ConfigError(f"tp = {tp} is not allowed: it must divide ModelConfig.num_heads = {cfg.num_heads}, "
                           f"ModelConfig.num_kv_heads = {cfg.num_kv_heads} and ModelConfig.ffn_hidden = {cfg.ffn_hidden}")
-    # the pp offered must also divide the devices with this tp: the next check asks it
-    partition.check_stages(cfg.num_layers, pp, placement.dividing_pp(topo, tp, cfg.num_layers))
+    # the pp offered must also pass the placement's checks with this tp
+    offered = placement.dividing_pp if mixed_ok else placement.fitting_pp
+    partition.check_stages(cfg.num_layers, pp, offered(topo, tp, cfg.num_layers))
 
 
 def _microbatch_options(par: ParallelConfig, free: set, global_batch: int, dp: int, pp: int) -> list[int]:
@@ -555,7 +557,7 @@ def _candidates(topo: Topology, cfg: ModelConfig, par: ParallelConfig, free: set
         try:
             if dp is not None and "pp" in free:  # before the model's check of the pp derived from it
                 placement.check_dp(topo.num_devices, tp, dp)  # (a pp given: place names the one dp it allows)
-            _check_model(cfg, topo, tp, pp)
+            _check_model(cfg, topo, tp, pp, allow_mixed or par.placement != "holmes")
         except ConfigError as e:
             misfits.append(str(e))
             continue
