@@ -48,8 +48,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--remat", nargs="?", const="full", default="none", choices=REMAT,
                    help="what each block's backward recomputes: none (default), full (--remat alone), dots")
     p.add_argument("--allow-mixed", action="store_true", help="let a stage span clusters instead of refusing")
-    p.add_argument("--profile", type=cli.path, help="measured profile JSON (python -m holmes_jax.profile) for layer "
-                                     "times and link figures instead of the topology's defaults")
+    p.add_argument("--profile", type=cli.path,
+                   help="measured profile JSON (python -m holmes_jax.profile) for layer times and link figures "
+                        "instead of the topology's defaults")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--draw", type=cli.path, metavar="FILE.png",
                    help="also draw the plan: the step's timeline per stage and the placement on the clusters "
