@@ -211,6 +211,11 @@ class Checkpointer:
             try:
                 self._manager.save(step, args=ocp.args.StandardSave(state), force=True, custom_metadata=record)
             except Exception as e:
+                # With several processes, XLA's error here is orbax's collective with the others
+                # failing (a save begins with one), not a write (this process's own are noted in
+                # `_write_failures`): another process stopped, which `train.run` says
+                if jax.process_count() > 1 and not self._write_failures and distributed.xla_error(e):
+                    raise
                 raise RunError(f"cannot write checkpoints in {self.directory} (saving step {step}, or the one "
                                f"before it in the background): {reason(e)}") from None
             self._newest_save = step
@@ -379,8 +384,15 @@ class Checkpointer:
         saving = "" if self._newest_save is None else f" (saving step {self._newest_save})"
         return RunError(f"cannot write checkpoints in {self.directory}{saving}: {reason(error)}")
 
-    def close(self) -> None:
-        """Waits for async saves to finish: a run must never exit with a checkpoint half-written."""
+    def close(self, peer_died: bool = False) -> None:
+        """Waits for async saves to finish: a run must never exit with a checkpoint half-written.
+        Not after another process of the job died (`peer_died`): the save in flight can never end
+        then, as orbax's background write waits in a barrier for every process, the dead one too,
+        until JAX's heartbeat timeout (a minute or more), and jaxlib then aborts this process with a
+        stack dump before the run's error line. That save stays a temporary folder, which the next
+        run removes; the checkpoints before it are whole."""
+        if peer_died:
+            return
         try:
             self.wait()
         except RunError:

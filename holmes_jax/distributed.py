@@ -66,6 +66,18 @@ SHOWN_SETTINGS = 4  # differing settings lines named when processes were given d
 XLA_NETWORK_FLAGS = ("--xla_gpu_collective_permute_connected_components=true",
                      "--xla_gpu_enable_nccl_comm_splitting=false")
 
+# XLA's error, where jaxlib raises it as a ValueError: a collective failing as it is dispatched
+# (gloo's 'Connection reset by peer' in the stop vote, a peer killed) was a page of traceback
+XLA_ERROR = re.compile(r"(CANCELLED|UNKNOWN|INVALID_ARGUMENT|DEADLINE_EXCEEDED|NOT_FOUND|ALREADY_EXISTS|"
+                       r"PERMISSION_DENIED|RESOURCE_EXHAUSTED|FAILED_PRECONDITION|ABORTED|OUT_OF_RANGE|"
+                       r"UNIMPLEMENTED|INTERNAL|UNAVAILABLE|DATA_LOSS|UNAUTHENTICATED): ")
+
+
+def xla_error(error: BaseException) -> bool:
+    """Whether `error` is XLA's: jaxlib's own type, or a ValueError with XLA's status prefix."""
+    return isinstance(error, jax.errors.JaxRuntimeError) or (isinstance(error, ValueError)
+                                                             and XLA_ERROR.match(str(error)) is not None)
+
 
 @dataclasses.dataclass(frozen=True)
 class ProcessInfo:

@@ -185,13 +185,6 @@ def lock_workdir(workdir: Path):
     return lock
 
 
-# XLA's error, where jaxlib raises it as a ValueError: a collective failing as it is dispatched
-# (gloo's 'Connection reset by peer' in the stop vote, a peer killed) was a page of traceback
-XLA_ERROR = re.compile(r"(CANCELLED|UNKNOWN|INVALID_ARGUMENT|DEADLINE_EXCEEDED|NOT_FOUND|ALREADY_EXISTS|"
-                       r"PERMISSION_DENIED|RESOURCE_EXHAUSTED|FAILED_PRECONDITION|ABORTED|OUT_OF_RANGE|"
-                       r"UNIMPLEMENTED|INTERNAL|UNAVAILABLE|DATA_LOSS|UNAUTHENTICATED): ")
-
-
 def run(cfgs: Configs, devices=None, quiet: bool = False) -> dict:
     """Trains per `cfgs`; returns the summary. Everything is validated before the workdir is touched.
     With several processes, all of them step and checkpoint; process 0 alone prints and writes.
@@ -234,6 +227,7 @@ def run(cfgs: Configs, devices=None, quiet: bool = False) -> dict:
     # failed saves would delete another run's save in flight.
     with lock_workdir(workdir) if lead else contextlib.nullcontext():
         ckpt = Checkpointer(checkpoints, cfgs.checkpoint) if cfgs.checkpoint.enabled else None
+        peer_died = False  # the run ends because another process stopped: its saves cannot end
         try:
             return _resume_and_train(cfgs, setup, token_data, workdir, ckpt, say, quiet)
         except BrokenPipeError:  # stdout's reader left before or after the loop: nothing more to save
@@ -241,10 +235,11 @@ def run(cfgs: Configs, devices=None, quiet: bool = False) -> dict:
         except OSError as e:  # metrics.jsonl, config.gin; checkpoint writes report their own
             raise cli.RunError(f"cannot write {e.filename or workdir}: {e.strerror}") from None
         except (jax.errors.JaxRuntimeError, ValueError) as e:  # XLA's out-of-memory: a page of traceback
-            if isinstance(e, ValueError) and not XLA_ERROR.match(str(e)):
+            if not distributed.xla_error(e):
                 raise
             if "RESOURCE_EXHAUSTED" not in str(e):
                 if jax.process_count() > 1:  # a peer that died: gloo's or NCCL's 'connection reset' under a traceback
+                    peer_died = True
                     raise cli.RunError(f"a step failed, most likely because another process of this job stopped or "
                                        f"its network failed (see that process's output): "
                                        f"{str(e).splitlines()[0][:300]}") from None
@@ -256,7 +251,7 @@ def run(cfgs: Configs, devices=None, quiet: bool = False) -> dict:
         finally:
             if ckpt:
                 with guard.Signals():  # a signal while the last writes are waited for must not cut them short
-                    ckpt.close()
+                    ckpt.close(peer_died)
 
 
 def run_config(cfgs: Configs, setup: Setup) -> str:

@@ -654,6 +654,43 @@ def test_a_rank_that_dies_leaves_the_other_with_one_error_line(tmp_path):
     assert "launch: rank 1 was killed by SIGKILL (status 137); stopping the others" in err.splitlines()
 
 
+# Rank 1 dies (SIGKILL, as the OOM killer would) at its checkpoint save of step 3: `after` it
+# returned, its background write in flight; or `before` it, in orbax's collective that begins rank 0's.
+DIES_AT_A_SAVE = ("import os, runpy, signal, sys\n"
+                  "from holmes_jax.checkpoint import Checkpointer\n"
+                  "save, when = Checkpointer.save, sys.argv.pop(1)\n"
+                  "def die(): os.environ['HOLMES_PROCESS_ID'] == '1' and os.kill(os.getpid(), signal.SIGKILL)\n"
+                  "def save_and_die(self, step, *args, **kwargs):\n"
+                  "    step == 3 and when == 'before' and die()\n"
+                  "    save(self, step, *args, **kwargs)\n"
+                  "    step == 3 and when == 'after' and die()\n"
+                  "Checkpointer.save = save_and_die\n"
+                  "runpy.run_module('holmes_jax.train', run_name='__main__', alter_sys=True)\n")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("when", ["after", "before"])
+def test_a_rank_that_dies_at_a_checkpoint_save_leaves_the_other_with_one_error_line(tmp_path, when):
+    # rank 0 waited in orbax's barrier for rank 1's part of the save until JAX's heartbeat timeout
+    # (a minute), silent: the launcher's SIGKILL came first. Before the save, its error named the write.
+    with hangup_as_at_a_terminal():
+        p = subprocess.Popen([sys.executable, "-m", "holmes_jax.launch", "-n", "2", "--devices-per-process", "1",
+                              "--grace", "20", "--", sys.executable, "-c", DIES_AT_A_SAVE, when, *FLAGS[2:],
+                              f"--gin.TrainConfig.workdir={tmp_path}", "--gin.TrainConfig.steps=10000",
+                              "--gin.CheckpointConfig.every=3"],
+                             cwd=REPO, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    with killed_on_exit(p):
+        _both_stepping(p)
+        _, err = p.communicate(timeout=120)
+    # rank 0 said nothing where it waited (the launcher's SIGKILL after the grace came first)
+    assert p.returncode == 128 + signal.SIGKILL, err[-3000:]
+    rank0 = [line for line in err.splitlines() if line.startswith("[rank 0] ")]
+    assert len(rank0) == 1, err[-3000:]
+    assert rank0[0].startswith("[rank 0] error: a step failed, most likely because another process of this job "
+                               "stopped or its network failed (see that process's output): "), rank0
+    assert "launch: rank 1 was killed by SIGKILL (status 137); stopping the others" in err.splitlines()
+
+
 def test_only_orbaxs_closed_loop_callbacks_are_kept_off_stderr():
     import asyncio
 
