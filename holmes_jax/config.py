@@ -58,7 +58,7 @@ class ModelConfig:
     hidden: int | None = None  # model width
     num_heads: int | None = None  # attention heads; divides hidden
     ffn_hidden: int | None = None  # the MLP's inner width
-    vocab_size: int | None = None  # token ids the embedding holds; unset: the data's (prepared, .bin) rounded up to a multiple of 128 and of tp, else the preset's
+    vocab_size: int | None = None  # token ids the embedding holds; unset: the data's (prepared, .bin) rounded up to a multiple of 128, else the preset's
     max_seq_len: int | None = None  # longest sequence (learned positions' table size)
     positions: str | None = None  # learned | rotary
     norm: str | None = None  # layernorm | rmsnorm

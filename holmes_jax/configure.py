@@ -301,7 +301,9 @@ def load_configs(argv: list[str]) -> Configs:
     cfgs = dataclasses.replace(cfgs, train=train)
     model = cfgs.model
     if model.vocab_size is None and (declared := data.vocab_size(cfgs.data)):  # unset: follow the data's
-        model = dataclasses.replace(model, vocab_size=data.padded_vocab(declared, math.lcm(128, cfgs.parallel.tp)))
+        # not also a multiple of tp: the model (and its checkpoints) would change with the layout,
+        # and a resume on tp 3 refuse one saved on tp 1; a vocabulary tp does not divide is not split
+        model = dataclasses.replace(model, vocab_size=data.padded_vocab(declared))
     model = presets.resolve(model)
     _check_preset_fields(base + files, bindings, model.preset)
     return dataclasses.replace(cfgs, model=model)
