@@ -44,13 +44,6 @@ class RunError(Exception):
     """A failure during a run, not bad input: `error: ...` and exit status 1."""
 
 
-class PeerLost(RunError):
-    """Another process of a multi-process job stopped: `error: ...`, status 1, and out at once.
-    Python's exit would wait for the lost process, in jax.distributed's shutdown barrier and in
-    orbax's save thread, until JAX's heartbeat timeout (a minute or more), and jaxlib then aborts
-    the process with a stack dump."""
-
-
 class OutputFailed(RunError):
     """stdout cannot be written (a full disk): its later writes go nowhere, and the command ends
     with `error: cannot write the output: ...` and status 1."""
@@ -189,7 +182,6 @@ def run(main: Callable[[list[str]], int | None], argv: list[str] | None = None) 
                 if any(signal.getsignal(sig) is h for h in untouched)}
     stdout = sys.stdout or _devnull_stdout()
     sys.stdout = checked = _CheckedOutput(stdout)
-    lost = False
     try:
         code = main(sys.argv[1:] if argv is None else argv)
         sys.stdout.flush()  # now: at exit, a failure was Python's 'Exception ignored ...' and status 120
@@ -199,11 +191,6 @@ def run(main: Callable[[list[str]], int | None], argv: list[str] | None = None) 
         raise SystemExit(status) from None
     except ConfigError as e:
         fail(str(e))
-    except PeerLost as e:
-        for sig in STOP_SIGNALS:  # a launcher stops the other processes now: this one ends anyway
-            signal.signal(sig, signal.SIG_IGN)
-        print(f"error: {e}", file=sys.stderr)
-        lost = True
     except RunError as e:
         fail(str(e), 1)
     except Stopped as e:
@@ -216,13 +203,8 @@ def run(main: Callable[[list[str]], int | None], argv: list[str] | None = None) 
         sys.stdout = stdout
         with contextlib.suppress(OSError):  # a line without its newline yet, as an error ends the command
             stdout.write(checked.pop_partial_line())
-        for sig, handler in previous.items() if not lost else ():
+        for sig, handler in previous.items():
             signal.signal(sig, handler)
-    if lost:
-        for stream in (stdout, sys.stderr):
-            with contextlib.suppress(OSError, ValueError):
-                stream.flush()
-        os._exit(1)
     raise SystemExit(code or 0)
 
 

@@ -240,7 +240,7 @@ def run(cfgs: Configs, devices=None, quiet: bool = False) -> dict:
             if "RESOURCE_EXHAUSTED" not in str(e):
                 if jax.process_count() > 1:  # a peer that died: gloo's or NCCL's 'connection reset' under a traceback
                     peer_died = True
-                    raise cli.PeerLost(f"a step failed, most likely because another process of this job stopped or "
+                    raise cli.RunError(f"a step failed, most likely because another process of this job stopped or "
                                        f"its network failed (see that process's output): "
                                        f"{str(e).splitlines()[0][:300]}") from None
                 raise
