@@ -20,6 +20,7 @@ import shutil
 import signal
 import socket
 import sys
+import threading
 from pathlib import Path
 from typing import Callable, Iterator, NoReturn
 
@@ -163,13 +164,54 @@ def stop_signals_to_catch() -> list[int]:
     return [sig for sig in STOP_SIGNALS if sig != signal.SIGHUP or signal.getsignal(sig) != signal.SIG_IGN]
 
 
+def stop(signum: int) -> Signalled | KeyboardInterrupt:
+    """What a stop signal raises before a command took it over: Ctrl-C is Python's KeyboardInterrupt."""
+    return KeyboardInterrupt() if signum == signal.SIGINT else Signalled(signum)
+
+
 def _stop(signum, frame) -> NoReturn:
     # The first stop wins: a second one (Ctrl-C and a kill together) raised again inside the
     # handling of the first, which ended with a traceback and status 1.
     for sig in STOP_SIGNALS:
         if signal.getsignal(sig) is _stop:
             signal.signal(sig, ignore_signal)
-    raise KeyboardInterrupt if signum == signal.SIGINT else Signalled(signum)
+    raise stop(signum)
+
+
+class SignalHold:
+    """A context in which SIGINT, SIGTERM and SIGHUP set `signum` (the first one wins) instead of
+    interrupting; the previous handlers come back on exit. One entered inside another starts with
+    the signal the outer one holds. A SIGHUP that is ignored (`nohup`) stays ignored. Outside the
+    main thread Python cannot handle signals, so there it does nothing."""
+
+    def __init__(self):
+        self.signum: int | None = None
+        self._previous: dict = {}
+
+    def _set(self, signum, frame) -> None:
+        if self.signum is None:
+            self.signum = signum
+
+    def __enter__(self) -> "SignalHold":
+        self.signum = held_signal()
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {sig: signal.signal(sig, self._set) for sig in stop_signals_to_catch()}
+        _holds.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _holds.remove(self)
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+_holds: list[SignalHold] = []  # the holds entered now, innermost last
+
+
+def held_signal() -> int | None:
+    """The stop signal that the innermost `SignalHold` entered now holds: None outside one, or
+    where it caught none."""
+    return _holds[-1].signum if _holds else None
 
 
 def run(main: Callable[[list[str]], int | None], argv: list[str] | None = None) -> NoReturn:

@@ -24,6 +24,8 @@ Processes that have not all met within `INIT_TIMEOUT_S` end with one error line 
 `check_same_settings` ends processes that were given different settings (flags, gin files) with
 one error line each, where they would otherwise wait for each other's collectives for ever;
 `check_same_data` those that read different data (hosts with different copies of a corpus).
+Each exchange between processes (`every_process`, `meet`) also stops all of them where one holds
+a stop signal, so none is left waiting for another.
 
 On CPU the backend's device count (`HOLMES_CPU_DEVICES`, else the argument) and gloo collectives
 are configured first, so this must run before anything touches a JAX backend. So are the network
@@ -556,7 +558,12 @@ def every_process(name: str, text: str, timeout_s: float = INIT_TIMEOUT_S) -> li
     """Every process's `text`, in process order (all processes call it, in the same order),
     through jax.distributed's key-value store, as JAX's own multihost_utils and orbax use it: no
     device collective, so no NCCL communicator, which across NIC classes could not connect.
-    `timeout_s`: how long a process waits for the slowest one to get there."""
+    `timeout_s`: how long a process waits for the slowest one to get there.
+
+    It is also a vote on stopping: where a process holds a stop signal (`cli.SignalHold`, as a run
+    does before its loop), every process raises it here (the largest number), so all stop at
+    the same point. One that stopped alone would leave the others waiting for it in a device
+    collective (orbax's, a restore's), which no signal interrupts."""
     if jax.process_count() == 1:  # no jax.distributed, nothing to exchange
         return [text]
     from jax._src import distributed as jax_distributed
@@ -564,15 +571,27 @@ def every_process(name: str, text: str, timeout_s: float = INIT_TIMEOUT_S) -> li
     client = jax_distributed.global_state.client
     _exchanges[name] += 1
     prefix = f"holmes_jax/{name}/{_exchanges[name]}"  # a key is set once: each call has its own
-    client.key_value_set(f"{prefix}/{jax.process_index()}", text)
+    client.key_value_set(f"{prefix}/{jax.process_index()}", f"{cli.held_signal() or 0} {text}")
     deadline = time.monotonic() + timeout_s
-    return [_wait_for(client, f"{prefix}/{i}", deadline) for i in range(jax.process_count())]
+    votes, texts = zip(*(_wait_for(client, f"{prefix}/{i}", deadline).split(" ", 1)
+                         for i in range(jax.process_count())))
+    if signum := max(map(int, votes)):
+        raise cli.stop(signum)
+    return list(texts)
+
+
+def meet(name: str) -> None:
+    """Returns once every process has called it; a stop signal any of them holds stops all of them
+    here (`every_process`)."""
+    every_process(name, "")
 
 
 def _wait_for(client, key: str, deadline: float) -> str:
-    """`key`'s value once set, waited for a second at a time until `deadline`: a stop signal's
-    handler runs between the waits (inside one, only at its end: a process whose peer had stopped
-    waited out the whole timeout before it stopped too)."""
+    """`key`'s value once set, waited for a second at a time until `deadline`. A stop signal ends
+    the wait between two of them, held or not (inside one, only at its end: a process whose peer
+    had stopped waited out the whole timeout before it stopped too). The process that sets `key`
+    has not come yet, so it cannot pass this point and wait for this one in a device collective:
+    a held signal it got too stops it here when it comes."""
     while True:
         wait_ms = max(1, int(min(deadline - time.monotonic(), 1.0) * 1000))
         try:
@@ -580,6 +599,8 @@ def _wait_for(client, key: str, deadline: float) -> str:
         except jax.errors.JaxRuntimeError as e:
             if "DEADLINE_EXCEEDED" not in str(e) or time.monotonic() >= deadline:
                 raise
+        if signum := cli.held_signal():
+            raise cli.stop(signum)
 
 
 def check_same_settings(settings: str) -> None:

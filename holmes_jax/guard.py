@@ -1,7 +1,8 @@
 """What ends a run early, and how every process ends it after the same step.
 
-- `Signals`: SIGINT, SIGTERM and SIGHUP only set a flag. The loop lets the step in flight finish,
-  saves a checkpoint of it and raises `cli.Stopped` (exit status 128 + the signal number).
+- In the loop, SIGINT, SIGTERM and SIGHUP only set a flag (`cli.SignalHold`). The loop lets the step
+  in flight finish, saves a checkpoint of it and raises `cli.Stopped` (exit status 128 + the signal
+  number).
 - `StopVote`: with several processes, a two-numbers-per-device all-reduce after each step, so all
   stop after the same one, for a signal or for a checkpoint write that failed in the background.
   (JAX's `multihost_utils.reached_preemption_sync_point` reacts to SIGTERM only, and only under
@@ -15,41 +16,17 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from holmes_jax.cli import STOP_SIGNALS, RunError, stop_signals_to_catch
+from holmes_jax.cli import STOP_SIGNALS, RunError
 from holmes_jax.config import ConfigError
 
 FAULT_ENV = "HOLMES_FAULT"
 FAULT_POINTS = ("batch", "step")
-
-
-class Signals:
-    """A context in which SIGINT, SIGTERM and SIGHUP set `signum` (the first one wins) instead of
-    interrupting; the previous handlers come back on exit. A SIGHUP that is ignored (`nohup`)
-    stays ignored. Outside the main thread Python cannot handle signals, so there it does nothing."""
-
-    def __init__(self):
-        self.signum: int | None = None
-        self._previous: dict = {}
-
-    def _set(self, signum, frame) -> None:
-        if self.signum is None:
-            self.signum = signum
-
-    def __enter__(self) -> "Signals":
-        if threading.current_thread() is threading.main_thread():
-            self._previous = {sig: signal.signal(sig, self._set) for sig in stop_signals_to_catch()}
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
 
 
 class StopVote:

@@ -189,7 +189,15 @@ def run(cfgs: Configs, devices=None, quiet: bool = False) -> dict:
     """Trains per `cfgs`; returns the summary. Everything is validated before the workdir is touched.
     With several processes, all of them step and checkpoint; process 0 alone prints and writes.
     Raises `cli.Stopped` after a signal (the step's checkpoint written) and `cli.RunError` when
-    the loss stays non-finite or a write fails."""
+    the loss stays non-finite or a write fails. A signal before the loop stops the run with nothing
+    saved: at once with one process; with several, where they next meet (`distributed.every_process`),
+    all alike. One that stopped alone left the others waiting for it in a device collective (orbax's,
+    a restore's) until the launcher's SIGKILL."""
+    with cli.SignalHold() if jax.process_count() > 1 else contextlib.nullcontext():
+        return _run(cfgs, devices, quiet)
+
+
+def _run(cfgs: Configs, devices, quiet: bool) -> dict:
     lead = jax.process_index() == 0
     say = (lambda *a: None) if quiet or not lead else (lambda *a: print(*a, flush=True))
     guard.injected_fault()  # a malformed HOLMES_FAULT is bad input: found before anything runs
@@ -250,7 +258,7 @@ def run(cfgs: Configs, devices=None, quiet: bool = False) -> dict:
                                "ParallelConfig.microbatches, or a smaller DataConfig.global_batch") from None
         finally:
             if ckpt:
-                with guard.Signals():  # a signal while the last writes are waited for must not cut them short
+                with cli.SignalHold():  # a signal while the last writes are waited for must not cut them short
                     ckpt.close(peer_died)
 
 
@@ -346,6 +354,7 @@ def _resume_and_train(cfgs: Configs, setup: Setup, token_data, workdir: Path, ck
                 (workdir / name).unlink(missing_ok=True)
         cli.replace_file(workdir / "plan.json", setup.plan.to_json(indent=1))  # what `holmes_jax.report` compares against
 
+    distributed.meet("compile")  # a signal held since the start stops every process here, before the long compile
     t0 = time.perf_counter()
     compiled = make_train_step(setup).lower(state, setup.batch("train", start, token_data)).compile()
     mem = compiled.memory_analysis()
@@ -375,7 +384,8 @@ def _resume_and_train(cfgs: Configs, setup: Setup, token_data, workdir: Path, ck
     vote = guard.StopVote(setup.mesh)
     unwritable = []  # a console line that could not be written (a full disk): stops the run as a reader that left
     # The log closes (its TensorBoard events flushed) however the loop ends.
-    with guard.Signals() as signals, contextlib.closing(log) if log else contextlib.nullcontext():
+    distributed.meet("train")  # no step for a signal held since the compile
+    with cli.SignalHold() as signals, contextlib.closing(log) if log else contextlib.nullcontext():
         for step, state, out in train_steps(compiled, setup, state, start, last, token_data):
             logger.collect(out)
             with _stop_if_the_reader_left(signals, unwritable):  # a skipped step's line
@@ -411,7 +421,7 @@ def _resume_and_train(cfgs: Configs, setup: Setup, token_data, workdir: Path, ck
 
 
 @contextlib.contextmanager
-def _stop_if_the_reader_left(signals: guard.Signals, unwritable: list):
+def _stop_if_the_reader_left(signals: cli.SignalHold, unwritable: list):
     """A line whose reader left (`train | head`) stops the run as a signal does: at the next stop
     vote, that step saved. So does a line that cannot be written (`cli.OutputFailed`, noted in
     `unwritable`)."""

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from holmes_jax import distributed
+from holmes_jax import cli, distributed
 from holmes_jax.config import ConfigError
 from holmes_jax.mesh import nic
 from helpers import REPO, killed_on_exit, launch_env, read_metrics
@@ -605,3 +605,52 @@ def test_an_exchange_waits_a_second_at_a_time_until_its_deadline(monkeypatch):
 
     with pytest.raises(jax.errors.JaxRuntimeError, match="UNAVAILABLE"):  # not waited on
         distributed._wait_for(Broken(), "k", time.monotonic() + 60)
+
+
+def test_an_exchange_stops_every_process_where_one_holds_a_stop_signal(monkeypatch):
+    """A process that stopped alone before the loop left the others waiting for it in a device
+    collective (orbax's directory sync) until the launcher's SIGKILL."""
+    import jax
+    from jax._src import distributed as jax_distributed
+
+    class Store:  # this is process 0; process 1 has set its key, holding `peer_holds`
+        def __init__(self):
+            self.values, self.peer_holds = {}, 0
+
+        def key_value_set(self, key, value):
+            self.values[key] = value
+            self.values[key[:-1] + "1"] = f"{self.peer_holds} process 1's"
+
+        def blocking_key_value_get(self, key, timeout_ms):
+            return self.values[key]
+
+    store = Store()
+    monkeypatch.setattr(jax_distributed.global_state, "client", store)
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(jax, "process_index", lambda: 0)
+    with cli.SignalHold():
+        assert distributed.every_process("x", "process 0's") == ["process 0's", "process 1's"]
+        store.peer_holds = int(signal.SIGTERM)  # process 1 caught one: this process stops here too
+        with pytest.raises(cli.Signalled) as stopped:
+            distributed.every_process("x", "process 0's")
+        assert stopped.value.signum == signal.SIGTERM
+    store.peer_holds = 0
+    with cli.SignalHold() as hold:  # this process caught one: it stops here, and process 1 with it
+        os.kill(os.getpid(), signal.SIGTERM)
+        with pytest.raises(cli.Signalled) as stopped:
+            distributed.every_process("x", "process 0's")
+        assert stopped.value.signum == hold.signum == signal.SIGTERM
+        assert [v for k, v in store.values.items() if k.endswith("/0")][-1] == f"{int(signal.SIGTERM)} process 0's"
+
+
+def test_a_held_stop_signal_ends_a_wait_for_a_process_that_has_not_come(monkeypatch):
+    import jax
+
+    class Never:
+        def blocking_key_value_get(self, key, timeout_ms):
+            os.kill(os.getpid(), signal.SIGTERM)  # while this process waits
+            raise jax.errors.JaxRuntimeError(f"DEADLINE_EXCEEDED: GetKeyValue() timed out with key: {key}")
+
+    with cli.SignalHold(), pytest.raises(cli.Signalled) as stopped:
+        distributed._wait_for(Never(), "k", time.monotonic() + 60)
+    assert stopped.value.signum == signal.SIGTERM

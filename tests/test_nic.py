@@ -340,7 +340,7 @@ def test_processes_exchange_their_nic_classes_without_a_device_collective(monkey
         def key_value_set(self, key, value):
             assert key not in self.values  # a key is set once
             self.values[key] = value
-            self.values[key[:-1] + "1"] = '{"nic_class": "infiniband", "gbps": null}'
+            self.values[key[:-1] + "1"] = '0 {"nic_class": "infiniband", "gbps": null}'  # no stop signal held
 
         def blocking_key_value_get(self, key, timeout_ms):
             return self.values[key]
