@@ -185,6 +185,9 @@ class Checkpointer:
             raise ConfigError(f"TrainConfig.workdir = {str(self.directory.parent)!r} cannot hold checkpoints in "
                               f"{self.directory}: {why}; allowed: a workdir whose checkpoints/ is a "
                               "directory this process can create and write") from None
+        # An error before (process 0's lock, a host's disk) stops every process here, not in the
+        # manager's sync, a device collective that would wait for the failed one for ever.
+        distributed.meet("checkpoints")
         # cleanup_tmp_directories: a save that failed (a full disk) leaves a temporary directory;
         # the next run removes it instead of keeping the space taken.
         self._write_failures = []  # this process's background writes that failed, as they fail (`_noting_failures`)

@@ -46,8 +46,9 @@ class RunError(Exception):
 
 
 class OutputFailed(RunError):
-    """stdout cannot be written (a full disk): its later writes go nowhere, and the command ends
-    with `error: cannot write the output: ...` and status 1."""
+    """stdout or a run's metrics log cannot be written (a full disk): the command ends with
+    `error: cannot write the output: ...` (stdout's later writes go nowhere) or `error: cannot
+    write PATH: ...`, and status 1."""
 
 
 class _CheckedOutput:

@@ -37,6 +37,7 @@ communicators of their own. They are set on every platform: without NCCL they do
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import difflib
 import errno
@@ -50,6 +51,7 @@ import socket
 import sys
 import threading
 import time
+from typing import Iterator
 
 import jax
 
@@ -554,6 +556,30 @@ def exchange_nics(local: nic.Nic) -> list[nic.Nic]:
 _exchanges: collections.Counter = collections.Counter()  # calls of every_process per name, in this process
 
 
+FAILED = "holmes_jax/failed"  # under it, each process that stopped on an error says why (`errors_told`)
+
+
+def _client():
+    from jax._src import distributed as jax_distributed
+
+    return jax_distributed.global_state.client
+
+
+@contextlib.contextmanager
+def errors_told() -> Iterator[None]:
+    """Runs the block; an error that ends it on this process is told to the others, whose waits in
+    `every_process` then end with a `RunError` that names it. They waited for this process until
+    INIT_TIMEOUT_S (five minutes) at the next exchange, or for ever in a device collective."""
+    try:
+        yield
+    except Exception as e:
+        if jax.process_count() > 1:
+            why = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+            with contextlib.suppress(Exception):  # the coordination service is gone (process 0 died)
+                _client().key_value_set(f"{FAILED}/{jax.process_index()}", why)
+        raise
+
+
 def every_process(name: str, text: str, timeout_s: float = INIT_TIMEOUT_S) -> list[str]:
     """Every process's `text`, in process order (all processes call it, in the same order),
     through jax.distributed's key-value store, as JAX's own multihost_utils and orbax use it: no
@@ -566,9 +592,7 @@ def every_process(name: str, text: str, timeout_s: float = INIT_TIMEOUT_S) -> li
     collective (orbax's, a restore's), which no signal interrupts."""
     if jax.process_count() == 1:  # no jax.distributed, nothing to exchange
         return [text]
-    from jax._src import distributed as jax_distributed
-
-    client = jax_distributed.global_state.client
+    client = _client()
     _exchanges[name] += 1
     prefix = f"holmes_jax/{name}/{_exchanges[name]}"  # a key is set once: each call has its own
     client.key_value_set(f"{prefix}/{jax.process_index()}", f"{cli.held_signal() or 0} {text}")
@@ -591,7 +615,8 @@ def _wait_for(client, key: str, deadline: float) -> str:
     the wait between two of them, held or not (inside one, only at its end: a process whose peer
     had stopped waited out the whole timeout before it stopped too). The process that sets `key`
     has not come yet, so it cannot pass this point and wait for this one in a device collective:
-    a held signal it got too stops it here when it comes."""
+    a held signal it got too stops it here when it comes. So does an error that another process
+    told (`errors_told`)."""
     while True:
         wait_ms = max(1, int(min(deadline - time.monotonic(), 1.0) * 1000))
         try:
@@ -601,6 +626,9 @@ def _wait_for(client, key: str, deadline: float) -> str:
                 raise
         if signum := cli.held_signal():
             raise cli.stop(signum)
+        if told := client.key_value_dir_get(FAILED):
+            process, why = min((int(key.rpartition("/")[2]), why) for key, why in told)
+            raise RunError(f"process {process} stopped on an error (see its output): {why}")
 
 
 def check_same_settings(settings: str) -> None:

@@ -88,21 +88,12 @@ class MetricsLog:
         self._last_step = None
 
     def write(self, row: dict) -> None:
-        if self._last_step is None:
-            self._take_over()
-        resumed = {RESUMED_FROM: self.first - 1} if self._last_step is None and self.first > 1 else {}
-        with open(self.path, "a") as f:
-            f.write(json.dumps(strict_json(row | resumed), allow_nan=False) + "\n")
-        # `row`'s numbers, not the marker: TensorBoard marks the resume with its START event below
-        values = [scalar(key, value).value[0] for key, value in row.items() if key != "step" and value is not None]
-        if self._last_step is None:
-            # A resumed run logs again the steps a stopped one logged after its checkpoint.
-            # TensorBoard drops an earlier file's events from a restart's START on, instead of
-            # drawing both runs' values at those steps.
-            self.tensorboard.write_event(Event(wall_time=time.time(), step=self.first,
-                                               session_log=SessionLog(status=SessionLog.START)))
-        self.tensorboard.write_event(Event(wall_time=time.time(), step=row["step"], summary=Summary(value=values)))
-        self.tensorboard.flush()
+        """Writes `row`; a file that cannot be written (a full disk) raises `cli.OutputFailed`, which
+        stops a run after the next step, every process alike, that step saved."""
+        try:
+            self._write_files(row)
+        except OSError as e:
+            raise cli.OutputFailed(f"cannot write {e.filename or self.path}: {e.strerror or e}") from None
         if self._last_step is None:
             self._first_step_s = row["step_time_s"]
         else:
@@ -121,6 +112,23 @@ class MetricsLog:
         if row["step"] < self.stop:
             parts.append(f"ETA {duration(self.eta_s(row['step']))}")
         print(" | ".join(parts), flush=True)
+
+    def _write_files(self, row: dict) -> None:
+        if self._last_step is None:
+            self._take_over()
+        resumed = {RESUMED_FROM: self.first - 1} if self._last_step is None and self.first > 1 else {}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(strict_json(row | resumed), allow_nan=False) + "\n")
+        # `row`'s numbers, not the marker: TensorBoard marks the resume with its START event below
+        values = [scalar(key, value).value[0] for key, value in row.items() if key != "step" and value is not None]
+        if self._last_step is None:
+            # A resumed run logs again the steps a stopped one logged after its checkpoint.
+            # TensorBoard drops an earlier file's events from a restart's START on, instead of
+            # drawing both runs' values at those steps.
+            self.tensorboard.write_event(Event(wall_time=time.time(), step=self.first,
+                                               session_log=SessionLog(status=SessionLog.START)))
+        self.tensorboard.write_event(Event(wall_time=time.time(), step=row["step"], summary=Summary(value=values)))
+        self.tensorboard.flush()
 
     def _take_over(self) -> None:
         """Before this run's first row: drops the rows an earlier run wrote from `first` on, as

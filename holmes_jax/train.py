@@ -191,9 +191,12 @@ def run(cfgs: Configs, devices=None, quiet: bool = False) -> dict:
     Raises `cli.Stopped` after a signal (the step's checkpoint written) and `cli.RunError` when
     the loss stays non-finite or a write fails. A signal before the loop stops the run with nothing
     saved: at once with one process; with several, where they next meet (`distributed.every_process`),
-    all alike. One that stopped alone left the others waiting for it in a device collective (orbax's,
-    a restore's) until the launcher's SIGKILL."""
-    with cli.SignalHold() if jax.process_count() > 1 else contextlib.nullcontext():
+    all alike. An error on one process (process 0's lock, its writes) stops the others there too.
+    One that stopped alone left the others waiting for it in a device collective (orbax's, a
+    restore's) until the launcher's SIGKILL."""
+    if jax.process_count() == 1:
+        return _run(cfgs, devices, quiet)
+    with cli.SignalHold(), distributed.errors_told():
         return _run(cfgs, devices, quiet)
 
 
@@ -382,13 +385,13 @@ def _resume_and_train(cfgs: Configs, setup: Setup, token_data, workdir: Path, ck
         hooks.append(Hook((cfgs.checkpoint.every,), lambda step, state: (bad.in_a_row and step < last)
                           or save(step, state, step == last)))
     vote = guard.StopVote(setup.mesh)
-    unwritable = []  # a console line that could not be written (a full disk): stops the run as a reader that left
+    unwritable = []  # a console line or metrics row that could not be written (a full disk): stops the run
     # The log closes (its TensorBoard events flushed) however the loop ends.
     distributed.meet("train")  # no step for a signal held since the compile
     with cli.SignalHold() as signals, contextlib.closing(log) if log else contextlib.nullcontext():
         for step, state, out in train_steps(compiled, setup, state, start, last, token_data):
             logger.collect(out)
-            with _stop_if_the_reader_left(signals, unwritable):  # a skipped step's line
+            with _stop_if_output_fails(signals, unwritable):  # a skipped step's line
                 bad.add(step, out)
             # A checkpoint write that failed in the background (a full disk) ends the run now, not at
             # the next save; every process stops after the same step, the earlier checkpoints kept.
@@ -400,7 +403,7 @@ def _resume_and_train(cfgs: Configs, setup: Setup, token_data, workdir: Path, ck
                 log.stop = step
             for hook in hooks:
                 if stopping or hook.due(step, start + 1, last):
-                    with _stop_if_the_reader_left(signals, unwritable):
+                    with _stop_if_output_fails(signals, unwritable):
                         hook.fn(step, state)
             bad.check(step, ckpt and ckpt.latest_step())
             if stopping:
@@ -421,10 +424,10 @@ def _resume_and_train(cfgs: Configs, setup: Setup, token_data, workdir: Path, ck
 
 
 @contextlib.contextmanager
-def _stop_if_the_reader_left(signals: cli.SignalHold, unwritable: list):
+def _stop_if_output_fails(signals: cli.SignalHold, unwritable: list):
     """A line whose reader left (`train | head`) stops the run as a signal does: at the next stop
-    vote, that step saved. So does a line that cannot be written (`cli.OutputFailed`, noted in
-    `unwritable`)."""
+    vote, that step saved. So does output that cannot be written, a line or a metrics row
+    (`cli.OutputFailed`, noted in `unwritable`)."""
     try:
         yield
     except BrokenPipeError:

@@ -13,6 +13,7 @@ import time
 import pytest
 
 from holmes_jax import cli, distributed
+from holmes_jax.cli import RunError
 from holmes_jax.config import ConfigError
 from holmes_jax.mesh import nic
 from helpers import REPO, killed_on_exit, launch_env, read_metrics
@@ -585,6 +586,9 @@ def test_an_exchange_waits_a_second_at_a_time_until_its_deadline(monkeypatch):
                 raise jax.errors.JaxRuntimeError(f"DEADLINE_EXCEEDED: GetKeyValue() timed out with key: {key}")
             return "the value"
 
+        def key_value_dir_get(self, key):  # no process told an error
+            return []
+
     assert distributed._wait_for(Client(), "k", time.monotonic() + 60) == "the value"
     assert len(waits) == 3 and max(waits) <= 1000
 
@@ -593,6 +597,9 @@ def test_an_exchange_waits_a_second_at_a_time_until_its_deadline(monkeypatch):
             waits.append(timeout_ms)
             time.sleep(timeout_ms / 1000)
             raise jax.errors.JaxRuntimeError(f"DEADLINE_EXCEEDED: GetKeyValue() timed out with key: {key}")
+
+        def key_value_dir_get(self, key):
+            return []
 
     waits.clear()
     with pytest.raises(jax.errors.JaxRuntimeError, match="DEADLINE_EXCEEDED"):  # at the deadline: as before
@@ -641,6 +648,38 @@ def test_an_exchange_stops_every_process_where_one_holds_a_stop_signal(monkeypat
             distributed.every_process("x", "process 0's")
         assert stopped.value.signum == hold.signum == signal.SIGTERM
         assert [v for k, v in store.values.items() if k.endswith("/0")][-1] == f"{int(signal.SIGTERM)} process 0's"
+
+
+def test_an_error_on_one_process_ends_the_others_waits_with_its_line(monkeypatch):
+    """Process 0 of a second run on a locked workdir stopped on its error; process 1 waited for it
+    in orbax's directory sync for ever (at an exchange: INIT_TIMEOUT_S, five minutes)."""
+    import jax
+
+    class Store:
+        def __init__(self):
+            self.values = {}
+
+        def key_value_set(self, key, value):
+            self.values[key] = value
+
+        def blocking_key_value_get(self, key, timeout_ms):
+            raise jax.errors.JaxRuntimeError(f"DEADLINE_EXCEEDED: GetKeyValue() timed out with key: {key}")
+
+        def key_value_dir_get(self, prefix):
+            return [(k, v) for k, v in self.values.items() if k.startswith(prefix + "/")]
+
+    store = Store()
+    monkeypatch.setattr(distributed, "_client", lambda: store)
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(jax, "process_index", lambda: 0)
+    with pytest.raises(ConfigError), distributed.errors_told():
+        raise ConfigError("TrainConfig.workdir = '/w' is in use by another run\n(a second line)")
+    assert store.values == {f"{distributed.FAILED}/0": "TrainConfig.workdir = '/w' is in use by another run"}
+    started = time.monotonic()
+    with pytest.raises(RunError, match=r"^process 0 stopped on an error \(see its output\): TrainConfig.workdir = "
+                                       r"'/w' is in use by another run$"):
+        distributed._wait_for(store, "holmes_jax/x/1/0", time.monotonic() + 60)
+    assert time.monotonic() - started < 5
 
 
 def test_a_held_stop_signal_ends_a_wait_for_a_process_that_has_not_come(monkeypatch):

@@ -2,6 +2,7 @@
 mismatched checkpoints, unusable workdirs and full disks, and the launcher's signal handling."""
 
 import argparse
+import fcntl
 import glob
 import json
 import os
@@ -660,6 +661,50 @@ def test_a_signal_to_one_rank_before_the_loop_stops_both_where_they_meet(tmp_pat
     stopped = sorted(line for line in err.splitlines() if line.startswith("[rank "))
     assert stopped == ["[rank 0] stopped by SIGTERM", "[rank 1] stopped by SIGTERM"], err[-3000:]
     assert "] step " not in out
+
+
+@pytest.mark.slow
+def test_a_second_run_on_a_locked_workdir_stops_every_process_at_once(tmp_path):
+    # process 0 stopped on the lock; process 1 waited for it in orbax's directory sync for ever
+    with open(tmp_path / train.LOCK_FILE, "a+") as lock, killed_on_exit(_launch_two_ranks(tmp_path)) as p:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        lock.write("the first run\n")
+        lock.flush()
+        _, err = p.communicate(timeout=120)
+    ours = sorted(line for line in err.splitlines() if line.startswith("[rank "))
+    assert ours[0].startswith("[rank 0] error: TrainConfig.workdir = ") and "is in use by another run" in ours[0], err
+    assert ours[1:] == ["[rank 1] error: process 0 stopped on an error (see its output): " + ours[0][len("[rank 0] error: "):][:300]], err
+    assert p.returncode in (2, 1), err[-3000:]  # rank 0's status, or rank 1's where the launcher sees it end first
+
+
+# Process 0's metrics.jsonl cannot be written from step 3 on (a full disk).
+METRICS_FULL_AT_STEP_3 = ("import runpy\n"
+                          "from holmes_jax import metrics\n"
+                          "write = metrics.MetricsLog._write_files\n"
+                          "def full(self, row):\n"
+                          "    if row['step'] >= 3:\n"
+                          "        raise OSError(28, 'No space left on device', str(self.path))\n"
+                          "    write(self, row)\n"
+                          "metrics.MetricsLog._write_files = full\n"
+                          "runpy.run_module('holmes_jax.train', run_name='__main__', alter_sys=True)\n")
+
+
+@pytest.mark.slow
+def test_a_metrics_row_process_0_cannot_write_stops_every_process_after_the_same_step(tmp_path):
+    # process 0 stopped on its error; process 1 waited for it in the next step's collectives for ever
+    with hangup_as_at_a_terminal():
+        p = subprocess.Popen([sys.executable, "-m", "holmes_jax.launch", "-n", "2", "--devices-per-process", "1",
+                              "--grace", "20", "--", sys.executable, "-c", METRICS_FULL_AT_STEP_3, *FLAGS[2:],
+                              f"--gin.TrainConfig.workdir={tmp_path}", "--gin.TrainConfig.steps=10000"],
+                             cwd=REPO, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    with killed_on_exit(p):
+        _, err = p.communicate(timeout=120)
+    ours = sorted(line for line in err.splitlines() if line.startswith("[rank "))
+    assert re.fullmatch(r"\[rank 0\] error: cannot write .*metrics.jsonl: No space left on device after step 4; "
+                        r"checkpoint saved at step 4: run the same command again to resume", ours[0]), err[-3000:]
+    assert ours[1:] == ["[rank 1] stopped by SIGPIPE after step 4; checkpoint saved at step 4: run the same command "
+                        "again to resume"], err[-3000:]
+    assert (tmp_path / "checkpoints" / "4").is_dir()
 
 
 def _rank(pid: int) -> int:

@@ -605,6 +605,27 @@ def test_a_console_line_that_cannot_be_written_stops_the_run_saved_with_one_erro
         assert saved == [6]  # the last step's save, then the error
 
 
+def test_a_metrics_row_that_cannot_be_written_stops_the_run_saved_with_one_error(tmp_path, monkeypatch):
+    # metrics.jsonl on a full disk ended the run at once with nothing saved since the last
+    # checkpoint; with several processes, process 0 left and the others waited for it for ever
+    from holmes_jax import cli, metrics
+
+    write = metrics.MetricsLog._write_files
+
+    def full_at_step_3(self, row):
+        if row["step"] >= 3:
+            raise OSError(28, "No space left on device", str(self.path))
+        write(self, row)
+
+    monkeypatch.setattr(metrics.MetricsLog, "_write_files", full_at_step_3)
+    with pytest.raises(cli.OutputFailed) as failed:
+        train.run(small_configs(tmp_path, "--gin.CheckpointConfig.every=100"), quiet=True)
+    assert re.fullmatch(r"cannot write .*metrics.jsonl: No space left on device after step 4; checkpoint saved at "
+                        r"step 4: run the same command again to resume", str(failed.value)), str(failed.value)
+    assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()) == [4]
+    assert [row["step"] for row in read_metrics(tmp_path)] == [1, 2]
+
+
 def test_a_last_save_that_fails_ends_the_run_with_its_step_and_no_done_line(tmp_path, monkeypatch, capsys):
     # The last step's save is written in the background: the run printed 'done: step 6 ...' and
     # only then 'error: cannot write checkpoints' (a full disk), without naming the step.
