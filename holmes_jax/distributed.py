@@ -568,15 +568,17 @@ def _client():
 @contextlib.contextmanager
 def errors_told() -> Iterator[None]:
     """Runs the block; an error that ends it on this process is told to the others, whose waits in
-    `every_process` then end with a `RunError` that names it. They waited for this process until
-    INIT_TIMEOUT_S (five minutes) at the next exchange, or for ever in a device collective."""
+    `every_process` then end with an error of the same kind (`ConfigError` or `RunError`: the same
+    exit status) that names it. They waited for this process until INIT_TIMEOUT_S (five minutes)
+    at the next exchange, or for ever in a device collective."""
     try:
         yield
     except Exception as e:
         if jax.process_count() > 1:
             why = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+            kind = "ConfigError" if isinstance(e, ConfigError) else "RunError"
             with contextlib.suppress(Exception):  # the coordination service is gone (process 0 died)
-                _client().key_value_set(f"{FAILED}/{jax.process_index()}", why)
+                _client().key_value_set(f"{FAILED}/{jax.process_index()}", f"{kind} {why}")
         raise
 
 
@@ -627,8 +629,10 @@ def _wait_for(client, key: str, deadline: float) -> str:
         if signum := cli.held_signal():
             raise cli.stop(signum)
         if told := client.key_value_dir_get(FAILED):
-            process, why = min((int(key.rpartition("/")[2]), why) for key, why in told)
-            raise RunError(f"process {process} stopped on an error (see its output): {why}")
+            process, text = min((int(key.rpartition("/")[2]), text) for key, text in told)
+            kind, why = text.split(" ", 1)
+            raise (ConfigError if kind == "ConfigError" else RunError)(
+                f"process {process} stopped on an error (see its output): {why}")
 
 
 def check_same_settings(settings: str) -> None:

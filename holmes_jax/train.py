@@ -237,9 +237,10 @@ def _run(cfgs: Configs, devices, quiet: bool) -> dict:
     # Held until the last checkpoint is written; taken before the Checkpointer, whose clean-up of
     # failed saves would delete another run's save in flight.
     with lock_workdir(workdir) if lead else contextlib.nullcontext():
-        ckpt = Checkpointer(checkpoints, cfgs.checkpoint) if cfgs.checkpoint.enabled else None
-        peer_died = False  # the run ends because another process stopped: its saves cannot end
+        ckpt, peer_died = None, False  # peer_died: the run ends because another process stopped: its saves cannot end
         try:
+            # in the try: a peer that died in the manager's sync is one line, as in a step
+            ckpt = Checkpointer(checkpoints, cfgs.checkpoint) if cfgs.checkpoint.enabled else None
             return _resume_and_train(cfgs, setup, token_data, workdir, ckpt, say, quiet)
         except BrokenPipeError:  # stdout's reader left before or after the loop: nothing more to save
             raise

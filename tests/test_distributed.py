@@ -674,12 +674,17 @@ def test_an_error_on_one_process_ends_the_others_waits_with_its_line(monkeypatch
     monkeypatch.setattr(jax, "process_index", lambda: 0)
     with pytest.raises(ConfigError), distributed.errors_told():
         raise ConfigError("TrainConfig.workdir = '/w' is in use by another run\n(a second line)")
-    assert store.values == {f"{distributed.FAILED}/0": "TrainConfig.workdir = '/w' is in use by another run"}
+    assert store.values == {f"{distributed.FAILED}/0": "ConfigError TrainConfig.workdir = '/w' is in use by another run"}
     started = time.monotonic()
-    with pytest.raises(RunError, match=r"^process 0 stopped on an error \(see its output\): TrainConfig.workdir = "
+    with pytest.raises(ConfigError, match=r"^process 0 stopped on an error \(see its output\): TrainConfig.workdir = "
                                        r"'/w' is in use by another run$"):
-        distributed._wait_for(store, "holmes_jax/x/1/0", time.monotonic() + 60)
+        distributed._wait_for(store, "holmes_jax/x/1/0", time.monotonic() + 60)  # bad input there: status 2 here too
     assert time.monotonic() - started < 5
+    store.values.clear()
+    with pytest.raises(OSError), distributed.errors_told():
+        raise OSError(28, "No space left on device")
+    with pytest.raises(RunError, match=r"^process 0 stopped on an error \(see its output\): \[Errno 28\] No space"):
+        distributed._wait_for(store, "holmes_jax/x/2/0", time.monotonic() + 60)
 
 
 def test_a_held_stop_signal_ends_a_wait_for_a_process_that_has_not_come(monkeypatch):
