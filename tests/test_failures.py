@@ -594,12 +594,14 @@ def test_workers_get_sigterm_when_the_launcher_is_killed(tmp_path):
     assert sorted(f.name for f in tmp_path.iterdir()) == ["0", "1"]
 
 
-def _launch_two_ranks(workdir, *flags: str) -> subprocess.Popen:
-    """The launcher running train in two processes of one device each, `flags` on top."""
+def _launch_two_ranks(workdir, *flags: str, script: str | None = None, grace: int = 60) -> subprocess.Popen:
+    """The launcher running train in two processes of one device each, `flags` on top; or `script`,
+    which patches a fault in and runs train."""
     env = launch_env()
+    program = ["-c", script] if script else ["-m", "holmes_jax.train"]
     with hangup_as_at_a_terminal():  # the SIGHUP test's
         return subprocess.Popen([sys.executable, "-m", "holmes_jax.launch", "-n", "2", "--devices-per-process", "1",
-                                 "--grace", "60", "--", sys.executable, "-m", "holmes_jax.train", *FLAGS[2:],
+                                 "--grace", str(grace), "--", sys.executable, *program, *FLAGS[2:],
                                  f"--gin.TrainConfig.workdir={workdir}", "--gin.TrainConfig.steps=10000", *flags],
                                 cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -663,12 +665,7 @@ SIGNALLED_BEFORE_CHECKPOINTS = ("import os, runpy, signal\n"
 def test_a_signal_to_one_rank_before_the_loop_stops_both_where_they_meet(tmp_path):
     # rank 1 stopped at once and waited in JAX's shutdown barrier; rank 0 waited for it in orbax's
     # sync for ever (the flaky failure of the test above: the launcher's SIGTERM reached rank 0 there)
-    with hangup_as_at_a_terminal():
-        p = subprocess.Popen([sys.executable, "-m", "holmes_jax.launch", "-n", "2", "--devices-per-process", "1",
-                              "--grace", "20", "--", sys.executable, "-c", SIGNALLED_BEFORE_CHECKPOINTS, *FLAGS[2:],
-                              f"--gin.TrainConfig.workdir={tmp_path}", "--gin.TrainConfig.steps=10000"],
-                             cwd=REPO, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    with killed_on_exit(p):
+    with killed_on_exit(_launch_two_ranks(tmp_path, script=SIGNALLED_BEFORE_CHECKPOINTS, grace=20)) as p:
         out, err = p.communicate(timeout=90)
     assert p.returncode == 128 + signal.SIGTERM, err[-3000:]
     stopped = sorted(line for line in err.splitlines() if line.startswith("[rank "))
@@ -686,7 +683,8 @@ def test_a_second_run_on_a_locked_workdir_stops_every_process_at_once(tmp_path):
         _, err = p.communicate(timeout=120)
     ours = sorted(line for line in err.splitlines() if line.startswith("[rank "))
     assert ours[0].startswith("[rank 0] error: TrainConfig.workdir = ") and "is in use by another run" in ours[0], err
-    assert ours[1:] == ["[rank 1] error: process 0 stopped on an error (see its output): " + ours[0][len("[rank 0] error: "):][:300]], err
+    why = ours[0].removeprefix("[rank 0] error: ")[:300]
+    assert ours[1:] == [f"[rank 1] error: process 0 stopped on an error (see its output): {why}"], err
     assert p.returncode == 2, err[-3000:]  # bad input, on whichever rank the launcher finds ended first
 
 
@@ -705,12 +703,7 @@ METRICS_FULL_AT_STEP_3 = ("import runpy\n"
 @pytest.mark.slow
 def test_a_metrics_row_process_0_cannot_write_stops_every_process_after_the_same_step(tmp_path):
     # process 0 stopped on its error; process 1 waited for it in the next step's collectives for ever
-    with hangup_as_at_a_terminal():
-        p = subprocess.Popen([sys.executable, "-m", "holmes_jax.launch", "-n", "2", "--devices-per-process", "1",
-                              "--grace", "20", "--", sys.executable, "-c", METRICS_FULL_AT_STEP_3, *FLAGS[2:],
-                              f"--gin.TrainConfig.workdir={tmp_path}", "--gin.TrainConfig.steps=10000"],
-                             cwd=REPO, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    with killed_on_exit(p):
+    with killed_on_exit(_launch_two_ranks(tmp_path, script=METRICS_FULL_AT_STEP_3, grace=20)) as p:
         _, err = p.communicate(timeout=120)
     ours = sorted(line for line in err.splitlines() if line.startswith("[rank "))
     assert re.fullmatch(r"\[rank 0\] error: cannot write .*metrics.jsonl: No space left on device after step 4; "
