@@ -3,7 +3,8 @@
 configs (holmes_jax.configure) -> plan, mesh, model, optimizer state and jitted steps
 (holmes_jax.build; restored when the workdir holds a checkpoint) -> the loop: batch, step, metrics,
 periodic validation and checkpoints -> summary. See docs/design.md, "One run". What ends a run
-early (signals, a loss that stays non-finite) is in holmes_jax.guard; exit statuses in holmes_jax.cli.
+early (the stop every process agrees on, a loss that stays non-finite) is in holmes_jax.guard; how
+stop signals are held, and exit statuses, in holmes_jax.cli.
 """
 
 from __future__ import annotations
