@@ -594,11 +594,12 @@ def test_workers_get_sigterm_when_the_launcher_is_killed(tmp_path):
     assert sorted(f.name for f in tmp_path.iterdir()) == ["0", "1"]
 
 
-def _launch_two_ranks(workdir, *flags: str, script: str | None = None, grace: int = 60) -> subprocess.Popen:
-    """The launcher running train in two processes of one device each, `flags` on top; or `script`,
-    which patches a fault in and runs train."""
+def _launch_two_ranks(workdir, *flags: str, patch: str | None = None, grace: int = 60) -> subprocess.Popen:
+    """The launcher running train in two processes of one device each, `flags` on top; `patch`:
+    Python that each process runs first, to put a fault in (os, signal and sys are imported)."""
     env = launch_env()
-    program = ["-c", script] if script else ["-m", "holmes_jax.train"]
+    program = ["-c", f"import os, runpy, signal, sys\n{patch}runpy.run_module('holmes_jax.train', run_name='__main__', "
+                     "alter_sys=True)\n"] if patch else ["-m", "holmes_jax.train"]
     with hangup_as_at_a_terminal():  # the SIGHUP test's
         return subprocess.Popen([sys.executable, "-m", "holmes_jax.launch", "-n", "2", "--devices-per-process", "1",
                                  "--grace", str(grace), "--", sys.executable, *program, *FLAGS[2:],
@@ -651,21 +652,19 @@ def test_a_sigterm_before_the_training_loop_stops_a_multi_process_run_at_once(tm
 
 # SIGTERM reaches rank 1 alone, just before it makes its Checkpointer: rank 0 is in orbax's
 # directory sync there (a device collective), or about to be.
-SIGNALLED_BEFORE_CHECKPOINTS = ("import os, runpy, signal\n"
-                                "from holmes_jax.checkpoint import Checkpointer\n"
+SIGNALLED_BEFORE_CHECKPOINTS = ("from holmes_jax.checkpoint import Checkpointer\n"
                                 "init = Checkpointer.__init__\n"
                                 "def signalled(self, *args):\n"
                                 "    os.environ['HOLMES_PROCESS_ID'] == '1' and os.kill(os.getpid(), signal.SIGTERM)\n"
                                 "    init(self, *args)\n"
-                                "Checkpointer.__init__ = signalled\n"
-                                "runpy.run_module('holmes_jax.train', run_name='__main__', alter_sys=True)\n")
+                                "Checkpointer.__init__ = signalled\n")
 
 
 @pytest.mark.slow
 def test_a_signal_to_one_rank_before_the_loop_stops_both_where_they_meet(tmp_path):
     # rank 1 stopped at once and waited in JAX's shutdown barrier; rank 0 waited for it in orbax's
     # sync for ever (the flaky failure of the test above: the launcher's SIGTERM reached rank 0 there)
-    with killed_on_exit(_launch_two_ranks(tmp_path, script=SIGNALLED_BEFORE_CHECKPOINTS, grace=20)) as p:
+    with killed_on_exit(_launch_two_ranks(tmp_path, patch=SIGNALLED_BEFORE_CHECKPOINTS, grace=20)) as p:
         out, err = p.communicate(timeout=90)
     assert p.returncode == 128 + signal.SIGTERM, err[-3000:]
     stopped = sorted(line for line in err.splitlines() if line.startswith("[rank "))
@@ -689,21 +688,19 @@ def test_a_second_run_on_a_locked_workdir_stops_every_process_at_once(tmp_path):
 
 
 # Process 0's metrics.jsonl cannot be written from step 3 on (a full disk).
-METRICS_FULL_AT_STEP_3 = ("import runpy\n"
-                          "from holmes_jax import metrics\n"
+METRICS_FULL_AT_STEP_3 = ("from holmes_jax import metrics\n"
                           "write = metrics.MetricsLog._write_files\n"
                           "def full(self, row):\n"
                           "    if row['step'] >= 3:\n"
                           "        raise OSError(28, 'No space left on device', str(self.path))\n"
                           "    write(self, row)\n"
-                          "metrics.MetricsLog._write_files = full\n"
-                          "runpy.run_module('holmes_jax.train', run_name='__main__', alter_sys=True)\n")
+                          "metrics.MetricsLog._write_files = full\n")
 
 
 @pytest.mark.slow
 def test_a_metrics_row_process_0_cannot_write_stops_every_process_after_the_same_step(tmp_path):
     # process 0 stopped on its error; process 1 waited for it in the next step's collectives for ever
-    with killed_on_exit(_launch_two_ranks(tmp_path, script=METRICS_FULL_AT_STEP_3, grace=20)) as p:
+    with killed_on_exit(_launch_two_ranks(tmp_path, patch=METRICS_FULL_AT_STEP_3, grace=20)) as p:
         _, err = p.communicate(timeout=120)
     ours = sorted(line for line in err.splitlines() if line.startswith("[rank "))
     assert re.fullmatch(r"\[rank 0\] error: cannot write .*metrics.jsonl: No space left on device after step 4; "
@@ -736,16 +733,14 @@ def test_a_rank_that_dies_leaves_the_other_with_one_error_line(tmp_path):
 
 # Rank 1 dies (SIGKILL, as the OOM killer would) at its checkpoint save of step 3: `after` it
 # returned, its background write in flight; or `before` it, in orbax's collective that begins rank 0's.
-DIES_AT_A_SAVE = ("import os, runpy, signal, sys\n"
-                  "from holmes_jax.checkpoint import Checkpointer\n"
-                  "save, when = Checkpointer.save, sys.argv.pop(1)\n"
+DIES_AT_A_SAVE = ("from holmes_jax.checkpoint import Checkpointer\n"
+                  "save, when = Checkpointer.save, sys.argv.pop()\n"
                   "def die(): os.environ['HOLMES_PROCESS_ID'] == '1' and os.kill(os.getpid(), signal.SIGKILL)\n"
                   "def save_and_die(self, step, *args, **kwargs):\n"
                   "    step == 3 and when == 'before' and die()\n"
                   "    save(self, step, *args, **kwargs)\n"
                   "    step == 3 and when == 'after' and die()\n"
-                  "Checkpointer.save = save_and_die\n"
-                  "runpy.run_module('holmes_jax.train', run_name='__main__', alter_sys=True)\n")
+                  "Checkpointer.save = save_and_die\n")
 
 
 @pytest.mark.slow
@@ -753,13 +748,8 @@ DIES_AT_A_SAVE = ("import os, runpy, signal, sys\n"
 def test_a_rank_that_dies_at_a_checkpoint_save_leaves_the_other_with_its_error_line(tmp_path, when):
     # rank 0 waited in orbax's barrier for rank 1's part of the save until JAX's heartbeat timeout
     # (a minute), silent: the launcher's SIGKILL came first. Before the save, its error named the write.
-    with hangup_as_at_a_terminal():
-        p = subprocess.Popen([sys.executable, "-m", "holmes_jax.launch", "-n", "2", "--devices-per-process", "1",
-                              "--grace", "20", "--", sys.executable, "-c", DIES_AT_A_SAVE, when, *FLAGS[2:],
-                              f"--gin.TrainConfig.workdir={tmp_path}", "--gin.TrainConfig.steps=10000",
-                              "--gin.CheckpointConfig.every=3"],
-                             cwd=REPO, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    with killed_on_exit(p):
+    with killed_on_exit(_launch_two_ranks(tmp_path, "--gin.CheckpointConfig.every=3", when, patch=DIES_AT_A_SAVE,
+                                          grace=20)) as p:
         _both_stepping(p)
         _, err = p.communicate(timeout=120)
     # rank 0 said nothing where it waited (the launcher's SIGKILL after the grace came first). Its
