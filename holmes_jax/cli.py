@@ -21,6 +21,7 @@ import signal
 import socket
 import sys
 import threading
+import traceback
 from pathlib import Path
 from typing import Callable, Iterator, NoReturn
 
@@ -215,11 +216,47 @@ def held_signal() -> int | None:
     return _holds[-1].signum if _holds else None
 
 
+_leaving_at_once = False  # see leave_at_once
+
+
+def leave_at_once() -> None:
+    """Makes `run` end this process as soon as its error is printed, without Python's exit
+    handlers: among them jax.distributed's shutdown barrier, which waits for every process of the
+    job, where the others may be waiting for this one in a device collective
+    (`distributed.Lockstep`)."""
+    global _leaving_at_once
+    _leaving_at_once = True
+
+
 def run(main: Callable[[list[str]], int | None], argv: list[str] | None = None) -> NoReturn:
     """Runs `main(argv)`, turning our exceptions into one stderr line and the status above. A
     SIGTERM or SIGHUP that no command took over unwinds it (its `finally` blocks clean up) and
     ends it with one line, as Ctrl-C does; see `stop_signals_to_catch` for the ignored ones. A
-    handler the caller set stays."""
+    handler the caller set stays. After `leave_at_once`, the process ends on that line (or an
+    unexpected error's traceback) at once."""
+    global _leaving_at_once
+    _leaving_at_once = False  # not an earlier run's in this process (a test's)
+    try:
+        _run(main, argv)
+    except SystemExit as e:
+        if _leaving_at_once:
+            _leave(e.code if isinstance(e.code, int) else 1)
+        raise
+    except BaseException:
+        if _leaving_at_once:
+            traceback.print_exc()
+            _leave(1)
+        raise
+
+
+def _leave(status: int) -> NoReturn:
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # a reader that left, a closed stream
+            stream.flush()
+    os._exit(status)
+
+
+def _run(main: Callable[[list[str]], int | None], argv: list[str] | None) -> NoReturn:
     untouched = (signal.default_int_handler, signal.SIG_DFL, signal.SIG_IGN)
     previous = {sig: signal.signal(sig, _stop) for sig in stop_signals_to_catch()
                 if any(signal.getsignal(sig) is h for h in untouched)}

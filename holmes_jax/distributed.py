@@ -612,6 +612,37 @@ def meet(name: str) -> None:
     every_process(name, "")
 
 
+class Lockstep:
+    """A stretch of a multi-process run in which every process takes part in each device
+    collective: the training loop. An error that ends it on this process alone (a bug, a read that
+    failed, a device fault) leaves the others waiting for this one in a collective (gloo's, NCCL's)
+    that no signal interrupts, and JAX's shutdown barrier at this process's exit would wait for
+    them in turn, for minutes. Such an error ends the process at once after its line
+    (`cli.leave_at_once`): its connections close, the others' collective fails, and they end too.
+    The errors every process raises alike, at the same point, are raised inside `agreed()`: those
+    processes all leave through the barrier, the normal way."""
+
+    def __init__(self):
+        self.left = False  # this process left it alone, on an error
+        self._agreed: BaseException | None = None
+
+    def __enter__(self) -> "Lockstep":
+        return self
+
+    def __exit__(self, kind, error, traceback) -> None:
+        if error is not None and error is not self._agreed and jax.process_count() > 1:
+            self.left = True
+            cli.leave_at_once()
+
+    @contextlib.contextmanager
+    def agreed(self) -> Iterator[None]:
+        try:
+            yield
+        except BaseException as e:
+            self._agreed = e
+            raise
+
+
 def _wait_for(client, key: str, deadline: float) -> str:
     """`key`'s value once set, waited for a second at a time until `deadline`. A stop signal ends
     the wait between two of them, held or not (inside one, only at its end: a process whose peer

@@ -194,7 +194,8 @@ def run(cfgs: Configs, devices=None, quiet: bool = False) -> dict:
     saved: at once with one process; with several, where they next meet (`distributed.every_process`),
     all alike. An error on one process (process 0's lock, its writes) stops the others there too.
     One that stopped alone left the others waiting for it in a device collective (orbax's, a
-    restore's) until the launcher's SIGKILL."""
+    restore's) until the launcher's SIGKILL. In the loop, a process that fails alone ends at once,
+    and so the others' collective with it (`distributed.Lockstep`)."""
     if jax.process_count() == 1:
         return _run(cfgs, devices, quiet)
     with cli.SignalHold(), distributed.errors_told():
@@ -239,10 +240,11 @@ def _run(cfgs: Configs, devices, quiet: bool) -> dict:
     # failed saves would delete another run's save in flight.
     with lock_workdir(workdir) if lead else contextlib.nullcontext():
         ckpt, peer_died = None, False  # peer_died: the run ends because another process stopped: its saves cannot end
+        lockstep = distributed.Lockstep()  # the loop: an error there on this process alone ends it at once
         try:
             # in the try: a peer that died in the manager's sync is one line, as in a step
             ckpt = Checkpointer(checkpoints, cfgs.checkpoint) if cfgs.checkpoint.enabled else None
-            return _resume_and_train(cfgs, setup, token_data, workdir, ckpt, say, quiet)
+            return _resume_and_train(cfgs, setup, token_data, workdir, ckpt, lockstep, say, quiet)
         except BrokenPipeError:  # stdout's reader left before or after the loop: nothing more to save
             raise
         except OSError as e:  # metrics.jsonl, config.gin; checkpoint writes report their own
@@ -264,7 +266,7 @@ def _run(cfgs: Configs, devices, quiet: bool) -> dict:
         finally:
             if ckpt:
                 with cli.SignalHold():  # a signal while the last writes are waited for must not cut them short
-                    ckpt.close(peer_died)
+                    ckpt.close(peer_died or lockstep.left)  # the others will not get to the save's sync
 
 
 def run_config(cfgs: Configs, setup: Setup) -> str:
@@ -312,8 +314,8 @@ def _saved_record(ckpt: Checkpointer, step: int) -> dict:
     return record if lead else {"bad_steps": json.loads(bad_steps)}
 
 
-def _resume_and_train(cfgs: Configs, setup: Setup, token_data, workdir: Path, ckpt: Checkpointer | None, say,
-                      quiet: bool) -> dict:
+def _resume_and_train(cfgs: Configs, setup: Setup, token_data, workdir: Path, ckpt: Checkpointer | None,
+                      lockstep: distributed.Lockstep, say, quiet: bool) -> dict:
     lead, tcfg = jax.process_index() == 0, cfgs.train
     restored = ckpt.restore_newest(setup.abstract_canonical(), say) if ckpt else None
     resumed = restored is not None
@@ -390,7 +392,7 @@ def _resume_and_train(cfgs: Configs, setup: Setup, token_data, workdir: Path, ck
     unwritable = []  # a console line or metrics row that could not be written (a full disk): stops the run
     # The log closes (its TensorBoard events flushed) however the loop ends.
     distributed.meet("train")  # no step for a signal held since the compile
-    with cli.SignalHold() as signals, contextlib.closing(log) if log else contextlib.nullcontext():
+    with cli.SignalHold() as signals, contextlib.closing(log) if log else contextlib.nullcontext(), lockstep:
         for step, state, out in train_steps(compiled, setup, state, start, last, token_data):
             logger.collect(out)
             with _stop_if_output_fails(signals, unwritable):  # a skipped step's line
@@ -400,14 +402,16 @@ def _resume_and_train(cfgs: Configs, setup: Setup, token_data, workdir: Path, ck
             failed_write = ckpt and ckpt.failed_write()
             stopping, write_failed = vote.vote(signals.signum, failed_write is not None)  # alike on every process
             if write_failed:
-                raise failed_write or ckpt.failed_elsewhere()
+                with lockstep.agreed():
+                    raise failed_write or ckpt.failed_elsewhere()
             if stopping and log:  # the run ends after this step: its row has no time left to estimate
                 log.stop = step
             for hook in hooks:
                 if stopping or hook.due(step, start + 1, last):
                     with _stop_if_output_fails(signals, unwritable):
                         hook.fn(step, state)
-            bad.check(step, ckpt and ckpt.latest_step())
+            with lockstep.agreed():
+                bad.check(step, ckpt and ckpt.latest_step())
             if stopping:
                 # Even a skipped step: its state is what an uninterrupted run holds after it.
                 save(step, state, True)
@@ -415,11 +419,13 @@ def _resume_and_train(cfgs: Configs, setup: Setup, token_data, workdir: Path, ck
                 # at the last step a rerun of the same command finds nothing to do: no 'resume' then
                 resume = ": run the same command again to resume" if step < last else ", the run's last step"
                 saved = f"checkpoint saved at step {step}{resume}" if ckpt else "checkpoints are off, nothing saved"
-                if unwritable:
-                    raise cli.OutputFailed(f"{unwritable[0]} after step {step}; {saved}")
-                raise cli.Stopped(sig, f"stopped by {sig.name} after step {step}; {saved}")
+                with lockstep.agreed():
+                    if unwritable:
+                        raise cli.OutputFailed(f"{unwritable[0]} after step {step}; {saved}")
+                    raise cli.Stopped(sig, f"stopped by {sig.name} after step {step}; {saved}")
         if ckpt:  # the last step's save written, a signal held off, before the run says it is done
-            ckpt.wait()
+            with lockstep.agreed():  # a failed write ends every process here (the others as orbax gives up)
+                ckpt.wait()
     if unwritable:  # at the last step: the run is done and saved, its output is not
         raise unwritable[0]
     return summarize(logger.rows, setup.plan.prediction.step_time_s, say)

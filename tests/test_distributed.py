@@ -687,6 +687,32 @@ def test_an_error_on_one_process_ends_the_others_waits_with_its_line(monkeypatch
         distributed._wait_for(store, "holmes_jax/x/2/0", time.monotonic() + 60)
 
 
+def test_an_error_in_lockstep_on_one_process_alone_ends_it_without_the_exit_barrier(monkeypatch):
+    """An error on one process in the loop left it in JAX's shutdown barrier, the others waiting for
+    it in the next step's collective, until the barrier's five-minute timeout."""
+    import jax
+
+    monkeypatch.setattr(cli, "_leaving_at_once", False)
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    with pytest.raises(RunError), distributed.Lockstep() as lockstep:
+        with lockstep.agreed():  # every process raises it at the same point: all leave the normal way
+            raise RunError("the loss was not finite for 3 steps in a row")
+    assert not lockstep.left and not cli._leaving_at_once
+    with pytest.raises(RuntimeError), distributed.Lockstep() as lockstep:
+        with lockstep.agreed():
+            pass
+        raise RuntimeError("a bug on this process")
+    assert lockstep.left and cli._leaving_at_once
+    monkeypatch.setattr(cli, "_leaving_at_once", False)
+    with distributed.Lockstep() as lockstep:
+        pass
+    assert not lockstep.left and not cli._leaving_at_once
+    monkeypatch.setattr(jax, "process_count", lambda: 1)  # no one waits for a lone process
+    with pytest.raises(RuntimeError), distributed.Lockstep() as lockstep:
+        raise RuntimeError("a bug")
+    assert not lockstep.left and not cli._leaving_at_once
+
+
 def test_a_held_stop_signal_ends_a_wait_for_a_process_that_has_not_come(monkeypatch):
     import jax
 
