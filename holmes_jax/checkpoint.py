@@ -9,7 +9,8 @@ processes agree: they restore the newest step every one of them could read, and 
 step any of them could not. A save that fails (a full disk) is a `RunError`, one written in the
 background too, found after the step it fails in (`failed_write`; where it failed on some
 processes only, the others' writes wait in orbax's barrier until it times out, 20 minutes after the
-save began, and so does the run's end). One run at a time writes a checkpoints directory: the run
+save began: the run leaves that save behind, and waits for its last one with the others,
+`wait_with_others`). One run at a time writes a checkpoints directory: the run
 holds its workdir's lock (`holmes_jax.train.lock_workdir`) before it makes a `Checkpointer`."""
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import os
 import re
 import sys
 import tempfile
+import time
 import traceback
 from pathlib import Path
 
@@ -371,7 +373,8 @@ class Checkpointer:
 
     def failed_elsewhere(self) -> RunError:
         """The error of a run that stops because another process's background write failed. Not
-        waited for: orbax's barrier holds this process's write until its timeout (`close` waits)."""
+        waited for: orbax's barrier holds this process's write until its timeout (the run leaves
+        it behind, `train`'s `Lockstep`)."""
         self._failure_reported = True
         return RunError(f"cannot write checkpoints in {self.directory} (saving step {self._newest_save}): the "
                         f"write failed on another process")
@@ -382,6 +385,23 @@ class Checkpointer:
             self._manager.wait_until_finished()
         except Exception as e:
             raise self._write_error(e) from None
+
+    def wait_with_others(self) -> None:
+        """`wait`, called by every process at the same point (the run's end, a stop). A write that
+        failed on some processes only ends it on all of them within a poll, with this process's
+        failure or `failed_elsewhere`: orbax's barrier held the others' writes, and so their
+        exits, until its timeout (20 minutes)."""
+        if jax.process_count() == 1:
+            return self.wait()
+        while True:
+            failed = self.failed_write()
+            saving = "saving" if self._manager.is_saving_in_progress() else "written"
+            states = distributed.every_process("checkpoint written", "failed" if failed else saving, signals=False)
+            if "failed" in states:
+                raise failed or self.failed_elsewhere()
+            if "saving" not in states:
+                return self.wait()
+            time.sleep(0.05)
 
     def _write_error(self, error: Exception) -> RunError:
         saving = "" if self._newest_save is None else f" (saving step {self._newest_save})"

@@ -21,6 +21,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 import traceback
 from pathlib import Path
 from typing import Callable, Iterator, NoReturn
@@ -216,16 +217,16 @@ def held_signal() -> int | None:
     return _holds[-1].signum if _holds else None
 
 
-_leaving_at_once = False  # see leave_at_once
+_leaving_at_once: float | None = None  # see leave_at_once
 
 
-def leave_at_once() -> None:
-    """Makes `run` end this process as soon as its error is printed, without Python's exit
-    handlers: among them jax.distributed's shutdown barrier, which waits for every process of the
-    job, where the others may be waiting for this one in a device collective
+def leave_at_once(linger_s: float = 0.0) -> None:
+    """Makes `run` end this process as soon as its error is printed, `linger_s` later, without
+    Python's exit handlers: among them jax.distributed's shutdown barrier, which waits for every
+    process of the job, where the others may be waiting for this one in a device collective
     (`distributed.Lockstep`)."""
     global _leaving_at_once
-    _leaving_at_once = True
+    _leaving_at_once = linger_s
 
 
 def run(main: Callable[[list[str]], int | None], argv: list[str] | None = None) -> NoReturn:
@@ -235,24 +236,27 @@ def run(main: Callable[[list[str]], int | None], argv: list[str] | None = None) 
     handler the caller set stays. After `leave_at_once`, the process ends on that line (or an
     unexpected error's traceback) at once."""
     global _leaving_at_once
-    _leaving_at_once = False  # not an earlier run's in this process (a test's)
+    _leaving_at_once = None  # not an earlier run's in this process (a test's)
     try:
         _run(main, argv)
     except SystemExit as e:
-        if _leaving_at_once:
-            _leave(e.code if isinstance(e.code, int) else 1)
+        if _leaving_at_once is not None:
+            _leave(e.code if isinstance(e.code, int) else 1, _leaving_at_once)
         raise
     except BaseException:
-        if _leaving_at_once:
+        if _leaving_at_once is not None:
             traceback.print_exc()
-            _leave(1)
+            _leave(1, _leaving_at_once)
         raise
 
 
-def _leave(status: int) -> NoReturn:
+def _leave(status: int, linger_s: float) -> NoReturn:
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):  # a reader that left, a closed stream
             stream.flush()
+    for sig in STOP_SIGNALS:  # a launcher's stop, as another process ends first, changes nothing now
+        signal.signal(sig, ignore_signal)
+    time.sleep(linger_s)
     os._exit(status)
 
 

@@ -64,6 +64,7 @@ COORDINATOR, NUM_PROCESSES, PROCESS_ID, CPU_DEVICES = (
     "HOLMES_COORDINATOR", "HOLMES_NUM_PROCESSES", "HOLMES_PROCESS_ID", "HOLMES_CPU_DEVICES")
 LOCAL_DEVICE_IDS = "JAX_LOCAL_DEVICE_IDS"  # the devices each process uses (JAX reads it), e.g. 0,1,2,3
 INIT_TIMEOUT_S = 300  # how long processes wait for each other at start-up (JAX's own default)
+LAST_TO_LEAVE_S = 2.0  # how long process 0 stays after its error line, where all leave at once (`Lockstep`)
 SHOWN_SETTINGS = 4  # differing settings lines named when processes were given different settings
 # A collective-permute's clique spans only the devices it connects (not every device), and no
 # clique is split from another: a split communicator keeps its parent's network.
@@ -582,7 +583,7 @@ def errors_told() -> Iterator[None]:
         raise
 
 
-def every_process(name: str, text: str, timeout_s: float = INIT_TIMEOUT_S) -> list[str]:
+def every_process(name: str, text: str, timeout_s: float = INIT_TIMEOUT_S, signals: bool = True) -> list[str]:
     """Every process's `text`, in process order (all processes call it, in the same order),
     through jax.distributed's key-value store, as JAX's own multihost_utils and orbax use it: no
     device collective, so no NCCL communicator, which across NIC classes could not connect.
@@ -591,17 +592,18 @@ def every_process(name: str, text: str, timeout_s: float = INIT_TIMEOUT_S) -> li
     It is also a vote on stopping: where a process holds a stop signal (`cli.SignalHold`, as a run
     does before its loop), every process raises it here (the largest number), so all stop at
     the same point. One that stopped alone would leave the others waiting for it in a device
-    collective (orbax's, a restore's), which no signal interrupts."""
+    collective (orbax's, a restore's), which no signal interrupts. Not with `signals=False`: in
+    the loop, the stop vote after each step decides."""
     if jax.process_count() == 1:  # no jax.distributed, nothing to exchange
         return [text]
     client = _client()
     _exchanges[name] += 1
     prefix = f"holmes_jax/{name}/{_exchanges[name]}"  # a key is set once: each call has its own
-    client.key_value_set(f"{prefix}/{jax.process_index()}", f"{cli.held_signal() or 0} {text}")
+    client.key_value_set(f"{prefix}/{jax.process_index()}", f"{signals and cli.held_signal() or 0} {text}")
     deadline = time.monotonic() + timeout_s
-    votes, texts = zip(*(_wait_for(client, f"{prefix}/{i}", deadline).split(" ", 1)
+    votes, texts = zip(*(_wait_for(client, f"{prefix}/{i}", deadline, signals).split(" ", 1)
                          for i in range(jax.process_count())))
-    if signum := max(map(int, votes)):
+    if signals and (signum := max(map(int, votes))):
         raise cli.stop(signum)
     return list(texts)
 
@@ -632,7 +634,9 @@ class Lockstep:
     def __exit__(self, kind, error, traceback) -> None:
         if error is not None and error is not self._agreed and jax.process_count() > 1:
             self.left = True
-            cli.leave_at_once()
+            # Process 0's end takes the coordination service with it, and jaxlib then ends every
+            # other process with a fatal log: those that leave too (a write failed) print first.
+            cli.leave_at_once(LAST_TO_LEAVE_S if jax.process_index() == 0 else 0.0)
 
     @contextlib.contextmanager
     def agreed(self) -> Iterator[None]:
@@ -643,13 +647,13 @@ class Lockstep:
             raise
 
 
-def _wait_for(client, key: str, deadline: float) -> str:
+def _wait_for(client, key: str, deadline: float, signals: bool = True) -> str:
     """`key`'s value once set, waited for a second at a time until `deadline`. A stop signal ends
     the wait between two of them, held or not (inside one, only at its end: a process whose peer
     had stopped waited out the whole timeout before it stopped too). The process that sets `key`
     has not come yet, so it cannot pass this point and wait for this one in a device collective:
-    a held signal it got too stops it here when it comes. So does an error that another process
-    told (`errors_told`)."""
+    a held signal it got too stops it here when it comes (where `signals`). So does an error that
+    another process told (`errors_told`)."""
     while True:
         wait_ms = max(1, int(min(deadline - time.monotonic(), 1.0) * 1000))
         try:
@@ -657,7 +661,7 @@ def _wait_for(client, key: str, deadline: float) -> str:
         except jax.errors.JaxRuntimeError as e:
             if "DEADLINE_EXCEEDED" not in str(e) or time.monotonic() >= deadline:
                 raise
-        if signum := cli.held_signal():
+        if signals and (signum := cli.held_signal()):
             raise cli.stop(signum)
         if told := client.key_value_dir_get(FAILED):
             process, text = min((int(key.rpartition("/")[2]), text) for key, text in told)

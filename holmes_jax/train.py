@@ -401,9 +401,8 @@ def _resume_and_train(cfgs: Configs, setup: Setup, token_data, workdir: Path, ck
             # the next save; every process stops after the same step, the earlier checkpoints kept.
             failed_write = ckpt and ckpt.failed_write()
             stopping, write_failed = vote.vote(signals.signum, failed_write is not None)  # alike on every process
-            if write_failed:
-                with lockstep.agreed():
-                    raise failed_write or ckpt.failed_elsewhere()
+            if write_failed:  # not agreed(): orbax's thread holds every process's exit for the failed save's
+                raise failed_write or ckpt.failed_elsewhere()  # barrier (20 minutes); each leaves at once
             if stopping and log:  # the run ends after this step: its row has no time left to estimate
                 log.stop = step
             for hook in hooks:
@@ -415,6 +414,7 @@ def _resume_and_train(cfgs: Configs, setup: Setup, token_data, workdir: Path, ck
             if stopping:
                 # Even a skipped step: its state is what an uninterrupted run holds after it.
                 save(step, state, True)
+                ckpt and ckpt.wait_with_others()
                 sig = signal.Signals(stopping)
                 # at the last step a rerun of the same command finds nothing to do: no 'resume' then
                 resume = ": run the same command again to resume" if step < last else ", the run's last step"
@@ -424,8 +424,7 @@ def _resume_and_train(cfgs: Configs, setup: Setup, token_data, workdir: Path, ck
                         raise cli.OutputFailed(f"{unwritable[0]} after step {step}; {saved}")
                     raise cli.Stopped(sig, f"stopped by {sig.name} after step {step}; {saved}")
         if ckpt:  # the last step's save written, a signal held off, before the run says it is done
-            with lockstep.agreed():  # a failed write ends every process here (the others as orbax gives up)
-                ckpt.wait()
+            ckpt.wait_with_others()
     if unwritable:  # at the last step: the run is done and saved, its output is not
         raise unwritable[0]
     return summarize(logger.rows, setup.plan.prediction.step_time_s, say)

@@ -641,6 +641,8 @@ def test_an_exchange_stops_every_process_where_one_holds_a_stop_signal(monkeypat
         with pytest.raises(cli.Signalled) as stopped:
             distributed.every_process("x", "process 0's")
         assert stopped.value.signum == signal.SIGTERM
+        # but not where the stop is under way (a stop's checkpoint, waited for by every process)
+        assert distributed.every_process("x", "process 0's", signals=False) == ["process 0's", "process 1's"]
     store.peer_holds = 0
     with cli.SignalHold() as hold:  # this process caught one: it stops here, and process 1 with it
         os.kill(os.getpid(), signal.SIGTERM)
@@ -692,25 +694,30 @@ def test_an_error_in_lockstep_on_one_process_alone_ends_it_without_the_exit_barr
     it in the next step's collective, until the barrier's five-minute timeout."""
     import jax
 
-    monkeypatch.setattr(cli, "_leaving_at_once", False)
+    monkeypatch.setattr(cli, "_leaving_at_once", None)
     monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(jax, "process_index", lambda: 1)
     with pytest.raises(RunError), distributed.Lockstep() as lockstep:
         with lockstep.agreed():  # every process raises it at the same point: all leave the normal way
             raise RunError("the loss was not finite for 3 steps in a row")
-    assert not lockstep.left and not cli._leaving_at_once
+    assert not lockstep.left and cli._leaving_at_once is None
     with pytest.raises(RuntimeError), distributed.Lockstep() as lockstep:
         with lockstep.agreed():
             pass
         raise RuntimeError("a bug on this process")
-    assert lockstep.left and cli._leaving_at_once
-    monkeypatch.setattr(cli, "_leaving_at_once", False)
+    assert lockstep.left and cli._leaving_at_once == 0
+    monkeypatch.setattr(jax, "process_index", lambda: 0)  # its end ends the service: it goes last
+    with pytest.raises(RuntimeError), distributed.Lockstep() as lockstep:
+        raise RuntimeError("a bug on this process")
+    assert lockstep.left and cli._leaving_at_once == distributed.LAST_TO_LEAVE_S > 0
+    monkeypatch.setattr(cli, "_leaving_at_once", None)
     with distributed.Lockstep() as lockstep:
         pass
-    assert not lockstep.left and not cli._leaving_at_once
+    assert not lockstep.left and cli._leaving_at_once is None
     monkeypatch.setattr(jax, "process_count", lambda: 1)  # no one waits for a lone process
     with pytest.raises(RuntimeError), distributed.Lockstep() as lockstep:
         raise RuntimeError("a bug")
-    assert not lockstep.left and not cli._leaving_at_once
+    assert not lockstep.left and cli._leaving_at_once is None
 
 
 def test_a_held_stop_signal_ends_a_wait_for_a_process_that_has_not_come(monkeypatch):

@@ -710,6 +710,39 @@ def test_a_metrics_row_process_0_cannot_write_stops_every_process_after_the_same
     assert (tmp_path / "checkpoints" / "4").is_dir()
 
 
+# Rank 1's background write of its second checkpoint fails, as on a full disk of its own.
+SECOND_WRITE_FAILS = ("import orbax.checkpoint as ocp\n"
+                      "class Full:\n"
+                      "    def result(self, timeout=None):\n"
+                      "        raise OSError(28, 'No space left on device')\n"
+                      "    def cancel(self):\n"
+                      "        pass\n"
+                      "async_save, saves = ocp.StandardCheckpointHandler.async_save, []\n"
+                      "async def second_fails(self, *args, **kwargs):\n"
+                      "    saves.append(await async_save(self, *args, **kwargs))\n"
+                      "    failing = len(saves) == 2 and os.environ['HOLMES_PROCESS_ID'] == '1'\n"
+                      "    return saves[-1] + [Full()] if failing else saves[-1]\n"
+                      "ocp.StandardCheckpointHandler.async_save = second_fails\n")
+
+
+@pytest.mark.slow
+def test_a_last_checkpoint_write_that_fails_on_one_rank_ends_both_at_once(tmp_path):
+    # both waited for the failed write in orbax's barrier, and so did their exits, until its
+    # timeout: 20 minutes
+    with killed_on_exit(_launch_two_ranks(tmp_path, "--gin.CheckpointConfig.every=2", "--gin.TrainConfig.stop_after=4",
+                                          patch=SECOND_WRITE_FAILS)) as p:
+        _both_stepping(p)
+        stepping = time.monotonic()
+        _, err = p.communicate(timeout=120)
+    assert time.monotonic() - stepping < 30, err[-3000:]  # within the grace of 60 s
+    assert p.returncode == 1, err[-3000:]
+    ours = sorted(line for line in err.splitlines() if line.startswith("[rank "))
+    failed = f"error: cannot write checkpoints in {tmp_path / 'checkpoints'} (saving step 4): "
+    assert ours == [f"[rank 0] {failed}the write failed on another process",
+                    f"[rank 1] {failed}[Errno 28] No space left on device"], err[-3000:]
+    assert train.saved_steps(tmp_path / "checkpoints") == [2]
+
+
 def _rank(pid: int) -> int:
     """The HOLMES_PROCESS_ID the launcher gave process `pid`."""
     env = dict(item.split(b"=", 1) for item in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in item)
