@@ -401,7 +401,7 @@ class Checkpointer:
                 raise failed or self.failed_elsewhere()
             if "saving" not in states:
                 return self.wait()
-            time.sleep(0.05)
+            time.sleep(0.25)  # a key per process each time: four a second, for a save of minutes
 
     def _write_error(self, error: Exception) -> RunError:
         saving = "" if self._newest_save is None else f" (saving step {self._newest_save})"
