@@ -617,6 +617,16 @@ def _both_stepping(p: subprocess.Popen) -> list[int]:
     return workers
 
 
+def _stderr_once_they_end(p: subprocess.Popen) -> str:
+    """The launcher's stderr, once both ranks have stepped and then ended by themselves: within 30 s
+    of the first step line, where `_launch_two_ranks`'s grace before its SIGKILL is 60 s."""
+    _both_stepping(p)
+    stepping = time.monotonic()
+    _, err = p.communicate(timeout=120)
+    assert time.monotonic() - stepping < 30, err[-3000:]
+    return err
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
 def test_a_signal_to_the_launcher_makes_two_workers_save_and_exit(tmp_path, sig):
@@ -731,10 +741,7 @@ def test_a_last_checkpoint_write_that_fails_on_one_rank_ends_both_at_once(tmp_pa
     # timeout: 20 minutes
     with killed_on_exit(_launch_two_ranks(tmp_path, "--gin.CheckpointConfig.every=2", "--gin.TrainConfig.stop_after=4",
                                           patch=SECOND_WRITE_FAILS)) as p:
-        _both_stepping(p)
-        stepping = time.monotonic()
-        _, err = p.communicate(timeout=120)
-    assert time.monotonic() - stepping < 30, err[-3000:]  # within the grace of 60 s
+        err = _stderr_once_they_end(p)
     assert p.returncode == 1, err[-3000:]
     ours = sorted(line for line in err.splitlines() if line.startswith("[rank "))
     failed = f"error: cannot write checkpoints in {tmp_path / 'checkpoints'} (saving step 4): "
@@ -785,11 +792,8 @@ def test_a_rank_that_dies_at_a_checkpoint_save_leaves_the_other_with_its_error_l
     # rank 0 waited in orbax's barrier for rank 1's part of the save until JAX's heartbeat timeout
     # (a minute), silent: the launcher's SIGKILL came first. Before the save, its error named the write.
     with killed_on_exit(_launch_two_ranks(tmp_path, "--gin.CheckpointConfig.every=3", when, patch=DIES_AT_A_SAVE)) as p:
-        _both_stepping(p)
-        stepping = time.monotonic()
-        _, err = p.communicate(timeout=120)
-    assert time.monotonic() - stepping < 30, err[-3000:]  # rank 0 ended by itself, within the grace of 60 s
-    # Its first line only: the launcher's SIGTERM, sent as rank 1 fails, may cut its exit short
+        err = _stderr_once_they_end(p)
+    # rank 0's first line only: the launcher's SIGTERM, sent as rank 1 fails, may cut its exit short
     assert p.returncode == 128 + signal.SIGKILL, err[-3000:]
     rank0 = [line for line in err.splitlines() if line.startswith("[rank 0] ")]
     assert rank0, err[-3000:]
@@ -823,10 +827,7 @@ def test_an_error_on_one_rank_in_the_loop_ends_both_at_once(tmp_path, where, lin
     # in the step's collective: for the barrier's five minutes
     with killed_on_exit(_launch_two_ranks(tmp_path, "--gin.CheckpointConfig.every=1", where,
                                           patch=FAILS_AT_STEP_4)) as p:
-        _both_stepping(p)
-        stepping = time.monotonic()
-        _, err = p.communicate(timeout=120)
-    assert time.monotonic() - stepping < 30, err[-3000:]  # both ended by themselves, within the grace of 60 s
+        err = _stderr_once_they_end(p)
     assert p.returncode == 1, err[-3000:]
     ranks = [[line.split("] ", 1)[1] for line in err.splitlines() if line.startswith(f"[rank {r}] ")] for r in (0, 1)]
     assert ranks[1][-1] == line, err[-3000:]
